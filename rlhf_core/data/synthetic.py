@@ -1,0 +1,99 @@
+"""The embedded demo task: small-integer addition with a verifiable answer.
+
+Everything is generated locally from one seed (no hub), as three disjoint-by-prompt splits:
+
+- an SFT corpus (`prompt`, `completion`) in which `wrong_share` of the completions make the
+  classic schoolchild mistake of adding digit by digit without carrying. Problems with no
+  carry are unaffected by that mistake, so the SFT policy learns a *systematic* error on
+  carry problems: clearly imperfect, and with the right answer still likely enough under
+  sampling that RL against a reward model has something real to find;
+- preference pairs (`prompt`, `chosen`, `rejected`, `id`, `source`) that always prefer the
+  correct sum; the rejected answer is the no-carry answer when it differs, else a near miss;
+- a held-out eval set (`prompt`, `answer`) whose prompts appear in no training split.
+
+Same seed and config, same bytes (tested).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_core.config import DemoDataConfig
+from rlhf_core.data.schema import write_jsonl
+
+
+def prompt_for(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def sum_without_carry(a: int, b: int) -> int:
+    """Digit-wise sum modulo 10, the answer of someone who forgets to carry."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def has_carry(a: int, b: int) -> bool:
+    return sum_without_carry(a, b) != a + b
+
+
+def near_miss(correct: int, rng: random.Random) -> int:
+    """A plausible wrong answer for a problem the no-carry mistake does not affect."""
+    while True:
+        wrong = correct + rng.choice([-10, -1, 1, 10])
+        if wrong >= 0:
+            return wrong
+
+
+@dataclass(frozen=True)
+class DemoFiles:
+    sft: Path
+    preferences: Path
+    eval: Path
+
+
+def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
+    """Write the three demo splits as JSONL under `out_dir` and return their paths."""
+    rng = random.Random(cfg.seed)
+    n = cfg.max_operand + 1
+    problems = [(a, b) for a in range(n) for b in range(n)]
+    needed = cfg.n_eval + max(cfg.n_sft, cfg.n_pairs)
+    if needed > len(problems):
+        raise ValueError(
+            f"data.demo: n_eval + max(n_sft, n_pairs) = {needed} exceeds the "
+            f"{len(problems)} distinct problems with max_operand={cfg.max_operand}"
+        )
+    rng.shuffle(problems)
+    eval_set, train_pool = problems[: cfg.n_eval], problems[cfg.n_eval :]
+
+    sft_rows = []
+    for a, b in rng.sample(train_pool, cfg.n_sft):
+        wrong = rng.random() < cfg.wrong_share
+        answer = sum_without_carry(a, b) if wrong else a + b
+        sft_rows.append({"prompt": prompt_for(a, b), "completion": str(answer)})
+
+    pair_rows = []
+    for i, (a, b) in enumerate(rng.sample(train_pool, cfg.n_pairs)):
+        correct = a + b
+        rejected = sum_without_carry(a, b) if has_carry(a, b) else near_miss(correct, rng)
+        pair_rows.append(
+            {
+                "id": f"pair-{i:06d}",
+                "prompt": prompt_for(a, b),
+                "chosen": str(correct),
+                "rejected": str(rejected),
+                "source": "demo-arithmetic",
+            }
+        )
+
+    eval_rows = [{"prompt": prompt_for(a, b), "answer": str(a + b)} for a, b in eval_set]
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = DemoFiles(out_dir / "sft.jsonl", out_dir / "preferences.jsonl", out_dir / "eval.jsonl")
+    write_jsonl(sft_rows, files.sft)
+    write_jsonl(pair_rows, files.preferences)
+    write_jsonl(eval_rows, files.eval)
+    return files

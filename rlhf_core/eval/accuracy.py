@@ -1,0 +1,41 @@
+"""Held-out exact-match accuracy for tasks with a verifiable answer."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+
+@torch.no_grad()
+def greedy_completions(
+    model, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 256
+) -> list[str]:
+    """Greedy decoding with Hugging Face `generate`, left-padded batches, stopped at `</s>`."""
+    model.eval()
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    out: list[str] = []
+    try:
+        for i in range(0, len(prompts), batch_size):
+            enc = tokenizer(list(prompts[i : i + batch_size]), return_tensors="pt", padding=True)
+            gen = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            out += tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+    return out
+
+
+def exact_match(predictions: Sequence[str], answers: Sequence[str]) -> float:
+    """Share of predictions equal to the answer after stripping surrounding white space."""
+    if len(predictions) != len(answers):
+        raise ValueError(f"{len(predictions)} predictions for {len(answers)} answers")
+    if not answers:
+        raise ValueError("no answers to score")
+    return sum(p.strip() == a.strip() for p, a in zip(predictions, answers)) / len(answers)

@@ -1,0 +1,82 @@
+"""Prefect tasks for the data stage: materialise the inputs, then validate them."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from rlhf_core.config import PipelineConfig
+from rlhf_core.data.schema import fingerprint, read_table
+from rlhf_core.data.synthetic import generate_demo_data
+from rlhf_core.data.validation import ValidationReport, validate_preferences
+from tasks.tracking import PipelineRun, end_run, start_stage_run
+
+
+class DataValidationError(RuntimeError):
+    """Preference data broke the contract; training must not start."""
+
+
+@dataclass(frozen=True)
+class DataPaths:
+    preferences: Path
+    eval: Path | None
+    sft: Path | None  # None: SFT on the preference data's chosen responses
+    generated: bool
+
+
+@dataclass(frozen=True)
+class ValidatedData:
+    paths: DataPaths
+    fingerprint: str
+    num_rows: int
+    report_path: Path
+
+
+@task(name="prepare-data")
+def prepare_data(cfg: PipelineConfig, out_dir: Path) -> DataPaths:
+    """The configured files, or the embedded demo task generated under `out_dir/data`."""
+    if cfg.data.preferences_path is not None:
+        return DataPaths(cfg.data.preferences_path, cfg.data.eval_path, cfg.data.sft_path, generated=False)
+    files = generate_demo_data(cfg.data.demo, out_dir / "data")
+    get_run_logger().info("generated demo data under %s", files.preferences.parent)
+    return DataPaths(files.preferences, files.eval, files.sft, generated=True)
+
+
+def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:
+    path = out_dir / "validation_report.json"
+    path.write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+    (out_dir / "validation_report.md").write_text(report.to_markdown())
+    create_markdown_artifact(key="data-validation-report", markdown=f"# {title}\n\n{report.to_markdown()}",
+                             description="Preference-data validation (Great Expectations)")
+    return path
+
+
+@task(name="validate-data")
+def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> ValidatedData:
+    """Run the data contract; record the report in MLflow and Prefect; raise when it fails."""
+    data_fp = fingerprint([p for p in (paths.preferences, paths.eval) if p is not None])
+    stage_id = start_stage_run(run, "validate", {"dataset.fingerprint": data_fp})
+    client = run.client
+    client.set_tag(run.run_id, "dataset.fingerprint", data_fp)
+    try:
+        prefs = read_table(paths.preferences)
+        evals = read_table(paths.eval) if paths.eval is not None else None
+        report = validate_preferences(prefs, cfg.validation, eval_df=evals)
+        report_path = _publish(report, run.out_dir, f"Validation of {paths.preferences.name}")
+        client.log_artifact(stage_id, str(report_path))
+        client.log_artifact(stage_id, str(run.out_dir / "validation_report.md"))
+        client.log_metric(stage_id, "validate/rows", report.num_rows)
+        client.log_metric(stage_id, "validate/failed_checks", len(report.failed))
+        client.set_tag(stage_id, "validation.verdict", "passed" if report.success else "failed")
+        if not report.success:
+            raise DataValidationError(
+                f"{paths.preferences}: {len(report.failed)} data check(s) failed\n" + report.failure_message()
+            )
+    except Exception as exc:
+        end_run(run, stage_id, ok=False, reason=str(exc))
+        raise
+    end_run(run, stage_id, ok=True)
+    return ValidatedData(paths, data_fp, report.num_rows, report_path)

@@ -1,0 +1,55 @@
+"""Prefect task for the SFT base-policy stage."""
+from __future__ import annotations
+
+from mlflow.entities import Param
+from prefect import get_run_logger, task
+
+from monitoring.sink import MlflowMetricsSink
+from rlhf_core.config import PipelineConfig
+from rlhf_core.data.schema import read_table
+from rlhf_core.training.base_policy import BasePolicyResult, make_base_policy
+from tasks.data import ValidatedData
+from tasks.tracking import PipelineRun, end_run, flatten, start_stage_run
+
+
+@task(name="train-base-policy")
+def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun) -> BasePolicyResult:
+    log = get_run_logger()
+    stage_id = start_stage_run(run, "sft", {"dataset.fingerprint": data.fingerprint})
+    client = run.client
+    try:
+        prefs = read_table(data.paths.preferences)
+        if data.paths.sft is not None:
+            sft = read_table(data.paths.sft)
+            prompts, completions = list(sft["prompt"]), list(sft["completion"])
+        else:  # no SFT corpus: imitate the preferred responses
+            prompts, completions = list(prefs["prompt"]), list(prefs["chosen"])
+        evals = read_table(data.paths.eval) if data.paths.eval is not None else None
+        texts = [p + c for p, c in zip(prompts, completions)] + list(prefs["prompt"] + prefs["chosen"]) + list(
+            prefs["prompt"] + prefs["rejected"]
+        )
+        for section in ("sft", "model", "tokenizer"):
+            params = flatten(getattr(cfg, section).model_dump(mode="json"), f"{section}.")
+            client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
+        result = make_base_policy(
+            prompts,
+            completions,
+            texts,
+            list(evals["prompt"]) if evals is not None else [],
+            list(evals["answer"]) if evals is not None else [],
+            cfg,
+            run.out_dir / "models" / "sft",
+            on_metrics=MlflowMetricsSink(client, stage_id),
+        )
+        client.log_metric(stage_id, "sft/num_parameters", result.num_parameters)
+        client.log_metric(stage_id, "sft/seconds", result.sft_seconds)
+        if result.eval_accuracy is not None:
+            client.log_metric(stage_id, "sft/eval_accuracy", result.eval_accuracy)
+        client.log_artifacts(stage_id, str(result.path), artifact_path="model")
+        client.set_tag(stage_id, "model.path", str(result.path))
+        log.info("base policy: %d parameters, held-out accuracy %s", result.num_parameters, result.eval_accuracy)
+    except Exception as exc:
+        end_run(run, stage_id, ok=False, reason=str(exc))
+        raise
+    end_run(run, stage_id, ok=True)
+    return result

@@ -1,0 +1,156 @@
+"""MLflow bookkeeping for pipeline runs: one parent run, one nested run per stage.
+
+Runs are addressed by id through `MlflowClient` rather than MLflow's thread-local "active
+run", because Prefect may run tasks on other threads than the flow.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import mlflow
+import yaml
+from mlflow.tracking import MlflowClient
+from prefect import task
+
+from rlhf_core.config import PipelineConfig
+
+DEFAULT_DB = "mlflow.db"
+
+
+def resolve_tracking_uri(cfg: PipelineConfig) -> str:
+    """Config first, then $MLFLOW_TRACKING_URI, else a SQLite file in the working directory."""
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / DEFAULT_DB}"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = str(v)
+    return out
+
+
+class PipelineFailed(RuntimeError):
+    """A pipeline run failed; `summary` is what its summary.json says (error included)."""
+
+    def __init__(self, summary: dict):
+        super().__init__(summary.get("error", "pipeline failed"), summary)
+
+    @property
+    def summary(self) -> dict:
+        return self.args[1]
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """Where one pipeline run writes: its MLflow parent run and its output directory."""
+
+    tracking_uri: str
+    experiment_id: str
+    run_id: str
+    out_dir: Path
+
+    @property
+    def client(self) -> MlflowClient:
+        return MlflowClient(self.tracking_uri)
+
+    @property
+    def summary_path(self) -> Path:
+        return self.out_dir / "summary.json"
+
+
+def _experiment_id(client: MlflowClient, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifact_location = None
+    if client.tracking_uri.startswith("sqlite:"):
+        # Keep artifacts beside the SQLite store, not wherever the first caller's cwd was.
+        db = Path(client.tracking_uri.removeprefix("sqlite:///"))
+        artifact_location = (db.parent / "mlartifacts").resolve().as_uri()
+    return client.create_experiment(name, artifact_location=artifact_location)
+
+
+@task(name="start-pipeline-run", retries=2, retry_delay_seconds=2)
+def start_pipeline_run(cfg: PipelineConfig, config_source: str, flow_name: str = "rlhf-pipeline") -> PipelineRun:
+    uri = resolve_tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    exp_id = _experiment_id(client, cfg.tracking.experiment)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    run = client.create_run(
+        exp_id,
+        run_name=f"{cfg.name}-{stamp}",
+        tags={"pipeline": flow_name, "config.name": cfg.name, "config.source": config_source, "git.commit": git_commit()},
+    )
+    out_dir = (cfg.output_dir / run.info.run_name).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved = cfg.model_dump(mode="json")
+    client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, v[:6000]) for k, v in flatten(resolved).items()])
+    client.log_text(run.info.run_id, yaml.safe_dump(resolved, sort_keys=False), "config.yaml")
+    client.set_tag(run.info.run_id, "output_dir", str(out_dir))
+    return PipelineRun(uri, exp_id, run.info.run_id, out_dir)
+
+
+def summary_header(run: PipelineRun, pipeline: str, config_source: str) -> dict:
+    """The fields every `summary.json` starts with: what ran, and where to find it."""
+    from prefect.runtime import flow_run
+
+    return {
+        "pipeline": pipeline,
+        "config": config_source,
+        "prefect_flow_run_id": flow_run.id,
+        "mlflow_run_id": run.run_id,
+        "mlflow_experiment_id": run.experiment_id,
+        "mlflow_tracking_uri": run.tracking_uri,
+        "output_dir": str(run.out_dir),
+        "stages": {},
+    }
+
+
+def start_stage_run(run: PipelineRun, stage: str, tags: dict[str, str] | None = None) -> str:
+    child = run.client.create_run(
+        run.experiment_id, run_name=stage, tags={"mlflow.parentRunId": run.run_id, "stage": stage, **(tags or {})}
+    )
+    return child.info.run_id
+
+
+def end_run(run: PipelineRun, run_id: str, ok: bool, reason: str | None = None) -> None:
+    client = run.client
+    if reason:
+        client.set_tag(run_id, "failure_reason", reason[:5000])
+    client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+@task(name="finish-pipeline-run", retries=2, retry_delay_seconds=2)
+def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
+    """Write summary.json atomically, attach it to the parent run and close the run."""
+    tmp = run.summary_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, run.summary_path)
+    client = run.client
+    client.log_artifact(run.run_id, str(run.summary_path))
+    ok = summary["status"] == "completed"
+    end_run(run, run.run_id, ok, None if ok else summary.get("error"))
+    return run.summary_path

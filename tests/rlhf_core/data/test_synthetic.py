@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from rlhf_core.config import DemoDataConfig
+from rlhf_core.data.synthetic import generate_demo_data, has_carry, sum_without_carry
+
+SMALL = DemoDataConfig(seed=3, n_sft=300, n_pairs=200, n_eval=50)
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_same_seed_same_bytes(tmp_path):
+    a, b = generate_demo_data(SMALL, tmp_path / "a"), generate_demo_data(SMALL, tmp_path / "b")
+    for x, y in [(a.sft, b.sft), (a.preferences, b.preferences), (a.eval, b.eval)]:
+        assert x.read_bytes() == y.read_bytes()
+
+
+def test_other_seed_other_data(tmp_path):
+    a = generate_demo_data(SMALL, tmp_path / "a")
+    b = generate_demo_data(SMALL.model_copy(update={"seed": 4}), tmp_path / "b")
+    assert a.preferences.read_bytes() != b.preferences.read_bytes()
+
+
+def test_eval_prompts_appear_in_no_training_split(tmp_path):
+    files = generate_demo_data(SMALL, tmp_path)
+    eval_prompts = {r["prompt"] for r in read(files.eval)}
+    train_prompts = {r["prompt"] for r in read(files.sft)} | {r["prompt"] for r in read(files.preferences)}
+    assert len(eval_prompts) == SMALL.n_eval
+    assert not eval_prompts & train_prompts
+
+
+def test_pairs_prefer_the_correct_sum(tmp_path):
+    for row in read(generate_demo_data(SMALL, tmp_path).preferences):
+        a, b = map(int, row["prompt"].removesuffix("=").split("+"))
+        assert int(row["chosen"]) == a + b != int(row["rejected"])
+
+
+@pytest.mark.parametrize("share", [0.0, 0.6, 1.0])
+def test_sft_wrong_answers_are_the_no_carry_mistake_at_the_configured_share(tmp_path, share):
+    cfg = DemoDataConfig(seed=1, n_sft=2000, n_pairs=10, n_eval=10, wrong_share=share)
+    rows = read(generate_demo_data(cfg, tmp_path).sft)
+    carry_rows = [r for r in rows if has_carry(*map(int, r["prompt"].removesuffix("=").split("+")))]
+    wrong = 0
+    for r in carry_rows:
+        a, b = map(int, r["prompt"].removesuffix("=").split("+"))
+        assert int(r["completion"]) in (a + b, sum_without_carry(a, b))
+        wrong += int(r["completion"]) != a + b
+    assert wrong / len(carry_rows) == pytest.approx(share, abs=0.04)
+
+
+def test_no_carry_sum_closed_cases():
+    assert sum_without_carry(27, 15) == 32
+    assert sum_without_carry(99, 1) == 90
+    assert sum_without_carry(12, 34) == 46 and not has_carry(12, 34)
+
+
+def test_asking_for_more_problems_than_exist_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="exceeds the 100 distinct problems"):
+        generate_demo_data(DemoDataConfig(max_operand=9, n_sft=95, n_pairs=10, n_eval=10), tmp_path)

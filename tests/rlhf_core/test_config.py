@@ -1,0 +1,69 @@
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.config import ConfigError, PipelineConfig, apply_overrides, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def problems_of(raw) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        parse_config(raw)
+    return exc.value.problems
+
+
+def test_demo_config_loads_and_is_the_default_shape():
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.data.preferences_path is None  # the demo generates its data
+
+
+def test_unknown_key_is_named_with_its_path():
+    assert problems_of({"sft": {"epochz": 3}}) == ["sft.epochz: unknown key"]
+
+
+def test_wrong_type_is_named_with_its_path_and_value():
+    (msg,) = problems_of({"sft": {"batch_size": "many"}})
+    assert msg.startswith("sft.batch_size: ") and "'many'" in msg
+
+
+def test_out_of_range_value_reads_like_the_rule():
+    assert problems_of({"sft": {"learning_rate": -1}}) == ["sft.learning_rate: must be > 0, got -1"]
+    assert problems_of({"data": {"demo": {"wrong_share": 1.5}}}) == ["data.demo.wrong_share: must be <= 1, got 1.5"]
+
+
+def test_every_problem_is_reported_at_once():
+    problems = problems_of({"sft": {"epochs": 0}, "model": {"num_layers": 0}, "bogus": 1})
+    assert sorted(p.split(":")[0] for p in problems) == ["bogus", "model.num_layers", "sft.epochs"]
+
+
+def test_cross_field_rules():
+    (msg,) = problems_of({"model": {"hidden_size": 100, "num_heads": 3}})
+    assert msg.startswith("model: hidden_size (100) must be divisible by num_heads (3)")
+    (msg,) = problems_of({"validation": {"min_chars": 10, "max_chars": 5}})
+    assert "min_chars (10) must be <= max_chars (5)" in msg
+
+
+def test_overrides_parse_values_as_yaml_and_are_validated(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sft:\n  epochs: 2\n")
+    cfg = load_config(path, ["sft.epochs=5", "sft.learning_rate=1e-3", "data.demo.seed=7"])
+    assert (cfg.sft.epochs, cfg.sft.learning_rate, cfg.data.demo.seed) == (5, 1e-3, 7)
+    with pytest.raises(ConfigError, match="sft.epochs: must be >= 1, got 0"):
+        load_config(path, ["sft.epochs=0"])
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        apply_overrides({}, ["sft.epochs"])
+
+
+def test_missing_and_malformed_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sft: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(listy)
