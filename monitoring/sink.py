@@ -13,11 +13,25 @@ from mlflow.tracking import MlflowClient
 
 
 class MlflowMetricsSink:
-    """Logs `(step, {"stage/name": value})` to one MLflow run, skipping non-finite values."""
+    """Logs `(step, {"stage/name": value})` to one MLflow run, skipping non-finite values.
 
-    def __init__(self, client: MlflowClient, run_id: str):
-        self.client = client
+    It holds only the tracking URI and run id, so it pickles: a Ray Train worker (rank 0)
+    can log through it directly while the core loop never imports MLflow.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.tracking_uri = tracking_uri
         self.run_id = run_id
+        self._client: MlflowClient | None = None
+
+    @property
+    def client(self) -> MlflowClient:
+        if self._client is None:
+            self._client = MlflowClient(self.tracking_uri)
+        return self._client
+
+    def __getstate__(self) -> dict:
+        return {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "_client": None}
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         now = int(time.time() * 1000)

@@ -113,6 +113,37 @@ class SFTConfig(_Strict):
     min_eval_accuracy: float = Field(0.0, ge=0, le=1)  # below this the stage fails
 
 
+class RewardConfig(_Strict):
+    """Bradley-Terry reward model on Ray Train + DeepSpeed.
+
+    The global batch is `micro_batch_size × num_workers × grad_accum_steps` pairs
+    (`global_batch_size`); each worker reads a disjoint shard of the training pairs.
+    """
+
+    seed: int = 0
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool | None = None  # None: use GPUs when the cluster has them
+    zero_stage: int = Field(2, ge=0, le=3)
+    micro_batch_size: int = Field(32, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    epochs: int = Field(2, ge=1)
+    learning_rate: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    max_length: int = Field(32, ge=4)  # tokens of prompt + response + </s>
+    on_overlength: Literal["truncate", "reject"] = "truncate"
+    margin: float = 0.0
+    eval_share: float = Field(0.1, gt=0, lt=1)  # held-out share of the pairs, split by prompt
+    checkpoint_every: int = Field(20, ge=1)  # optimizer steps
+    max_failures: int = Field(2, ge=0)  # worker failures the run survives by resuming
+    min_eval_accuracy: float = Field(0.9, ge=0, le=1)  # below this the stage fails
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_workers * self.grad_accum_steps
+
+
 class TrackingConfig(_Strict):
     """MLflow. `tracking_uri` None means $MLFLOW_TRACKING_URI, else SQLite in the cwd."""
 
@@ -128,6 +159,7 @@ class PipelineConfig(_Strict):
     tokenizer: TokenizerConfig = TokenizerConfig()
     model: ModelConfig = ModelConfig()
     sft: SFTConfig = SFTConfig()
+    reward: RewardConfig = RewardConfig()
     tracking: TrackingConfig = TrackingConfig()
 
 

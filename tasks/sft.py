@@ -39,7 +39,7 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
             list(evals["answer"]) if evals is not None else [],
             cfg,
             run.out_dir / "models" / "sft",
-            on_metrics=MlflowMetricsSink(client, stage_id),
+            on_metrics=MlflowMetricsSink(run.tracking_uri, stage_id),
         )
         client.log_metric(stage_id, "sft/num_parameters", result.num_parameters)
         client.log_metric(stage_id, "sft/seconds", result.sft_seconds)
