@@ -1,0 +1,184 @@
+"""Rollouts from a vLLM engine that follows the trainer's weights.
+
+`RolloutEngine` wraps `vllm.LLM` for a local Hugging Face model directory (the policy
+saved by `save_pretrained_atomic`). It samples groups of responses with the logprob of
+every sampled token and takes new weights in place (`sync_weights`) without restarting.
+
+Where this departs from a plain `LLM(...)`:
+
+- dtype defaults to float32. vLLM's CPU backend supports it (attention included), and it
+  keeps the engine within float rounding of an fp32 trainer: on the tiny test policy the
+  sampled-token logprobs differ by ~3e-7 on average and greedy answers are identical, so
+  the importance ratio of the first PPO epoch is 1 up to noise. bfloat16 was only ~1.2x
+  faster on that policy (overheads dominate), changed 9 of 64 greedy answers and put the
+  logprobs ~5e-3 off on average (5e-2 at worst): with bf16 rollouts, use the trainer's
+  recomputed logprobs as "old" logprobs, not the engine's.
+- Logprobs are "processed" (`logprobs_mode="processed_logprobs"`): the logprob of the
+  sampled token under the distribution actually sampled from, i.e. after temperature and
+  top-k/top-p. vLLM's default ("raw_logprobs") is log_softmax of the unscaled logits.
+  With top_p=1 the processed value equals the trainer's `log_softmax(logits / T)`
+  (`rlhf_core.rollout.hf_reference.recompute_logprobs(..., temperature=T)`); with top_p<1
+  it is renormalised over the nucleus, which the trainer does not reproduce. A greedy
+  request (temperature 0) gets log_softmax of the unscaled logits.
+- After a weight sync the prefix cache is reset: cached KV blocks were computed with the
+  old weights and would otherwise be reused for prompts seen before the sync.
+- The KV cache is sized explicitly (`kv_cache_gib`, vLLM's `kv_cache_memory_bytes`, the
+  same setting as the legacy `VLLM_CPU_KVCACHE_SPACE`, which wins if it is set). On CPU an
+  explicit size in eager mode also skips vLLM's warm-up pass.
+
+vLLM starts its engine core and workers with spawn, so a script that builds an engine must
+do so under `if __name__ == "__main__":`. Always `close()` the engine (or use `with`): it
+shuts the engine core down, which stops its worker processes.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from vllm import LLM, SamplingParams
+
+from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransport
+
+EXTENSION = "rlhf_core.rollout.weight_sync.WeightSyncExtension"
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled response. `group` is the index of its prompt in the `generate` call (for
+    GRPO's per-prompt baselines); `index` numbers the `n` samples of that prompt."""
+
+    group: int
+    index: int
+    prompt: str
+    prompt_token_ids: list[int]  # starts with <s>
+    response_token_ids: list[int]  # ends with </s> when finish_reason == "stop"
+    response_text: str  # special tokens removed
+    logprobs: list[float]  # one per response token, see the module docstring
+    finish_reason: str  # "stop" (</s>) or "length" (max_tokens)
+
+
+class RolloutEngine:
+    """A vLLM engine on a local HF model directory, with in-place weight updates."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        kv_cache_gib: float | None = 0.25,
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        max_num_seqs: int = 256,
+        transport: WeightTransport | None = None,
+    ):
+        """kv_cache_gib: KV cache size; None lets vLLM size it from gpu_memory_utilization
+        (on GPU the fraction of device memory; on CPU the fraction of RAM)."""
+        start = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        self.transport = transport or SafetensorsFileTransport()
+        self.llm: LLM | None = None
+        try:
+            self.llm = LLM(
+                model=str(self.model_dir),
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * GiB),
+                enforce_eager=enforce_eager,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_num_seqs=max_num_seqs,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=EXTENSION,
+            )
+        except BaseException:
+            self.transport.close()
+            raise
+        self.start_seconds = time.perf_counter() - start
+        self.last_metrics: dict[str, float] = {"rollout/engine_start_s": self.start_seconds}
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 16,
+        seed: int | None = None,
+    ) -> list[Rollout]:
+        """`n` responses for each prompt, grouped by prompt in input order.
+
+        temperature 0 is greedy. With `seed` the samples are reproducible (vLLM gives the
+        i-th of the n samples seed + i); without it they follow the engine's generator.
+        """
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0
+        )
+        start = time.perf_counter()
+        outputs = self._engine().generate(list(prompts), params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        rollouts = [
+            Rollout(
+                group=group,
+                index=c.index,
+                prompt=out.prompt,
+                prompt_token_ids=list(out.prompt_token_ids),
+                response_token_ids=list(c.token_ids),
+                response_text=c.text,
+                # logprobs=0 still returns the sampled token's entry at every position
+                logprobs=[step[token].logprob for token, step in zip(c.token_ids, c.logprobs, strict=True)],
+                finish_reason=str(c.finish_reason),
+            )
+            for group, out in enumerate(outputs)
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        tokens = sum(len(r.response_token_ids) for r in rollouts)
+        self.last_metrics.update(
+            {"rollout/gen_s": seconds, "rollout/gen_tokens": tokens, "rollout/tokens_per_s": tokens / seconds}
+        )
+        return rollouts
+
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> float:
+        """Replace the engine's weights in place with `state_dict` (Hugging Face names, as from
+        `model.state_dict()`). Returns the seconds taken, also in `last_metrics`."""
+        llm = self._engine()
+        start = time.perf_counter()
+        self.transport.push(llm, state_dict)
+        llm.reset_prefix_cache()
+        seconds = time.perf_counter() - start
+        self.last_metrics["rollout/sync_s"] = seconds
+        return seconds
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Shut the engine core down, which stops its worker processes. Idempotent.
+
+        vLLM's default grace period is 5 s, after which it SIGKILLs the engine core and
+        leaves it unreaped (a zombie); on a loaded CPU machine the worker alone can take
+        about 4 s to exit, so we give `timeout` seconds and then reap the processes.
+        """
+        llm, self.llm = self.llm, None
+        try:
+            if llm is not None:
+                client = llm.llm_engine.engine_core
+                client.shutdown(timeout=timeout)
+                manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+                for proc in getattr(manager, "processes", []):
+                    proc.join(timeout=5)
+        finally:
+            self.transport.close()
+
+    def _engine(self) -> LLM:
+        if self.llm is None:
+            raise RuntimeError("the rollout engine is closed")
+        return self.llm
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,99 @@
+"""Moving the trainer's weights into a running vLLM engine, in place.
+
+Two halves:
+
+- `WeightSyncExtension`, named by qualified name in `LLM(worker_extension_cls=...)`. vLLM
+  imports it inside every spawned worker process and appends it to the worker's bases, so
+  `llm.collective_rpc("rlhf_load_weights_file", args=(path,))` calls it by name. Sending a
+  name instead of a pickled function is what lets us leave
+  `VLLM_ALLOW_INSECURE_SERIALIZATION` unset. vLLM refuses an extension attribute that
+  the worker class already has, hence the `rlhf_` prefix (the worker has `reload_weights`).
+- A `WeightTransport` that gets the tensors to the workers and makes them load them.
+  `RolloutEngine.sync_weights` only talks to this interface.
+
+The load goes through `Worker.reload_weights(weights_iterator=...)`, the model runner's
+in-place reload: it runs the model's own `load_weights` (so Hugging Face names such as
+`q_proj`/`k_proj`/`v_proj` are fused into vLLM's `qkv_proj`) and then re-runs the
+post-load processing. Calling `model.load_weights` directly does not work on the CPU
+backend, which repacks linear weights after loading.
+
+Transports:
+
+- `SafetensorsFileTransport` (implemented, used on CPU): the trainer writes one
+  safetensors file atomically into a private directory, on /dev/shm (RAM) when it exists,
+  and sends only its path; each worker reads it back. One write and one read per sync,
+  small next to a generation step for models that fit on a CPU.
+- On GPUs production would use NCCL instead: the trainer's rank 0 and the engine's workers
+  join one process group (vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`), `push`
+  sends each tensor's name, dtype and shape by `collective_rpc` without waiting, and
+  broadcasts the tensor, which the workers receive into a buffer and give to
+  `reload_weights`. That is a second `WeightTransport` with the same `push`. It is not
+  written here because it cannot be run or tested without GPUs.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WEIGHTS_FILE = "weights.safetensors"
+
+
+class WeightSyncExtension:
+    """Mixed into each vLLM worker (`self` is the worker). Methods run in the worker process."""
+
+    def rlhf_load_weights_file(self, path: str) -> int:
+        """Load Hugging Face-named tensors from a safetensors file, in place. Returns how many."""
+        from safetensors.torch import load_file
+
+        weights = load_file(path, device="cpu")
+        self.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
+        return len(weights)
+
+
+class WeightTransport(ABC):
+    """Delivers a state dict to every worker of a running engine and has it loaded."""
+
+    @abstractmethod
+    def push(self, llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Return once every worker has loaded `state_dict` (Hugging Face parameter names)."""
+
+    def close(self) -> None:
+        """Release what the transport holds (files, process groups)."""
+
+
+def _default_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class SafetensorsFileTransport(WeightTransport):
+    """CPU transport: one safetensors file in a private temporary directory, passed by path.
+
+    The file is written under a temporary name and renamed into place, so a worker never
+    reads a half-written file. `directory` defaults to /dev/shm (RAM-backed) when writable,
+    else the system temporary directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.dir = Path(tempfile.mkdtemp(prefix="rlhf-weights-", dir=directory or _default_dir()))
+
+    def push(self, llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        path = self.dir / WEIGHTS_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+        loaded = llm.collective_rpc("rlhf_load_weights_file", args=(str(path),))
+        if any(n != len(tensors) for n in loaded):
+            raise RuntimeError(f"workers loaded {loaded} tensors, expected {len(tensors)}")
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,184 @@
+"""The vLLM rollout engine against the trainer's Hugging Face model.
+
+One engine for the whole module (start-up is ~40-60 s on two CPU cores). The policy is a
+tiny Llama (hidden 64, 2 heads: head size 32, the smallest vLLM's CPU attention supports)
+trained for a few seconds on the demo's sums, so that greedy answers depend on the prompt.
+"""
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+
+import psutil
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from rlhf_core.config import ModelConfig, SFTConfig
+from rlhf_core.data.synthetic import answer_for, prompt_for, sum_without_carry
+from rlhf_core.eval.accuracy import greedy_completions
+from rlhf_core.models.llama import build_policy, save_pretrained_atomic
+from rlhf_core.rollout.hf_reference import recompute_logprobs
+from rlhf_core.tokenizer import train_tokenizer
+from rlhf_core.training.sft import train_sft
+
+pytestmark = pytest.mark.slow
+
+POLICY = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2)
+MAX_NEW = 6  # three answer digits + </s>, with room to spare
+LOGPROB_ATOL = 1e-4  # mean |vLLM - HF| per token, both in fp32; seen ~2e-7
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerFast
+    prompts: list[str]
+    pairs: list[tuple[int, int]]
+
+
+def sums(n: int, seed: int) -> tuple[list[str], list[tuple[int, int]]]:
+    rng = random.Random(seed)
+    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(n)]
+    return [prompt_for(a, b, 2) for a, b in pairs], pairs
+
+
+def sft(model, tok, prompts, answers, epochs):
+    cfg = SFTConfig(epochs=epochs, batch_size=16, learning_rate=3e-3, warmup_steps=10)
+    train_sft(model, tok, prompts, answers, cfg)
+
+
+def child_processes() -> dict[int, str]:
+    """Live child processes of this process, except multiprocessing's resource tracker
+    (one per parent, started by the first spawn and kept until the parent exits)."""
+    out = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE or "resource_tracker" not in " ".join(proc.cmdline()):
+                out[proc.pid] = proc.name()
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    # Two cores shared with the engine's worker: two trainer threads only fight over them.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def policy(torch_one_thread) -> Policy:
+    prompts, pairs = sums(1024, seed=0)
+    tok = train_tokenizer([p + answer_for(a + b, 2) for p, (a, b) in zip(prompts, pairs)], vocab_size=64)
+    model = build_policy(POLICY, tok, seed=0)
+    sft(model, tok, prompts, [answer_for(a + b, 2) for a, b in pairs], epochs=3)
+    return Policy(model.eval(), tok, prompts, pairs)
+
+
+@pytest.fixture(scope="module")
+def engine_env(policy, tmp_path_factory):
+    from rlhf_core.rollout.vllm_engine import RolloutEngine
+
+    model_dir = save_pretrained_atomic(policy.model, policy.tokenizer, tmp_path_factory.mktemp("rollout") / "policy")
+    before = child_processes()
+    engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64, kv_cache_gib=0.25)
+    print(f"\nengine start: {engine.start_seconds:.1f} s")
+    try:
+        yield engine, before
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def engine(engine_env):
+    return engine_env[0]
+
+
+def greedy_engine(engine, prompts) -> list[str]:
+    return [r.response_text for r in engine.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_NEW)]
+
+
+def test_engine_greedy_equals_hf_greedy_after_loading(engine, policy):
+    prompts = policy.prompts[:32]
+    hf = greedy_completions(policy.model, policy.tokenizer, prompts, MAX_NEW)
+    assert len(set(hf)) > 3, f"policy too weak to make this test meaningful: {hf}"
+    assert greedy_engine(engine, prompts) == hf
+
+
+def test_rollouts_carry_prompt_tokens_eos_and_one_logprob_per_token(engine, policy):
+    tok = policy.tokenizer
+    rollouts = engine.generate(policy.prompts[:4], n=1, temperature=0.0, max_tokens=MAX_NEW)
+    for r, prompt in zip(rollouts, policy.prompts[:4]):
+        assert r.prompt == prompt
+        assert r.prompt_token_ids == tok(prompt)["input_ids"]  # <s> prepended once
+        assert len(r.logprobs) == len(r.response_token_ids)
+        assert all(lp <= 0 for lp in r.logprobs)
+        if r.finish_reason == "stop":
+            assert r.response_token_ids[-1] == tok.eos_token_id
+        assert r.response_text == tok.decode(r.response_token_ids, skip_special_tokens=True)
+
+
+def test_sync_weights_updates_the_running_engine_in_place(engine, policy):
+    prompts = policy.prompts[:32]
+    pids = child_processes()
+    before = greedy_engine(engine, prompts)
+    trainer = copy.deepcopy(policy.model)
+    # Teach the carry-less mistake: greedy answers must move for the test to mean anything.
+    carryless = [answer_for(sum_without_carry(a, b), 2) for a, b in policy.pairs[:256]]
+    sft(trainer, policy.tokenizer, policy.prompts[:256], carryless, epochs=1)
+    trainer.eval()
+    expected = greedy_completions(trainer, policy.tokenizer, prompts, MAX_NEW)
+    assert expected != before
+    try:
+        seconds = engine.sync_weights(trainer.state_dict())
+        print(f"\nsync_weights: {seconds * 1e3:.1f} ms ({sum(p.numel() for p in trainer.parameters())} parameters)")
+        assert engine.last_metrics["rollout/sync_s"] == seconds > 0
+        after = greedy_engine(engine, prompts)
+        assert after == expected
+        assert after != before
+        assert child_processes() == pids  # same engine core and worker: not restarted
+    finally:
+        engine.sync_weights(policy.model.state_dict())  # leave the engine on the module's policy
+    assert greedy_engine(engine, prompts) == before
+
+
+def test_sampled_logprobs_match_the_trainer(engine, policy):
+    """rollout/logprob_diff: vLLM's sampled-token logprobs vs the HF recompute, both fp32."""
+    for temperature in (1.0, 0.7):
+        rollouts = engine.generate(policy.prompts[:32], n=4, temperature=temperature, max_tokens=MAX_NEW, seed=0)
+        hf = recompute_logprobs(
+            policy.model, [r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts], temperature
+        )
+        diff = torch.cat([(torch.tensor(r.logprobs) - h).abs() for r, h in zip(rollouts, hf)])
+        print(f"\nrollout/logprob_diff T={temperature}: mean {diff.mean():.2e} max {diff.max():.2e} over {diff.numel()} tokens")
+        assert diff.mean() < LOGPROB_ATOL
+        assert diff.max() < 100 * LOGPROB_ATOL
+
+
+def test_n_samples_per_prompt_are_grouped_and_seeded_sampling_is_reproducible(engine, policy):
+    prompts = policy.prompts[:8]
+    a = engine.generate(prompts, n=4, temperature=1.0, max_tokens=MAX_NEW, seed=123)
+    b = engine.generate(prompts, n=4, temperature=1.0, max_tokens=MAX_NEW, seed=123)
+    c = engine.generate(prompts, n=4, temperature=1.0, max_tokens=MAX_NEW, seed=124)
+    assert [(r.group, r.index) for r in a] == [(g, i) for g in range(8) for i in range(4)]
+    assert all(r.prompt == prompts[r.group] for r in a)
+    assert [(r.response_token_ids, r.logprobs) for r in a] == [(r.response_token_ids, r.logprobs) for r in b]
+    assert [r.response_token_ids for r in a] != [r.response_token_ids for r in c]
+    m = engine.last_metrics
+    print(f"\ngenerate: {m['rollout/gen_tokens']:.0f} tokens in {m['rollout/gen_s']:.3f} s = {m['rollout/tokens_per_s']:.0f} tokens/s")
+
+
+def test_close_stops_every_engine_process(engine_env):
+    """Runs last in this module: closes the shared engine (the fixture's close is a no-op then)."""
+    engine, before = engine_env
+    assert set(child_processes()) - set(before), "the engine should have started processes"
+    engine.close()
+    engine.close()  # idempotent
+    assert child_processes() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(["07+48="])
