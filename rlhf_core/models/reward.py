@@ -1,0 +1,132 @@
+"""The reward model: a Hugging Face `LlamaForSequenceClassification` with one output.
+
+This is the standard HF/TRL reward-model format: the backbone of the SFT policy plus a
+linear `score` head (hidden -> 1, no bias) read at the last non-pad token of each sequence
+(HF finds it through `config.pad_token_id`, so text must not contain the pad token, and
+right padding changes nothing). Saved in HF format with `rlhf_meta.json` beside the weights,
+holding the normalisation stats (`reward_mean`, `reward_std`) that turn raw scores into
+standardised rewards for policy optimisation.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerFast
+
+from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, encode_pair_text
+from rlhf_core.models.llama import save_pretrained_atomic
+from rlhf_core.tokenizer import load_tokenizer
+
+META_FILE = "rlhf_meta.json"
+
+
+def reward_model_from_base(base_dir: Path | str, seed: int = 0) -> PreTrainedModel:
+    """The SFT policy's backbone with a fresh scalar head (its init drawn from `seed`).
+
+    The policy's `lm_head` is dropped; `score` is new. The config must carry pad_token_id
+    (pooling depends on it).
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(str(base_dir), num_labels=1, dtype=torch.float32)
+    if model.config.pad_token_id is None:
+        raise ValueError(f"{base_dir}: config has no pad_token_id; the reward model cannot find the last token")
+    return model
+
+
+@torch.no_grad()
+def score(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    max_length: int,
+    batch_size: int = 64,
+) -> torch.Tensor:
+    """Scalar reward of each `<s> prompt response </s>` (cut to max_length tokens). -> (B,) float32."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    was_training = model.training
+    model.eval()
+    pad = tokenizer.pad_token_id
+    seqs = [encode_pair_text(tokenizer, p, r)[:max_length] for p, r in zip(prompts, responses)]
+    out = []
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start : start + batch_size]
+        width = max(len(s) for s in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # (B, L) right padded
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, s in enumerate(chunk):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        device = next(model.parameters()).device
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # (B, 1)
+        out.append(logits[:, 0].float().cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+@torch.no_grad()
+def score_pairs(model: PreTrainedModel, pairs: TokenizedPairs, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of the chosen and of the rejected side of tokenized pairs. -> ((N,), (N,)) float32."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    chosen, rejected = [], []
+    for start in range(0, len(pairs), batch_size):
+        batch = collate_pairs(pairs, range(start, min(start + batch_size, len(pairs))))
+        rewards = model(
+            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
+        ).logits[:, 0].float().cpu()  # (2B,)
+        chosen.append(rewards[: batch.num_pairs])
+        rejected.append(rewards[batch.num_pairs :])
+    model.train(was_training)
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+@dataclass(frozen=True)
+class RewardStats:
+    """Mean and standard deviation of raw rewards over a reference set."""
+
+    mean: float
+    std: float
+
+
+def reward_stats(scores: torch.Tensor) -> RewardStats:
+    """Population mean and std of scores (B,). A constant set gets std 1 (normalising is then a shift)."""
+    if scores.numel() == 0:
+        raise ValueError("reward_stats of an empty set")
+    scores = scores.double()
+    std = scores.std(unbiased=False).item()
+    return RewardStats(scores.mean().item(), std if std > 0 else 1.0)
+
+
+def normalise(scores: torch.Tensor, stats: RewardStats) -> torch.Tensor:
+    """(scores - mean) / std: rewards with mean 0 and std 1 on the reference set."""
+    return (scores - stats.mean) / stats.std
+
+
+def save_reward_model(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    out_dir: Path,
+    stats: RewardStats,
+    extra: dict | None = None,
+) -> Path:
+    """HF directory (safetensors) with `rlhf_meta.json` = {stage, reward_mean, reward_std, **extra}."""
+    meta = {"stage": "reward", **(extra or {}), "reward_mean": stats.mean, "reward_std": stats.std}
+    return save_pretrained_atomic(model, tokenizer, out_dir, extra=meta)
+
+
+def read_reward_meta(path: Path | str) -> dict:
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+def load_reward_model(path: Path | str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast, RewardStats]:
+    """A saved reward model (eval mode), its tokenizer and its normalisation stats."""
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32).eval()
+    meta = read_reward_meta(path)
+    return model, load_tokenizer(path), RewardStats(meta["reward_mean"], meta["reward_std"])
