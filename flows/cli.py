@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,18 @@ from typing import Any
 from rlhf_core.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "configs/demo.yaml"
+
+
+def quiet_telemetry() -> None:
+    """No usage reporting from Prefect, MLflow or Ray: runs are often offline, and a
+    failed phone-home only adds errors to the logs. Explicit settings win."""
+    for key, value in {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "DO_NOT_TRACK": "1",
+    }.items():
+        os.environ.setdefault(key, value)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,6 +101,10 @@ def _run_flow(fn, **kwargs) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # Without PREFECT_API_URL each run starts a temporary local Prefect server; Prefect's
+    # default 20 s start-up limit is too tight on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    quiet_telemetry()
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
         if args.command == "check-config":

@@ -1,4 +1,5 @@
-"""The `rlhf-pipeline` flow: validate → SFT base policy (later stages join as they are built).
+"""The `rlhf-pipeline` flow: validate → SFT base policy → reward model (later stages join as
+they are built).
 
 The flow only composes tasks. Every run writes `summary.json` (stage verdicts and headline
 figures) into its output directory, whether it completes or fails, so that schedulers and
@@ -12,8 +13,9 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from tasks.data import prepare_data, validate_data
+from tasks.reward import train_reward_model_task
 from tasks.sft import train_base_policy
-from tasks.tracking import PipelineFailed, finish_pipeline_run, start_pipeline_run, summary_header
+from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 
@@ -29,23 +31,9 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
     cfg = load_config(config_path, overrides)
     run = start_pipeline_run(cfg, config_source=str(config_path))
     summary = summary_header(run, "rlhf-pipeline", str(config_path))
-    stages = summary["stages"]
-    try:
+    with recorded_outcome(run, summary) as stages:
         paths = prepare_data(cfg, run.out_dir)
-        stages["validate"] = {"status": "running"}
-        data = validate_data(paths, cfg, run)
-        stages["validate"] = {"status": "passed", "rows": data.num_rows, "dataset_fingerprint": data.fingerprint,
-                              "report": str(data.report_path)}
-        stages["sft"] = {"status": "running"}
-        base = train_base_policy(data, cfg, run)
-        stages["sft"] = {"status": "completed", "eval_accuracy": base.eval_accuracy, "model_path": str(base.path),
-                         "num_parameters": base.num_parameters, "seconds": round(base.sft_seconds, 1)}
-        summary["status"] = "completed"
-    except Exception as exc:
-        failed = next((k for k, v in stages.items() if v.get("status") == "running"), "setup")
-        stages[failed] = {"status": "failed", "error": str(exc)}
-        summary.update(status="failed", failed_stage=failed, error=str(exc))
-        summary["summary_path"] = str(finish_pipeline_run(run, summary))
-        raise PipelineFailed(summary) from exc
-    summary["summary_path"] = str(finish_pipeline_run(run, summary))
+        data = run_stage(stages, "validate", validate_data, paths, cfg, run)
+        base = run_stage(stages, "sft", train_base_policy, data, cfg, run)
+        run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run)
     return summary

@@ -8,7 +8,7 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from tasks.data import DataPaths, validate_data
-from tasks.tracking import PipelineFailed, finish_pipeline_run, start_pipeline_run, summary_header
+from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
 
 @flow(name="validate-data", log_prints=True)
@@ -21,15 +21,6 @@ def validate_data_flow(
     run = start_pipeline_run(cfg, config_source=str(config_path), flow_name="validate-data")
     paths = DataPaths(Path(preferences_path), Path(eval_path) if eval_path else None, None, generated=False)
     summary = summary_header(run, "validate-data", str(config_path))
-    try:
-        data = validate_data(paths, cfg, run)
-        summary["stages"]["validate"] = {"status": "passed", "rows": data.num_rows,
-                                         "dataset_fingerprint": data.fingerprint}
-        summary["status"] = "completed"
-    except Exception as exc:
-        summary["stages"]["validate"] = {"status": "failed", "error": str(exc)}
-        summary.update(status="failed", failed_stage="validate", error=str(exc))
-        summary["summary_path"] = str(finish_pipeline_run(run, summary))
-        raise PipelineFailed(summary) from exc
-    summary["summary_path"] = str(finish_pipeline_run(run, summary))
+    with recorded_outcome(run, summary) as stages:
+        run_stage(stages, "validate", validate_data, paths, cfg, run)
     return summary

@@ -5,7 +5,6 @@ callback into MLflow logging (and, later, Prometheus export) without the core kn
 """
 from __future__ import annotations
 
-import math
 import time
 
 from mlflow.entities import Metric
@@ -13,7 +12,8 @@ from mlflow.tracking import MlflowClient
 
 
 class MlflowMetricsSink:
-    """Logs `(step, {"stage/name": value})` to one MLflow run, skipping non-finite values.
+    """Logs `(step, {"stage/name": value})` to one MLflow run. NaN is logged as NaN: a
+    diverging loss must show up in the run, not vanish from it.
 
     It holds only the tracking URI and run id, so it pickles: a Ray Train worker (rank 0)
     can log through it directly while the core loop never imports MLflow.
@@ -38,7 +38,7 @@ class MlflowMetricsSink:
         batch = [
             Metric(key=k, value=float(v), timestamp=now, step=step)
             for k, v in metrics.items()
-            if isinstance(v, (int, float)) and math.isfinite(v)
+            if isinstance(v, (int, float))
         ]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)

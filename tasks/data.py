@@ -34,6 +34,10 @@ class ValidatedData:
     num_rows: int
     report_path: Path
 
+    def summary(self) -> dict:
+        return {"status": "passed", "rows": self.num_rows, "dataset_fingerprint": self.fingerprint,
+                "report": str(self.report_path)}
+
 
 @task(name="prepare-data")
 def prepare_data(cfg: PipelineConfig, out_dir: Path) -> DataPaths:

@@ -1,6 +1,9 @@
 """Prefect task for the SFT base-policy stage."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 from mlflow.entities import Param
 from prefect import get_run_logger, task
 
@@ -12,8 +15,34 @@ from tasks.data import ValidatedData
 from tasks.tracking import PipelineRun, end_run, flatten, start_stage_run
 
 
+@dataclass(frozen=True)
+class BasePolicy:
+    result: BasePolicyResult
+    run_id: str  # the stage's MLflow run
+
+    @property
+    def path(self) -> Path:
+        return self.result.path
+
+    def summary(self) -> dict:
+        r = self.result
+        return {"status": "completed", "eval_accuracy": r.eval_accuracy, "num_parameters": r.num_parameters,
+                "seconds": round(r.sft_seconds, 1), "model_path": str(r.path)}
+
+
+def _with_progress(sink, log, every: int = 250):
+    """Send every metric to `sink`; also tell the flow's log how training goes, now and then."""
+
+    def on_metrics(step: int, metrics: dict[str, float]) -> None:
+        sink(step, metrics)
+        if step % every == 0:
+            log.info("sft step %d: loss %.4f, %.0f tokens/s", step, metrics["sft/loss"], metrics["sft/tokens_per_s"])
+
+    return on_metrics
+
+
 @task(name="train-base-policy")
-def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun) -> BasePolicyResult:
+def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun) -> BasePolicy:
     log = get_run_logger()
     stage_id = start_stage_run(run, "sft", {"dataset.fingerprint": data.fingerprint})
     client = run.client
@@ -39,7 +68,7 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
             list(evals["answer"]) if evals is not None else [],
             cfg,
             run.out_dir / "models" / "sft",
-            on_metrics=MlflowMetricsSink(run.tracking_uri, stage_id),
+            on_metrics=_with_progress(MlflowMetricsSink(run.tracking_uri, stage_id), log),
         )
         client.log_metric(stage_id, "sft/num_parameters", result.num_parameters)
         client.log_metric(stage_id, "sft/seconds", result.sft_seconds)
@@ -52,4 +81,4 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
         end_run(run, stage_id, ok=False, reason=str(exc))
         raise
     end_run(run, stage_id, ok=True)
-    return result
+    return BasePolicy(result, stage_id)

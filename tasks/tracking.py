@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -129,6 +130,19 @@ def summary_header(run: PipelineRun, pipeline: str, config_source: str) -> dict:
     }
 
 
+def run_stage(stages: dict, name: str, task_fn, *args):
+    """Call a stage task, recording in `stages[name]` its status and, on success, the figures
+    of the result's `summary()`; a failure is recorded with its error and re-raised."""
+    stages[name] = {"status": "running"}
+    try:
+        result = task_fn(*args)
+    except Exception as exc:
+        stages[name] = {"status": "failed", "error": str(exc)}
+        raise
+    stages[name] = result.summary()
+    return result
+
+
 def start_stage_run(run: PipelineRun, stage: str, tags: dict[str, str] | None = None) -> str:
     child = run.client.create_run(
         run.experiment_id, run_name=stage, tags={"mlflow.parentRunId": run.run_id, "stage": stage, **(tags or {})}
@@ -154,3 +168,18 @@ def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
     ok = summary["status"] == "completed"
     end_run(run, run.run_id, ok, None if ok else summary.get("error"))
     return run.summary_path
+
+
+@contextmanager
+def recorded_outcome(run: PipelineRun, summary: dict):
+    """Close the pipeline run either way: summary.json says completed, or which stage failed
+    and why (then `PipelineFailed` carries that summary to the caller)."""
+    try:
+        yield summary["stages"]
+    except Exception as exc:
+        failed = next((k for k, v in summary["stages"].items() if v.get("status") == "failed"), "setup")
+        summary.update(status="failed", failed_stage=failed, error=str(exc))
+        summary["summary_path"] = str(finish_pipeline_run(run, summary))
+        raise PipelineFailed(summary) from exc
+    summary["status"] = "completed"
+    summary["summary_path"] = str(finish_pipeline_run(run, summary))

@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.cli import quiet_telemetry  # noqa: E402
+
+quiet_telemetry()
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
@@ -19,8 +22,11 @@ def tiny_config_dict(tmp: Path) -> dict:
         "name": "test",
         "output_dir": str(tmp / "runs"),
         "data": {"demo": {"seed": 0, "n_sft": 240, "n_pairs": 200, "n_eval": 24}},
-        "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+        # head size 32: the smallest that vLLM's CPU attention supports
+        "model": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
         "sft": {"epochs": 1, "batch_size": 32, "warmup_steps": 2},
+        "reward": {"num_workers": 2, "micro_batch_size": 16, "epochs": 1, "checkpoint_every": 4,
+                   "min_eval_accuracy": 0.0, "warmup_steps": 2},
         "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests"},
     }
 
@@ -39,3 +45,22 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local cluster on loopback with 4 logical CPUs (more than this machine's cores:
+    enough for 2 workers plus the too-many-workers check). The Ray Train controller polls
+    workers every 0.2 s instead of 2 s, so reports commit and dead workers are noticed
+    sooner (the variable reaches the controller because the cluster inherits this env)."""
+    import ray
+
+    saved = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield ray
+    ray.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    else:
+        os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = saved

@@ -23,8 +23,13 @@ from rlhf_core.config import DemoDataConfig
 from rlhf_core.data.schema import write_jsonl
 
 
-def prompt_for(a: int, b: int) -> str:
-    return f"{a}+{b}="
+def prompt_for(a: int, b: int, width: int) -> str:
+    """Fixed-width operands (`07+48=`): aligned digits make the algorithm learnable by a tiny model."""
+    return f"{a:0{width}d}+{b:0{width}d}="
+
+
+def answer_for(total: int, width: int) -> str:
+    return f"{total:0{width + 1}d}"
 
 
 def sum_without_carry(a: int, b: int) -> int:
@@ -58,7 +63,7 @@ class DemoFiles:
 def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
     """Write the three demo splits as JSONL under `out_dir` and return their paths."""
     rng = random.Random(cfg.seed)
-    n = cfg.max_operand + 1
+    n, width = cfg.max_operand + 1, len(str(cfg.max_operand))
     problems = [(a, b) for a in range(n) for b in range(n)]
     needed = cfg.n_eval + max(cfg.n_sft, cfg.n_pairs)
     if needed > len(problems):
@@ -73,7 +78,7 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
     for a, b in rng.sample(train_pool, cfg.n_sft):
         wrong = rng.random() < cfg.wrong_share
         answer = sum_without_carry(a, b) if wrong else a + b
-        sft_rows.append({"prompt": prompt_for(a, b), "completion": str(answer)})
+        sft_rows.append({"prompt": prompt_for(a, b, width), "completion": answer_for(answer, width)})
 
     pair_rows = []
     for i, (a, b) in enumerate(rng.sample(train_pool, cfg.n_pairs)):
@@ -82,14 +87,14 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
         pair_rows.append(
             {
                 "id": f"pair-{i:06d}",
-                "prompt": prompt_for(a, b),
-                "chosen": str(correct),
-                "rejected": str(rejected),
+                "prompt": prompt_for(a, b, width),
+                "chosen": answer_for(correct, width),
+                "rejected": answer_for(rejected, width),
                 "source": "demo-arithmetic",
             }
         )
 
-    eval_rows = [{"prompt": prompt_for(a, b), "answer": str(a + b)} for a, b in eval_set]
+    eval_rows = [{"prompt": prompt_for(a, b, width), "answer": answer_for(a + b, width)} for a, b in eval_set]
 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = DemoFiles(out_dir / "sft.jsonl", out_dir / "preferences.jsonl", out_dir / "eval.jsonl")

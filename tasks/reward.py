@@ -1,0 +1,100 @@
+"""Prefect task for the reward-model stage (Ray Train + DeepSpeed), registered as `reward-model`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow.entities import Param
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from monitoring.sink import MlflowMetricsSink
+from rlhf_core.config import PipelineConfig
+from rlhf_core.data.pairs import split_by_prompt
+from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
+from rlhf_core.distributed.reward_trainer import RewardTrainResult, train_reward_model
+from tasks.data import ValidatedData
+from tasks.registry import register_model_version
+from tasks.sft import BasePolicy
+from tasks.tracking import PipelineRun, end_run, flatten, start_stage_run
+
+REGISTERED_NAME = "reward-model"
+
+
+@dataclass(frozen=True)
+class RewardModel:
+    result: RewardTrainResult
+    run_id: str  # the stage's MLflow run
+    version: str  # registered version of `reward-model`
+
+    @property
+    def path(self) -> Path:
+        return self.result.path
+
+    def summary(self) -> dict:
+        r = self.result
+        return {"status": "completed", "eval_accuracy": round(r.eval_accuracy, 4), "registered_version": self.version,
+                "steps": r.steps, "attempts": r.attempts, "seconds": round(r.seconds, 1), "model_path": str(r.path)}
+
+
+def _report(r: RewardTrainResult, version: str) -> str:
+    return "\n".join(
+        [
+            f"# Reward model v{version}",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            f"| held-out pairwise accuracy | {r.eval_accuracy:.3f} |",
+            f"| held-out Bradley-Terry loss | {r.eval_loss:.4f} |",
+            f"| reward mean / std (normalisation) | {r.reward_mean:.3f} / {r.reward_std:.3f} |",
+            f"| optimizer steps | {r.steps} |",
+            f"| pairs truncated to max_length | {r.truncated} |",
+            f"| attempts (1 + restarts) | {r.attempts} |",
+            f"| seconds | {r.seconds:.1f} |",
+        ]
+    )
+
+
+@task(name="train-reward-model")
+def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, run: PipelineRun) -> RewardModel:
+    log = get_run_logger()
+    lineage = {"dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
+               "base_model.path": str(base.path), "pipeline.run_id": run.run_id}
+    stage_id = start_stage_run(run, "reward", lineage)
+    client = run.client
+    try:
+        params = flatten(cfg.reward.model_dump(mode="json"), "reward.")
+        params["reward.global_batch_size"] = str(cfg.reward.global_batch_size)
+        client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
+        rows = read_table(data.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
+        train, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
+        result = train_reward_model(
+            train, held_out, base.path, cfg.reward,
+            out_dir=run.out_dir / "models" / "reward",
+            storage_path=run.out_dir / "ray",
+            on_metrics=MlflowMetricsSink(run.tracking_uri, stage_id),
+            run_name=f"reward-{stage_id[:8]}",
+        )
+        for key, value in {
+            "reward/eval_accuracy": result.eval_accuracy, "reward/eval_loss": result.eval_loss,
+            "reward/norm_mean": result.reward_mean, "reward/norm_std": result.reward_std,
+            "reward/truncated_pairs": result.truncated, "reward/attempts": result.attempts,
+            "reward/seconds": result.seconds,
+        }.items():
+            client.log_metric(stage_id, key, value)
+        client.log_artifacts(stage_id, str(result.path), artifact_path="model")
+        version = register_model_version(
+            client, REGISTERED_NAME, stage_id, "model",
+            tags={**lineage, "eval_accuracy": f"{result.eval_accuracy:.4f}"},
+            description=f"Bradley-Terry reward model, held-out pairwise accuracy {result.eval_accuracy:.3f}",
+        )
+        client.set_tag(stage_id, "registered_model", f"{REGISTERED_NAME}/{version}")
+        client.set_tag(run.run_id, "reward_model.version", version)
+        create_markdown_artifact(key="reward-model-metrics", markdown=_report(result, version),
+                                 description="Reward-model training")
+        log.info("reward model v%s: held-out accuracy %.3f", version, result.eval_accuracy)
+    except Exception as exc:
+        end_run(run, stage_id, ok=False, reason=str(exc))
+        raise
+    end_run(run, stage_id, ok=True)
+    return RewardModel(result, stage_id, version)
