@@ -161,7 +161,7 @@ def end_run(run: PipelineRun, run_id: str, ok: bool, reason: str | None = None) 
 def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
     """Write summary.json atomically, attach it to the parent run and close the run."""
     tmp = run.summary_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")  # stage order kept
     os.replace(tmp, run.summary_path)
     client = run.client
     client.log_artifact(run.run_id, str(run.summary_path))
@@ -174,12 +174,13 @@ def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
 def recorded_outcome(run: PipelineRun, summary: dict):
     """Close the pipeline run either way: summary.json says completed, or which stage failed
     and why (then `PipelineFailed` carries that summary to the caller)."""
+    summary["summary_path"] = str(run.summary_path)
     try:
         yield summary["stages"]
     except Exception as exc:
         failed = next((k for k, v in summary["stages"].items() if v.get("status") == "failed"), "setup")
         summary.update(status="failed", failed_stage=failed, error=str(exc))
-        summary["summary_path"] = str(finish_pipeline_run(run, summary))
+        finish_pipeline_run(run, summary)
         raise PipelineFailed(summary) from exc
     summary["status"] = "completed"
-    summary["summary_path"] = str(finish_pipeline_run(run, summary))
+    finish_pipeline_run(run, summary)
