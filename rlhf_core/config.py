@@ -42,6 +42,7 @@ class DemoDataConfig(_Strict):
     n_pairs: int = Field(3000, ge=10)
     n_eval: int = Field(200, ge=10)
     wrong_share: float = Field(0.6, ge=0.0, le=1.0)
+    near_miss_share: float = Field(0.1, ge=0.0, le=1.0)  # pairs rejecting a ±1/±10 answer, not the no-carry one
 
 
 class DataConfig(_Strict):

@@ -8,7 +8,9 @@ Everything is generated locally from one seed (no hub), as three disjoint-by-pro
   carry problems: clearly imperfect, and with the right answer still likely enough under
   sampling that RL against a reward model has something real to find;
 - preference pairs (`prompt`, `chosen`, `rejected`, `id`, `source`) that always prefer the
-  correct sum; the rejected answer is the no-carry answer when it differs, else a near miss;
+  correct sum. Like labels collected on the SFT policy's own outputs, they mostly contrast
+  the right sum with the no-carry answer on carry problems; a `near_miss_share` of them
+  reject an answer off by 1 or 10 on a problem without carries;
 - a held-out eval set (`prompt`, `answer`) whose prompts appear in no training split.
 
 Same seed and config, same bytes (tested).
@@ -80,8 +82,18 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
         answer = sum_without_carry(a, b) if wrong else a + b
         sft_rows.append({"prompt": prompt_for(a, b, width), "completion": answer_for(answer, width)})
 
+    # Pairs mirror the SFT policy's failure modes: mostly carry problems answered without
+    # the carry, plus `near_miss_share` problems whose rejected answer is off by 1 or 10.
+    carry_pool = [p for p in train_pool if has_carry(*p)]
+    plain_pool = [p for p in train_pool if not has_carry(*p)]
+    n_near = round(cfg.n_pairs * cfg.near_miss_share)
+    if n_near > len(plain_pool) or cfg.n_pairs - n_near > len(carry_pool):
+        raise ValueError(f"data.demo: cannot draw {cfg.n_pairs} pairs with near_miss_share={cfg.near_miss_share} "
+                         f"from {len(carry_pool)} carry and {len(plain_pool)} no-carry problems")
+    chosen_problems = rng.sample(carry_pool, cfg.n_pairs - n_near) + rng.sample(plain_pool, n_near)
+    rng.shuffle(chosen_problems)
     pair_rows = []
-    for i, (a, b) in enumerate(rng.sample(train_pool, cfg.n_pairs)):
+    for i, (a, b) in enumerate(chosen_problems):
         correct = a + b
         rejected = sum_without_carry(a, b) if has_carry(a, b) else near_miss(correct, rng)
         pair_rows.append(

@@ -60,3 +60,17 @@ def test_no_carry_sum_closed_cases():
 def test_asking_for_more_problems_than_exist_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="exceeds the 100 distinct problems"):
         generate_demo_data(DemoDataConfig(max_operand=9, n_sft=95, n_pairs=10, n_eval=10), tmp_path)
+
+
+def test_pairs_mirror_the_policy_failure_modes_at_the_configured_near_miss_share(tmp_path):
+    cfg = DemoDataConfig(seed=2, n_sft=10, n_pairs=1000, n_eval=10, near_miss_share=0.2)
+    rows = read(generate_demo_data(cfg, tmp_path).preferences)
+    near = 0
+    for r in rows:
+        a, b = map(int, r["prompt"].removesuffix("=").split("+"))
+        if has_carry(a, b):
+            assert int(r["rejected"]) == sum_without_carry(a, b)
+        else:
+            assert abs(int(r["rejected"]) - (a + b)) in (1, 10)
+            near += 1
+    assert near == 200
