@@ -30,7 +30,8 @@ class _Strict(BaseModel):
 class DemoDataConfig(_Strict):
     """The synthetic arithmetic task that the embedded demo generates locally.
 
-    Prompts are `a+b=` with operands in [0, max_operand]; the answer is the sum. The SFT
+    Prompts are `07+48=` with operands in [0, max_operand], zero-padded to its width; the
+    answer is the sum padded to one more digit (`055`). The SFT
     corpus teaches a plausible systematic mistake, adding digit by digit without carrying,
     in `wrong_share` of its examples, so the SFT policy is clearly imperfect and RL has a
     real gain to find. Preference pairs always prefer the correct sum.
@@ -38,7 +39,7 @@ class DemoDataConfig(_Strict):
 
     seed: int = 0
     max_operand: int = Field(99, ge=9, le=9999)
-    n_sft: int = Field(4000, ge=10)
+    n_sft: int = Field(8000, ge=10)
     n_pairs: int = Field(3000, ge=10)
     n_eval: int = Field(200, ge=10)
     wrong_share: float = Field(0.6, ge=0.0, le=1.0)
@@ -78,7 +79,7 @@ class ValidationConfig(_Strict):
 
 
 class TokenizerConfig(_Strict):
-    vocab_size: int = Field(96, ge=32, le=65536)
+    vocab_size: int = Field(320, ge=32, le=65536)
 
 
 class ModelConfig(_Strict):
@@ -104,9 +105,9 @@ class SFTConfig(_Strict):
     """Supervised fine-tuning of the base policy on the SFT corpus (loss on answer tokens)."""
 
     seed: int = 0
-    epochs: int = Field(6, ge=1)
+    epochs: int = Field(14, ge=1)
     batch_size: int = Field(64, ge=1)
-    learning_rate: float = Field(3e-3, gt=0)
+    learning_rate: float = Field(2e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(20, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -145,6 +146,110 @@ class RewardConfig(_Strict):
         return self.micro_batch_size * self.num_workers * self.grad_accum_steps
 
 
+class PPOConfig(_Strict):
+    """PPO with a token-level critic: GAE advantages, KL to the reference in the reward."""
+
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    clip_range_value: float | None = Field(0.2, gt=0)  # None: unclipped value loss
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    vf_coef: float = Field(0.5, gt=0)  # scales the critic's loss (its own optimizer)
+    critic_learning_rate: float = Field(1e-3, gt=0)
+    whiten_advantages: bool = True
+
+
+class GRPOConfig(_Strict):
+    """GRPO: `group_size` samples per prompt, group-relative advantages, KL in the loss."""
+
+    group_size: int = Field(8, ge=2)
+    scale_by_std: bool = True  # False: Dr. GRPO (no division by the group's std)
+    clip_range: float = Field(0.2, gt=0, lt=1)
+
+
+class PolicyConfig(_Strict):
+    """Policy optimisation (PPO | GRPO) on Ray Train + DeepSpeed with vLLM rollouts.
+
+    One RL step samples `prompts_per_step` prompts (× `grpo.group_size` responses for GRPO,
+    one for PPO: `rollouts_per_step`), then runs `epochs_per_step` passes over them in
+    minibatches of `minibatch_size` sequences (global, across workers), each one optimizer
+    step accumulated over micro-batches of `micro_batch_size` sequences per worker.
+    """
+
+    algorithm: Literal["ppo", "grpo"] = "grpo"
+    seed: int = 0
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool | None = None  # None: use GPUs when the cluster has them
+    zero_stage: int = Field(2, ge=1, le=3)  # >= 1: the non-finite-gradient skip is ZeRO's
+    steps: int = Field(30, ge=1)  # RL iterations
+    prompts_per_step: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(8, ge=1)
+    epochs_per_step: int = Field(2, ge=1)  # K passes over each step's rollouts
+    minibatch_size: int = Field(128, ge=1)  # sequences per optimizer step, all workers together
+    micro_batch_size: int = Field(64, ge=1)  # sequences per forward/backward on one worker
+    learning_rate: float = Field(2e-4, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_coef: float = Field(0.02, ge=0)
+    adaptive_kl_target: float | None = Field(None, gt=0)  # None: fixed kl_coef
+    adaptive_kl_horizon: float | None = Field(None, gt=0)
+    kl_bound: float = Field(10.0, gt=0)  # per-sequence KL to the reference the run must stay under
+    entropy_coef: float = Field(0.0, ge=0)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    # The demo's reward model (held-out pairwise accuracy ~0.76) alone is exploited: its score
+    # rises while exact match falls (0.37 -> 0.03). The verifiable reward carries the gain
+    # (0.37 -> ~0.9); the RM term stays, small, as the RLHF signal a real task would weight up.
+    reward_model_weight: float = Field(0.25, ge=0)
+    verifiable_reward_weight: float = Field(1.0, ge=0)  # needs prompts the verifier can parse
+    eval_every: int = Field(10, ge=1)  # RL steps between held-out evaluations
+    checkpoint_every: int = Field(10, ge=1)  # RL steps between checkpoints
+    max_failures: int = Field(2, ge=0)
+    min_accuracy_gain: float = Field(0.0, ge=-1, le=1)  # the stage fails below this gain
+    ppo: PPOConfig = PPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.grpo.group_size if self.algorithm == "grpo" else 1
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def clip_range(self) -> float:
+        return getattr(self, self.algorithm).clip_range
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.minibatch_size // (self.num_workers * self.micro_batch_size)
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> "PolicyConfig":
+        n, mb, w = self.rollouts_per_step, self.minibatch_size, self.num_workers
+        if self.prompts_per_step % w:
+            raise ValueError(
+                f"prompts_per_step ({self.prompts_per_step}) must be divisible by num_workers ({w}): "
+                "each worker takes whole prompt groups"
+            )
+        if n % mb:
+            raise ValueError(
+                f"rollouts per step ({n} = prompts_per_step {self.prompts_per_step} x {self.samples_per_prompt} "
+                f"samples) must be divisible by minibatch_size ({mb})"
+            )
+        if mb % (w * self.micro_batch_size):
+            raise ValueError(
+                f"minibatch_size ({mb}) must be divisible by num_workers x micro_batch_size "
+                f"({w} x {self.micro_batch_size})"
+            )
+        if (self.adaptive_kl_target is None) != (self.adaptive_kl_horizon is None):
+            raise ValueError("adaptive_kl_target and adaptive_kl_horizon must be set together (or neither)")
+        if self.reward_model_weight == 0 and self.verifiable_reward_weight == 0:
+            raise ValueError("reward_model_weight and verifiable_reward_weight are both 0: there is no reward")
+        return self
+
+
 class TrackingConfig(_Strict):
     """MLflow. `tracking_uri` None means $MLFLOW_TRACKING_URI, else SQLite in the cwd."""
 
@@ -161,6 +266,7 @@ class PipelineConfig(_Strict):
     model: ModelConfig = ModelConfig()
     sft: SFTConfig = SFTConfig()
     reward: RewardConfig = RewardConfig()
+    policy: PolicyConfig = PolicyConfig()
     tracking: TrackingConfig = TrackingConfig()
 
 

@@ -1,0 +1,406 @@
+"""One PPO / GRPO step as a visible sequence of named phases over tensors.
+
+    rollouts ─► build_batch ─► (score: rewards.py) ─► policy_logprobs (old, ref) ─► token_values
+             ─► token_rewards ─► compute_advantages ─► update_minibatches ─► (sync weights)
+
+Pure torch: no Ray, DeepSpeed or vLLM. The distributed trainer
+(`rlhf_core.distributed.policy_trainer`) calls these in order on each worker's share of the
+rollouts; the tests call them with a tiny model and a plain torch optimizer.
+
+Shapes: B sequences, L = prompt + response tokens (right padded), T response tokens, V vocab.
+
+The two algorithms differ only in data, never in code paths (`ALGORITHMS`):
+
+    ppo   GAE over token rewards = -beta * KL on every token + reward on the last one; critic;
+          advantages whitened over the worker's batch; PPO-clip loss.
+    grpo  one outcome reward per response, advantage = (r - group mean) / group std; no critic;
+          the KL penalty (beta * k) is in the loss, not in the reward (DeepSeekMath eq. 3).
+
+Departures, on purpose:
+- "Old" logprobs are the trainer's recompute at the sampling temperature, not the engine's
+  (`rollout/logprob_diff` measures the gap, ~1e-7 in fp32); logits are divided by the
+  temperature in every phase, as in verl.
+- Minibatch losses are normalised per worker (token or sequence count of this worker's
+  minibatch); DeepSpeed then averages the workers' gradients. With equal-length answers this is
+  the global token mean; in general it is the mean of per-worker means (verl does the same).
+- Non-finite guard: a micro-batch whose loss is not finite has it multiplied by NaN before
+  backward, so every gradient of its minibatch is NaN, and the optimizer step at the boundary
+  is skipped (`TorchBackwardAndStep` here; DeepSpeed ZeRO's invalid-grad-norm skip in the
+  trainer). Poisoning instead of not calling backward keeps every worker's collectives in step.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Protocol
+
+import torch
+
+from rlhf_core.algos import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    KL_ESTIMATORS,
+    Registry,
+    aggregate_loss,
+    entropy_from_logits,
+    explained_variance,
+    kl_penalized_rewards,
+    logprobs_from_logits,
+    loss_normalizer,
+    masked_mean,
+    masked_sum,
+    value_loss,
+    whiten,
+)
+from rlhf_core.config import PolicyConfig
+
+# ----------------------------------------------------------------------------- algorithms
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """What distinguishes PPO from GRPO, as data: registry keys and switches."""
+
+    advantage: str  # key of ADVANTAGE_ESTIMATORS
+    loss: str  # key of POLICY_LOSSES
+    kl_in_reward: bool  # True: -beta * KL in the token rewards; False: beta * KL in the loss
+    uses_critic: bool
+    whiten_advantages: bool
+
+
+ALGORITHMS = Registry("policy algorithm")  # name -> fn(PolicyConfig) -> AlgorithmSpec
+
+
+@ALGORITHMS.register("ppo")
+def _ppo(cfg: PolicyConfig) -> AlgorithmSpec:
+    return AlgorithmSpec("gae", "ppo", kl_in_reward=True, uses_critic=True, whiten_advantages=cfg.ppo.whiten_advantages)
+
+
+@ALGORITHMS.register("grpo")
+def _grpo(cfg: PolicyConfig) -> AlgorithmSpec:
+    estimator = "grpo" if cfg.grpo.scale_by_std else "grpo_no_std"
+    return AlgorithmSpec(estimator, "grpo", kl_in_reward=False, uses_critic=False, whiten_advantages=False)
+
+
+def algorithm_spec(cfg: PolicyConfig) -> AlgorithmSpec:
+    return ALGORITHMS[cfg.algorithm](cfg)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def prompt_indices(num_prompts: int, per_step: int, step: int, seed: int) -> list[int]:
+    """The prompts of RL step `step` (0-based): positions [step*P, (step+1)*P) of an endless
+    stream of per-epoch shuffles of range(num_prompts), each fixed by (seed, epoch). The step
+    number is therefore all a checkpoint needs to continue at the next prompt batch."""
+    if num_prompts < 1:
+        raise ValueError("no prompts")
+    out = []
+    for pos in range(step * per_step, (step + 1) * per_step):
+        epoch, offset = divmod(pos, num_prompts)
+        order = list(range(num_prompts))
+        random.Random(f"policy-prompts:{seed}:{epoch}").shuffle(order)
+        out.append(order[offset])
+    return out
+
+
+class RolloutLike(Protocol):
+    group: int
+    prompt_token_ids: Sequence[int]
+    response_token_ids: Sequence[int]
+    logprobs: Sequence[float]
+
+
+@dataclass
+class PolicyBatch:
+    """The tensors of one worker's rollouts. Phases fill the optional fields in order."""
+
+    input_ids: torch.Tensor  # (B, L) long, <s> prompt response, right padded
+    attention_mask: torch.Tensor  # (B, L) long
+    positions: torch.Tensor  # (B, T) long: column of logits[:, :-1] that predicts response token t
+    response_ids: torch.Tensor  # (B, T) long
+    response_mask: torch.Tensor  # (B, T) float 0/1
+    engine_logprobs: torch.Tensor  # (B, T) the rollout engine's logprobs of the sampled tokens
+    group_ids: torch.Tensor  # (B,) long, the prompt each response answers
+    old_logprobs: torch.Tensor | None = None  # (B, T) trainer's logprobs before the update
+    ref_logprobs: torch.Tensor | None = None  # (B, T) frozen reference policy
+    values: torch.Tensor | None = None  # (B, T) critic before the update (PPO)
+    scores: torch.Tensor | None = None  # (B,) sequence reward
+    advantages: torch.Tensor | None = None  # (B, T)
+    returns: torch.Tensor | None = None  # (B, T) value targets
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor) -> "PolicyBatch":
+        """Rows `index` of every tensor (None stays None)."""
+        return replace(self, **{f.name: _rows(getattr(self, f.name), index) for f in fields(self)})
+
+
+def _rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[index]
+
+
+def build_batch(rollouts: Sequence[RolloutLike], pad_id: int) -> PolicyBatch:
+    """Right-padded tensors of prompt + response per rollout (prompt ids start with <s>)."""
+    if not rollouts:
+        raise ValueError("build_batch: no rollouts")
+    B = len(rollouts)
+    L = max(len(r.prompt_token_ids) + len(r.response_token_ids) for r in rollouts)
+    T = max(1, max(len(r.response_token_ids) for r in rollouts))
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    positions = torch.zeros((B, T), dtype=torch.long)
+    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((B, T))
+    engine_logprobs = torch.zeros((B, T))
+    for b, r in enumerate(rollouts):
+        p, n = len(r.prompt_token_ids), len(r.response_token_ids)
+        input_ids[b, : p + n] = torch.tensor([*r.prompt_token_ids, *r.response_token_ids])
+        attention_mask[b, : p + n] = 1
+        # response token t sits at column p + t and is predicted by shifted column p + t - 1;
+        # padding positions point at the last real column (any valid index would do)
+        positions[b] = (p - 1 + torch.arange(T)).clamp(max=p + n - 2)
+        response_ids[b, :n] = torch.tensor(list(r.response_token_ids), dtype=torch.long)
+        response_mask[b, :n] = 1.0
+        engine_logprobs[b, :n] = torch.tensor(list(r.logprobs), dtype=torch.float32)
+    group_ids = torch.tensor([r.group for r in rollouts], dtype=torch.long)
+    return PolicyBatch(input_ids, attention_mask, positions, response_ids, response_mask, engine_logprobs, group_ids)
+
+
+# ----------------------------------------------------------------------------- forward passes
+
+
+def _response_logits(model, batch: PolicyBatch, temperature: float) -> torch.Tensor:
+    """Logits / temperature at the positions that predict the response tokens. -> (B, T, V)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]  # (B, L-1, V)
+    index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])  # (B, T, V)
+    return logits.gather(1, index) / temperature
+
+
+def policy_logprobs(
+    model, batch: PolicyBatch, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(y_t | x, y_<t) at `temperature` (B, T), and the entropy of that distribution
+    (B, T) when asked. Differentiable; wrap in no_grad for old / reference logprobs."""
+    logits = _response_logits(model, batch, temperature)  # (B, T, V)
+    logprobs = logprobs_from_logits(logits, batch.response_ids)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: PolicyBatch, temperature: float, chunk: int) -> torch.Tensor:
+    """`policy_logprobs` in eval mode over chunks of `chunk` rows. -> (B, T)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.cat([policy_logprobs(model, part, temperature)[0] for part in _chunks(batch, chunk)])
+    finally:
+        model.train(was_training)
+
+
+def token_values(critic, batch: PolicyBatch) -> torch.Tensor:
+    """V of the state before each response token (same columns as the logprobs). -> (B, T)."""
+    values = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask)[:, :-1]  # (B, L-1)
+    return values.gather(1, batch.positions)
+
+
+@torch.no_grad()
+def batched_values(critic, batch: PolicyBatch, chunk: int) -> torch.Tensor:
+    was_training = critic.training
+    critic.eval()
+    try:
+        return torch.cat([token_values(critic, part) for part in _chunks(batch, chunk)])
+    finally:
+        critic.train(was_training)
+
+
+def _chunks(batch: PolicyBatch, size: int) -> Iterable[PolicyBatch]:
+    for start in range(0, len(batch), size):
+        yield batch.select(torch.arange(start, min(start + size, len(batch))))
+
+
+# ----------------------------------------------------------------------------- rewards, advantages
+
+
+def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence KL(pi || ref) estimate: sum over response tokens of k3 (unbiased, >= 0). -> (B,)."""
+    return masked_sum(KL_ESTIMATORS["k3"](logprobs, ref_logprobs), mask, dim=-1)
+
+
+def token_rewards(
+    batch: PolicyBatch, spec: AlgorithmSpec, kl_coef: float, kl_estimator: str
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token rewards (B, T): the sequence score on the last token, minus beta * KL on every
+    token when the algorithm puts the KL in the reward (PPO; GRPO keeps it in the loss)."""
+    beta = kl_coef if spec.kl_in_reward else 0.0
+    return kl_penalized_rewards(
+        batch.scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask, beta, kl_estimator
+    )
+
+
+def compute_advantages(
+    batch: PolicyBatch, rewards: torch.Tensor, spec: AlgorithmSpec, cfg: PolicyConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns (B, T) through `ADVANTAGE_ESTIMATORS[spec.advantage]`."""
+    advantages, returns = ADVANTAGE_ESTIMATORS[spec.advantage](
+        rewards, batch.response_mask, values=batch.values, group_ids=batch.group_ids,
+        gamma=cfg.ppo.gamma, lam=cfg.ppo.lam,
+    )
+    if spec.whiten_advantages:
+        advantages = whiten(advantages, batch.response_mask)
+    return advantages, returns
+
+
+# ----------------------------------------------------------------------------- update
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    applied: bool  # False: the step was skipped (non-finite gradients)
+    grad_norm: float  # before clipping; inf / NaN when skipped
+
+
+# (loss of one micro-batch, is it the last of its minibatch) -> StepOutcome at the boundary, else None
+BackwardAndStep = Callable[[torch.Tensor, bool], "StepOutcome | None"]
+
+
+class TorchBackwardAndStep:
+    """The plain-torch `BackwardAndStep`: accumulate gradients; at the minibatch boundary clip
+    them to `max_grad_norm` and step, unless the loss or any gradient is non-finite, in which
+    case the gradients are dropped and the step is skipped."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_grad_norm: float):
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+
+    def __call__(self, loss: torch.Tensor, boundary: bool) -> StepOutcome | None:
+        guard_nonfinite(loss).backward()
+        if not boundary:
+            return None
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        applied = math.isfinite(norm)
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(applied, norm)
+
+
+def guard_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """The loss itself if finite, else loss * NaN: backward then makes every gradient NaN, so the
+    minibatch's optimizer step is skipped whatever the optimizer (see the module docstring)."""
+    return loss if bool(torch.isfinite(loss)) else loss * float("nan")
+
+
+class _Mean:
+    """Running means of named floats (NaN values are skipped)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            if math.isfinite(v):
+                self.sums[k] = self.sums.get(k, 0.0) + v
+                self.counts[k] = self.counts.get(k, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}
+
+
+def update_minibatches(
+    actor: torch.nn.Module,
+    batch: PolicyBatch,
+    spec: AlgorithmSpec,
+    cfg: PolicyConfig,
+    actor_step: BackwardAndStep,
+    *,
+    minibatch_size: int,
+    kl_coef: float,
+    critic: torch.nn.Module | None = None,
+    critic_step: BackwardAndStep | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """`cfg.epochs_per_step` passes over `batch` in shuffled minibatches of `minibatch_size`
+    rows (this worker's share), each one optimizer step accumulated over micro-batches of
+    `cfg.micro_batch_size` rows. The critic, if any, is updated on the same minibatches.
+
+    batch needs old_logprobs, advantages (+ ref_logprobs for a KL in the loss, values and
+    returns for the critic). -> flat metrics without stage prefix: pg_loss, clipfrac,
+    approx_kl, entropy, grad_norm, nonfinite_skipped (+ value_loss, vf_clipfrac,
+    explained_variance, critic_grad_norm, critic_nonfinite_skipped with a critic).
+    """
+    if spec.uses_critic and (critic is None or critic_step is None):
+        raise ValueError(f"{cfg.algorithm} needs a critic and its optimizer step")
+    actor.train()
+    if critic is not None:
+        critic.train()
+    kl_kwargs = (
+        {} if spec.kl_in_reward else {"ref_logprobs": None, "kl_coef": kl_coef, "kl_estimator": cfg.kl_estimator}
+    )
+    means, counts = _Mean(), {"nonfinite_skipped": 0, "critic_nonfinite_skipped": 0}
+    for _epoch in range(cfg.epochs_per_step):
+        order = torch.randperm(len(batch), generator=generator)
+        for mb_index in order.split(minibatch_size):
+            minibatch = batch.select(mb_index)
+            normalizer = loss_normalizer(minibatch.response_mask, cfg.loss_agg)
+            micro_batches = list(_chunks(minibatch, cfg.micro_batch_size))
+            for i, micro in enumerate(micro_batches):
+                boundary = i == len(micro_batches) - 1
+                metrics = _actor_micro_step(actor, micro, spec, cfg, actor_step, normalizer, kl_kwargs, boundary, counts)
+                if spec.uses_critic:
+                    metrics |= _critic_micro_step(critic, micro, cfg, critic_step, normalizer, boundary, counts)
+                means.add(metrics)
+    return {**means.means(), **{k: float(v) for k, v in counts.items()}}
+
+
+def _actor_micro_step(actor, micro, spec, cfg, step, normalizer, kl_kwargs, boundary, counts) -> dict[str, float]:
+    mask = micro.response_mask
+    logprobs, entropy = policy_logprobs(actor, micro, cfg.temperature, with_entropy=True)
+    if kl_kwargs:
+        kl_kwargs = {**kl_kwargs, "ref_logprobs": micro.ref_logprobs}
+    pg_loss, metrics = POLICY_LOSSES[spec.loss](
+        logprobs, micro.old_logprobs, micro.advantages, mask,
+        clip_range=cfg.clip_range, agg=cfg.loss_agg, normalizer=normalizer, **kl_kwargs,
+    )
+    loss = pg_loss
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * aggregate_loss(entropy, mask, cfg.loss_agg, normalizer)
+    outcome = step(guard_nonfinite(loss), boundary)
+    metrics = {**metrics, "pg_loss": pg_loss.item(), "entropy": masked_mean(entropy.detach(), mask).item()}
+    if outcome is not None:
+        counts["nonfinite_skipped"] += not outcome.applied
+        metrics["grad_norm"] = outcome.grad_norm
+    return metrics
+
+
+def _critic_micro_step(critic, micro, cfg, step, normalizer, boundary, counts) -> dict[str, float]:
+    values = token_values(critic, micro)
+    loss, metrics = value_loss(
+        values, micro.values, micro.returns, micro.response_mask,
+        clip_range_value=cfg.ppo.clip_range_value, agg=cfg.loss_agg, normalizer=normalizer,
+    )
+    outcome = step(guard_nonfinite(cfg.ppo.vf_coef * loss), boundary)
+    metrics = {"value_loss": loss.item(), "vf_clipfrac": metrics["vf_clipfrac"]}
+    if outcome is not None:
+        counts["critic_nonfinite_skipped"] += not outcome.applied
+        metrics["critic_grad_norm"] = outcome.grad_norm
+    return metrics
+
+
+def rollout_metrics(batch: PolicyBatch) -> dict[str, float]:
+    """Diagnostics of a filled batch before the update (no stage prefix)."""
+    mask = batch.response_mask
+    metrics = {
+        "logprob_diff": masked_mean((batch.engine_logprobs - batch.old_logprobs).abs(), mask).item(),
+        "kl": sequence_kl(batch.old_logprobs, batch.ref_logprobs, mask).mean().item(),
+        "response_length": mask.sum(-1).float().mean().item(),
+    }
+    if batch.values is not None and batch.returns is not None:
+        metrics["explained_variance"] = explained_variance(batch.values, batch.returns, mask)
+    return metrics

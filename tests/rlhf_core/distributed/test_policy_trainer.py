@@ -1,0 +1,204 @@
+"""PPO / GRPO on a real local Ray cluster with DeepSpeed ZeRO on CPU and a real vLLM engine.
+
+The policy is a tiny Llama (hidden 64, 2 heads: head size 32, the smallest vLLM's CPU
+attention supports) given a short SFT on the demo task, so that greedy answers depend on the
+prompt; the reward model is that policy's backbone with an untrained head, and the verifiable
+exact-match reward carries the signal. Every run starts a vLLM engine (~40 s on two cores).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import ray.cloudpickle
+import torch
+
+from rlhf_core.config import PipelineConfig, PolicyConfig
+from rlhf_core.data.schema import read_table
+from rlhf_core.data.synthetic import generate_demo_data
+from rlhf_core.distributed.policy_trainer import NanAtStep, deepspeed_config, train_policy
+from rlhf_core.distributed.reward_trainer import KillWorkerOnce
+from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score
+from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.base_policy import make_base_policy
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CFG = PolicyConfig(
+    algorithm="grpo",
+    num_workers=1,
+    zero_stage=2,
+    steps=4,
+    prompts_per_step=8,
+    grpo={"group_size": 4},
+    minibatch_size=16,
+    micro_batch_size=8,
+    epochs_per_step=1,
+    learning_rate=3e-4,
+    reward_model_weight=0.5,
+    verifiable_reward_weight=1.0,
+    eval_every=2,
+    checkpoint_every=2,
+    max_failures=1,
+    min_accuracy_gain=-1.0,
+)
+FINITE = ("policy/reward_mean", "policy/kl", "policy/entropy", "policy/clipfrac", "policy/approx_kl",
+          "policy/grad_norm", "policy/response_length", "policy/tokens_per_s", "rollout/logprob_diff",
+          "rollout/sync_s", "timing/generate", "timing/update", "timing/sync")
+
+
+class JsonlSink:
+    """A picklable on_metrics callback that appends `{"step": s, **metrics}` lines to a file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """Demo data, a tiny SFT policy and an (untrained-head) reward model, built once."""
+    tmp = tmp_path_factory.mktemp("policy-demo")
+    cfg = PipelineConfig.model_validate({
+        "data": {"demo": {"seed": 0, "n_sft": 2000, "n_pairs": 400, "n_eval": 48}},
+        "model": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+        "sft": {"epochs": 3, "batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 5},
+    })
+    files = generate_demo_data(cfg.data.demo, tmp / "data")
+    sft, prefs, evals = read_table(files.sft), read_table(files.preferences), read_table(files.eval)
+    texts = list(sft["prompt"] + sft["completion"]) + list(prefs["prompt"] + prefs["chosen"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = make_base_policy(list(sft["prompt"]), list(sft["completion"]), texts, list(evals["prompt"]),
+                                list(evals["answer"]), cfg, tmp / "sft")
+        rm = reward_model_from_base(base.path, seed=0).eval()
+        tok = load_tokenizer(base.path)
+        raw = score(rm, tok, list(prefs["prompt"][:64]), list(prefs["chosen"][:64]), max_length=32)
+        save_reward_model(rm, tok, tmp / "rm", reward_stats(raw))
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "sft": base.path, "rm": tmp / "rm", "sft_accuracy": base.eval_accuracy,
+        "prompts": sorted(set(prefs["prompt"])), "eval_prompts": list(evals["prompt"]), "eval_answers": list(evals["answer"]),
+    }
+
+
+def run(demo, tmp: Path, cfg: PolicyConfig = CFG, **kwargs):
+    return train_policy(demo["prompts"], demo["eval_prompts"], demo["eval_answers"], demo["sft"], demo["rm"], cfg,
+                        tmp / "policy", tmp / "ray", run_name="policy", **kwargs)
+
+
+def check_finite_run(result, cfg: PolicyConfig) -> None:
+    assert result.steps == cfg.steps == len(result.metrics_history)
+    for m in result.metrics_history:
+        for name in FINITE:
+            assert math.isfinite(m[name]), (name, m)
+    assert [e["step"] for e in result.evaluations] == [0, *range(cfg.eval_every, cfg.steps + 1, cfg.eval_every)]
+    assert 0 <= result.accuracy_before <= 1 and 0 <= result.accuracy_after <= 1
+    assert math.isfinite(result.rm_score_before) and math.isfinite(result.rm_score_after)
+    assert 0 <= result.kl_final <= result.kl_max < cfg.kl_bound
+    assert {"config.json", "model.safetensors", "tokenizer.json", "rlhf_meta.json"} <= {p.name for p in result.path.iterdir()}
+    assert len(result.consumed) == cfg.steps and all(len(c) == cfg.prompts_per_step for c in result.consumed)
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+def test_deepspeed_config_is_one_optimizer_step_per_minibatch():
+    cfg = CFG.model_copy(update={"num_workers": 2, "minibatch_size": 32, "micro_batch_size": 8, "zero_stage": 3})
+    ds = deepspeed_config(cfg, 1e-5, use_gpu=False)
+    assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
+    assert ds["gradient_accumulation_steps"] == cfg.grad_accum_steps == 2
+    assert ds["zero_optimization"] == {"stage": 3} and ds["optimizer"]["params"]["lr"] == 1e-5
+
+
+def test_bad_input_fails_before_anything_starts(tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "config.json").write_text(json.dumps({"hidden_size": 48, "num_attention_heads": 2}))
+    args = (["01+02="] * 8, ["03+04="], ["007"], sft, None, CFG.model_copy(update={"reward_model_weight": 0.0}))
+    with pytest.raises(ValueError, match="no training prompts"):
+        train_policy([], *args[1:], tmp_path / "o", tmp_path / "ray")
+    with pytest.raises(ValueError, match="3 training prompts are fewer than prompts_per_step=8"):
+        train_policy(["01+02="] * 3, *args[1:], tmp_path / "o", tmp_path / "ray")
+    with pytest.raises(ValueError, match="1 eval prompts but 0 answers"):
+        train_policy(args[0], ["03+04="], [], *args[3:], tmp_path / "o", tmp_path / "ray")
+    with pytest.raises(ValueError, match="reward_model_weight > 0 but no reward model"):
+        train_policy(*args[:5], CFG, tmp_path / "o", tmp_path / "ray")
+    with pytest.raises(ValueError, match=r"head size is 24 .* vLLM's CPU backend supports \[32, 64"):
+        train_policy(*args, tmp_path / "o", tmp_path / "ray")
+    (sft / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
+    with pytest.raises(ValueError, match="verifiable_reward_weight > 0 but the prompts are not all"):
+        train_policy(["hello"] * 8, *args[1:], tmp_path / "o", tmp_path / "ray")
+    assert not (tmp_path / "ray").exists()
+
+
+# ----------------------------------------------------------------------------- slow
+
+
+@pytest.mark.slow
+def test_more_workers_than_cluster_cpus_fails_before_training(ray_cluster, demo, tmp_path):
+    cfg = CFG.model_copy(update={"num_workers": 8, "prompts_per_step": 8, "minibatch_size": 64})
+    with pytest.raises(ValueError, match=r"policy.num_workers=8 but the Ray cluster has 4 CPUs"):
+        run(demo, tmp_path, cfg)
+
+
+@pytest.mark.slow
+def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, demo, tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    result = run(demo, tmp_path, on_metrics=sink, _check_sync=True, _nan_at=NanAtStep(rank=0, step=3))
+    check_finite_run(result, CFG)
+    assert result.attempts == 1 and result.resumed_from_step is None
+    # (a) right after a sync the engine's greedy answers are the trainer's, and the rollouts of
+    # every later step carry the trainer's logprobs (fp32 engine: ~1e-7).
+    assert [c["step"] for c in result.sync_checks] == [1, CFG.steps]
+    for check in result.sync_checks:
+        assert check["engine"] == check["hf"]
+    assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
+    diffs = [m["rollout/logprob_diff"] for m in result.metrics_history]
+    assert max(diffs) < 1e-3, diffs
+    # The NaN injected at step 3 skipped exactly one optimizer step, and training went on.
+    skipped = [m["policy/nonfinite_skipped"] for m in result.metrics_history]
+    assert skipped == [0, 0, 1, 0] and result.nonfinite_skipped == 1
+    logged = [json.loads(line) for line in sink.path.read_text().splitlines()]
+    assert logged[0]["step"] == 0 and "eval/accuracy" in logged[0]
+    assert logged[1:] == result.metrics_history  # on_metrics ran on rank 0 once per step
+    names = set(result.metrics_history[-1])
+    for phase in ("generate", "score", "old_logprobs", "ref_logprobs", "values", "advantages", "update", "sync"):
+        assert f"timing/{phase}" in names
+    assert "policy/step_time_s/worker_0" in names and "eval/accuracy" in names
+
+
+@pytest.mark.slow
+def test_ppo_runs_end_to_end_on_two_workers(ray_cluster, demo, tmp_path):
+    cfg = CFG.model_copy(update={"algorithm": "ppo", "num_workers": 2, "prompts_per_step": 16,
+                                 "minibatch_size": 16, "micro_batch_size": 4})
+    result = run(demo, tmp_path, cfg)
+    check_finite_run(result, cfg)
+    for m in result.metrics_history:
+        for name in ("policy/value_loss", "policy/explained_variance", "policy/critic_grad_norm",
+                     "policy/step_time_s/worker_1"):
+            assert name in m and (math.isfinite(m[name]) or name == "policy/explained_variance"), (name, m)
+
+
+@pytest.mark.slow
+def test_killed_worker_resumes_from_its_last_checkpoint(ray_cluster, demo, tmp_path):
+    cfg = CFG.model_copy(update={"num_workers": 2, "steps": 5, "eval_every": 5})
+    kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
+    result = run(demo, tmp_path, cfg, _kill_once=kill)
+    assert kill.marker.exists()
+    assert result.attempts == 2
+    assert result.resumed_from_step == 2  # the checkpoint before the kill
+    assert result.steps == 5 and len(result.metrics_history) == 5
+    # the resumed run continued at the next prompt batch: the same prompts an unbroken run would use
+    from rlhf_core.training.ppo_step import prompt_indices
+
+    assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(5)]
+    assert [e["step"] for e in result.evaluations] == [0, 5]
