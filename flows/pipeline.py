@@ -1,5 +1,5 @@
-"""The `rlhf-pipeline` flow: validate → SFT base policy → reward model (later stages join as
-they are built).
+"""The `rlhf-pipeline` flow: validate → SFT base policy → reward model → PPO | GRPO (gates,
+registry and deployment join with later issues).
 
 The flow only composes tasks. Every run writes `summary.json` (stage verdicts and headline
 figures) into its output directory, whether it completes or fails, so that schedulers and
@@ -13,6 +13,7 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from tasks.data import prepare_data, validate_data
+from tasks.policy import optimise_policy
 from tasks.reward import train_reward_model_task
 from tasks.sft import train_base_policy
 from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
@@ -35,5 +36,6 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         paths = prepare_data(cfg, run.out_dir)
         data = run_stage(stages, "validate", validate_data, paths, cfg, run)
         base = run_stage(stages, "sft", train_base_policy, data, cfg, run)
-        run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run)
+        reward = run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run)
+        run_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
     return summary

@@ -128,7 +128,7 @@ class RewardConfig(_Strict):
     zero_stage: int = Field(2, ge=0, le=3)
     micro_batch_size: int = Field(32, ge=1)
     grad_accum_steps: int = Field(1, ge=1)
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(4, ge=1)
     learning_rate: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(10, ge=0)

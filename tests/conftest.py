@@ -27,6 +27,9 @@ def tiny_config_dict(tmp: Path) -> dict:
         "sft": {"epochs": 1, "batch_size": 32, "warmup_steps": 2},
         "reward": {"num_workers": 2, "micro_batch_size": 16, "epochs": 1, "checkpoint_every": 4,
                    "min_eval_accuracy": 0.0, "warmup_steps": 2},
+        "policy": {"algorithm": "grpo", "num_workers": 1, "steps": 2, "prompts_per_step": 8, "max_new_tokens": 4,
+                   "minibatch_size": 32, "micro_batch_size": 32, "eval_every": 2, "checkpoint_every": 2,
+                   "grpo": {"group_size": 4}},
         "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests"},
     }
 

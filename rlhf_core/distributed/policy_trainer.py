@@ -442,7 +442,7 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
                 engine.sync_weights(state_dict)
             if not state.evaluations:
                 state.evaluations.append(_evaluate(ctx_, engine, 0))
-                _emit(config, 0, state.evaluations[-1])
+                _emit(config, 0, {k: v for k, v in state.evaluations[-1].items() if k != "step"})
         ctx_.engine = engine
         while state.step < cfg.steps:
             _rl_step(ctx_, state)

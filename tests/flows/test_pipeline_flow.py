@@ -47,7 +47,7 @@ def test_pipeline_runs_every_stage_and_records_lineage(tiny_config, ray_cluster)
     assert parent.data.tags["dataset.fingerprint"] == summary["stages"]["validate"]["dataset_fingerprint"]
     assert "git.commit" in parent.data.tags and parent.data.params["sft.epochs"] == "1"
     stages = child_runs(client, parent.info.run_id)
-    assert set(stages) == {"validate", "sft", "reward"}
+    assert set(stages) == {"validate", "sft", "reward", "policy"}
     assert all(r.info.status == "FINISHED" for r in stages.values())
     assert stages["sft"].data.metrics["sft/eval_accuracy"] == summary["stages"]["sft"]["eval_accuracy"]
     assert "sft/loss" in stages["sft"].data.metrics
@@ -62,8 +62,17 @@ def test_pipeline_runs_every_stage_and_records_lineage(tiny_config, ray_cluster)
     assert version.tags["dataset.fingerprint"] == summary["stages"]["validate"]["dataset_fingerprint"]
     assert version.tags["base_model.run_id"] == stages["sft"].info.run_id
     assert "reward/loss" in stages["reward"].data.metrics
-    assert stages["reward"].data.metrics["reward/eval_accuracy"] == summary["stages"]["reward"]["eval_accuracy"]
+    assert stages["reward"].data.metrics["reward/eval_accuracy"] == pytest.approx(summary["stages"]["reward"]["eval_accuracy"], abs=1e-4)
     assert "reward-model-metrics" in asyncio.run(artifact_keys())
+
+    # the policy stage ran GRPO against that reward model and logged its before/after figures
+    policy = summary["stages"]["policy"]
+    assert policy["status"] == "completed" and policy["algorithm"] == "grpo" and policy["steps"] == 2
+    assert stages["policy"].data.tags["reward_model.version"] == summary["stages"]["reward"]["registered_version"]
+    assert stages["policy"].data.metrics["policy/accuracy_after"] == policy["accuracy_after"]
+    assert "eval/accuracy" in stages["policy"].data.metrics and "rollout/logprob_diff" in stages["policy"].data.metrics
+    assert "model/model.safetensors" in {a.path for a in client.list_artifacts(stages["policy"].info.run_id, "model")}
+    AutoModelForCausalLM.from_pretrained(policy["model_path"])
 
 
 def test_validation_report_is_a_prefect_artifact(tiny_config, tmp_path, capsys):

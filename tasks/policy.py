@@ -1,0 +1,115 @@
+"""Prefect task for the policy-optimisation stage (PPO or GRPO on Ray Train + DeepSpeed,
+rollouts from vLLM). The final policy is logged to the stage's MLflow run; registering it
+as a `policy` version is the gates' decision (a later stage), not this one's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow.entities import Param
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from monitoring.sink import MlflowMetricsSink
+from rlhf_core.config import PipelineConfig
+from rlhf_core.data.schema import read_table
+from rlhf_core.distributed.policy_trainer import PolicyTrainResult, train_policy
+from tasks.data import ValidatedData
+from tasks.reward import RewardModel
+from tasks.sft import BasePolicy
+from tasks.tracking import PipelineRun, end_run, flatten, start_stage_run
+
+
+@dataclass(frozen=True)
+class TrainedPolicy:
+    result: PolicyTrainResult
+    run_id: str  # the stage's MLflow run
+
+    @property
+    def path(self) -> Path:
+        return self.result.path
+
+    def summary(self) -> dict:
+        r = self.result
+        return {
+            "status": "completed", "algorithm": r.algorithm,
+            "accuracy_before": r.accuracy_before, "accuracy_after": r.accuracy_after,
+            "rm_score_before": _round(r.rm_score_before), "rm_score_after": _round(r.rm_score_after),
+            "kl_max": round(r.kl_max, 3), "kl_bound": r.kl_bound, "steps": r.steps,
+            "nonfinite_skipped": r.nonfinite_skipped, "attempts": r.attempts,
+            "seconds": round(r.seconds, 1), "model_path": str(r.path),
+        }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def training_prompts(data: ValidatedData) -> list[str]:
+    """Distinct prompts of the SFT corpus and the preference data, in first-seen order."""
+    prompts = list(read_table(data.paths.preferences)["prompt"])
+    if data.paths.sft is not None:
+        prompts = list(read_table(data.paths.sft)["prompt"]) + prompts
+    return list(dict.fromkeys(prompts))
+
+
+def _report(r: PolicyTrainResult) -> str:
+    rows = [
+        ("algorithm", r.algorithm),
+        ("held-out accuracy before → after", f"{r.accuracy_before:.3f} → {r.accuracy_after:.3f}"),
+        ("reward-model score before → after", f"{_round(r.rm_score_before)} → {_round(r.rm_score_after)}"),
+        ("KL to reference, max / final (bound)", f"{r.kl_max:.3f} / {r.kl_final:.3f} ({r.kl_bound})"),
+        ("iterations", r.steps),
+        ("non-finite steps skipped", r.nonfinite_skipped),
+        ("attempts (1 + restarts)", r.attempts),
+        ("seconds", f"{r.seconds:.1f}"),
+    ]
+    return "\n".join([f"# Policy ({r.algorithm})", "", "| figure | value |", "|---|---|"]
+                     + [f"| {k} | {v} |" for k, v in rows])
+
+
+@task(name="optimise-policy")
+def optimise_policy(
+    data: ValidatedData, base: BasePolicy, reward: RewardModel, cfg: PipelineConfig, run: PipelineRun
+) -> TrainedPolicy:
+    log = get_run_logger()
+    lineage = {"dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
+               "reward_model.version": reward.version, "reward_model.run_id": reward.run_id,
+               "pipeline.run_id": run.run_id}
+    stage_id = start_stage_run(run, "policy", lineage)
+    client = run.client
+    try:
+        params = flatten(cfg.policy.model_dump(mode="json"), "policy.")
+        client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
+        evals = read_table(data.paths.eval) if data.paths.eval is not None else None
+        result = train_policy(
+            training_prompts(data),
+            list(evals["prompt"]) if evals is not None else [],
+            list(evals["answer"]) if evals is not None else [],
+            base.path,
+            reward.path,
+            cfg.policy,
+            out_dir=run.out_dir / "models" / "policy",
+            storage_path=run.out_dir / "ray",
+            on_metrics=MlflowMetricsSink(run.tracking_uri, stage_id),
+            run_name=f"policy-{stage_id[:8]}",
+        )
+        for key, value in {
+            "policy/accuracy_before": result.accuracy_before, "policy/accuracy_after": result.accuracy_after,
+            "policy/accuracy_gain": result.accuracy_gain, "policy/kl_max": result.kl_max,
+            "policy/nonfinite_skipped_total": result.nonfinite_skipped, "policy/attempts": result.attempts,
+            "policy/seconds": result.seconds,
+        }.items():
+            client.log_metric(stage_id, key, value)
+        if result.rm_score_before is not None:
+            client.log_metric(stage_id, "policy/rm_score_before", result.rm_score_before)
+            client.log_metric(stage_id, "policy/rm_score_after", result.rm_score_after)
+        client.log_artifacts(stage_id, str(result.path), artifact_path="model")
+        client.set_tag(stage_id, "checkpoint.path", str(result.checkpoint_path))
+        create_markdown_artifact(key="policy-metrics", markdown=_report(result), description="Policy optimisation")
+        log.info("%s: held-out accuracy %.3f -> %.3f", result.algorithm, result.accuracy_before, result.accuracy_after)
+    except Exception as exc:
+        end_run(run, stage_id, ok=False, reason=str(exc))
+        raise
+    end_run(run, stage_id, ok=True)
+    return TrainedPolicy(result, stage_id)
