@@ -12,7 +12,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.data.schema import fingerprint, read_table
 from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.data.validation import ValidationReport, validate_preferences
-from tasks.tracking import PipelineRun, end_run, start_stage_run
+from tasks.tracking import PipelineRun, stage_run
 
 
 class DataValidationError(RuntimeError):
@@ -62,10 +62,9 @@ def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:
 def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> ValidatedData:
     """Run the data contract; record the report in MLflow and Prefect; raise when it fails."""
     data_fp = fingerprint([p for p in (paths.preferences, paths.eval) if p is not None])
-    stage_id = start_stage_run(run, "validate", {"dataset.fingerprint": data_fp})
-    client = run.client
-    client.set_tag(run.run_id, "dataset.fingerprint", data_fp)
-    try:
+    with stage_run(run, "validate", {"dataset.fingerprint": data_fp}) as stage_id:
+        client = run.client
+        client.set_tag(run.run_id, "dataset.fingerprint", data_fp)
         prefs = read_table(paths.preferences)
         evals = read_table(paths.eval) if paths.eval is not None else None
         report = validate_preferences(prefs, cfg.validation, eval_df=evals)
@@ -79,8 +78,4 @@ def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> Va
             raise DataValidationError(
                 f"{paths.preferences}: {len(report.failed)} data check(s) failed\n" + report.failure_message()
             )
-    except Exception as exc:
-        end_run(run, stage_id, ok=False, reason=str(exc))
-        raise
-    end_run(run, stage_id, ok=True)
     return ValidatedData(paths, data_fp, report.num_rows, report_path)

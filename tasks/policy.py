@@ -17,7 +17,7 @@ from rlhf_core.distributed.policy_trainer import PolicyTrainResult, train_policy
 from tasks.data import ValidatedData
 from tasks.reward import RewardModel
 from tasks.sft import BasePolicy
-from tasks.tracking import PipelineRun, end_run, flatten, start_stage_run
+from tasks.tracking import PipelineRun, flatten, stage_run
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,12 @@ def optimise_policy(
     lineage = {"dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
                "reward_model.version": reward.version, "reward_model.run_id": reward.run_id,
                "pipeline.run_id": run.run_id}
-    stage_id = start_stage_run(run, "policy", lineage)
-    client = run.client
-    try:
+    with stage_run(run, "policy", lineage) as stage_id:
+        client = run.client
         params = flatten(cfg.policy.model_dump(mode="json"), "policy.")
         client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
         evals = read_table(data.paths.eval) if data.paths.eval is not None else None
+        sink = MlflowMetricsSink(run.tracking_uri, stage_id)
         result = train_policy(
             training_prompts(data),
             list(evals["prompt"]) if evals is not None else [],
@@ -91,25 +91,18 @@ def optimise_policy(
             cfg.policy,
             out_dir=run.out_dir / "models" / "policy",
             storage_path=run.out_dir / "ray",
-            on_metrics=MlflowMetricsSink(run.tracking_uri, stage_id),
+            on_metrics=sink,
             run_name=f"policy-{stage_id[:8]}",
         )
-        for key, value in {
+        sink(result.steps, {  # headline figures; None (no reward model) is not logged
             "policy/accuracy_before": result.accuracy_before, "policy/accuracy_after": result.accuracy_after,
             "policy/accuracy_gain": result.accuracy_gain, "policy/kl_max": result.kl_max,
+            "policy/rm_score_before": result.rm_score_before, "policy/rm_score_after": result.rm_score_after,
             "policy/nonfinite_skipped_total": result.nonfinite_skipped, "policy/attempts": result.attempts,
             "policy/seconds": result.seconds,
-        }.items():
-            client.log_metric(stage_id, key, value)
-        if result.rm_score_before is not None:
-            client.log_metric(stage_id, "policy/rm_score_before", result.rm_score_before)
-            client.log_metric(stage_id, "policy/rm_score_after", result.rm_score_after)
+        })
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         client.set_tag(stage_id, "checkpoint.path", str(result.checkpoint_path))
         create_markdown_artifact(key="policy-metrics", markdown=_report(result), description="Policy optimisation")
         log.info("%s: held-out accuracy %.3f -> %.3f", result.algorithm, result.accuracy_before, result.accuracy_after)
-    except Exception as exc:
-        end_run(run, stage_id, ok=False, reason=str(exc))
-        raise
-    end_run(run, stage_id, ok=True)
     return TrainedPolicy(result, stage_id)

@@ -16,7 +16,7 @@ from rlhf_core.distributed.reward_trainer import RewardTrainResult, train_reward
 from tasks.data import ValidatedData
 from tasks.registry import register_model_version
 from tasks.sft import BasePolicy
-from tasks.tracking import PipelineRun, end_run, flatten, start_stage_run
+from tasks.tracking import PipelineRun, flatten, stage_run
 
 REGISTERED_NAME = "reward-model"
 
@@ -60,28 +60,27 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
     log = get_run_logger()
     lineage = {"dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
                "base_model.path": str(base.path), "pipeline.run_id": run.run_id}
-    stage_id = start_stage_run(run, "reward", lineage)
-    client = run.client
-    try:
+    with stage_run(run, "reward", lineage) as stage_id:
+        client = run.client
         params = flatten(cfg.reward.model_dump(mode="json"), "reward.")
         params["reward.global_batch_size"] = str(cfg.reward.global_batch_size)
         client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
         rows = read_table(data.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
         train, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
+        sink = MlflowMetricsSink(run.tracking_uri, stage_id)
         result = train_reward_model(
             train, held_out, base.path, cfg.reward,
             out_dir=run.out_dir / "models" / "reward",
             storage_path=run.out_dir / "ray",
-            on_metrics=MlflowMetricsSink(run.tracking_uri, stage_id),
+            on_metrics=sink,
             run_name=f"reward-{stage_id[:8]}",
         )
-        for key, value in {
+        sink(result.steps, {
             "reward/eval_accuracy": result.eval_accuracy, "reward/eval_loss": result.eval_loss,
             "reward/norm_mean": result.reward_mean, "reward/norm_std": result.reward_std,
             "reward/truncated_pairs": result.truncated, "reward/attempts": result.attempts,
             "reward/seconds": result.seconds,
-        }.items():
-            client.log_metric(stage_id, key, value)
+        })
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         version = register_model_version(
             client, REGISTERED_NAME, stage_id, "model",
@@ -93,8 +92,4 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         create_markdown_artifact(key="reward-model-metrics", markdown=_report(result, version),
                                  description="Reward-model training")
         log.info("reward model v%s: held-out accuracy %.3f", version, result.eval_accuracy)
-    except Exception as exc:
-        end_run(run, stage_id, ok=False, reason=str(exc))
-        raise
-    end_run(run, stage_id, ok=True)
     return RewardModel(result, stage_id, version)

@@ -12,7 +12,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.data.schema import read_table
 from rlhf_core.training.base_policy import BasePolicyResult, make_base_policy
 from tasks.data import ValidatedData
-from tasks.tracking import PipelineRun, end_run, flatten, start_stage_run
+from tasks.tracking import PipelineRun, flatten, stage_run
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,8 @@ def _with_progress(sink, log, every: int = 250):
 @task(name="train-base-policy")
 def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun) -> BasePolicy:
     log = get_run_logger()
-    stage_id = start_stage_run(run, "sft", {"dataset.fingerprint": data.fingerprint})
-    client = run.client
-    try:
+    with stage_run(run, "sft", {"dataset.fingerprint": data.fingerprint}) as stage_id:
+        client = run.client
         prefs = read_table(data.paths.preferences)
         if data.paths.sft is not None:
             sft = read_table(data.paths.sft)
@@ -77,8 +76,4 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         client.set_tag(stage_id, "model.path", str(result.path))
         log.info("base policy: %d parameters, held-out accuracy %s", result.num_parameters, result.eval_accuracy)
-    except Exception as exc:
-        end_run(run, stage_id, ok=False, reason=str(exc))
-        raise
-    end_run(run, stage_id, ok=True)
     return BasePolicy(result, stage_id)

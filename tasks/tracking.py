@@ -150,6 +150,19 @@ def start_stage_run(run: PipelineRun, stage: str, tags: dict[str, str] | None = 
     return child.info.run_id
 
 
+@contextmanager
+def stage_run(run: PipelineRun, stage: str, tags: dict[str, str] | None = None):
+    """A nested MLflow run for one stage: FINISHED when the block completes, FAILED with the
+    error as `failure_reason` when it raises (the error propagates)."""
+    stage_id = start_stage_run(run, stage, tags)
+    try:
+        yield stage_id
+    except Exception as exc:
+        end_run(run, stage_id, ok=False, reason=str(exc))
+        raise
+    end_run(run, stage_id, ok=True)
+
+
 def end_run(run: PipelineRun, run_id: str, ok: bool, reason: str | None = None) -> None:
     client = run.client
     if reason:

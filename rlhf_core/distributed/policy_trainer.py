@@ -38,7 +38,6 @@ import json
 import logging
 import math
 import os
-import random
 import signal
 import tempfile
 import time
@@ -58,6 +57,7 @@ from ray.train.torch import TorchTrainer
 
 from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import PolicyConfig
+from rlhf_core.distributed.cluster import check_cluster, connect_ray, rng_state, seed_everything, set_rng_state
 from rlhf_core.distributed.reward_trainer import KillWorkerOnce
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
@@ -176,9 +176,9 @@ def train_policy(
     compare the engine's greedy answers with the trainer's (`sync_checks`).
     """
     score_verifiable = _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg)
-    started_ray = _connect_ray()
+    started_ray = connect_ray()
     try:
-        use_gpu = _check_cluster(cfg)
+        use_gpu = check_cluster("policy", cfg.num_workers, cfg.use_gpu)
         run_dir = Path(storage_path).resolve() / run_name
         run_dir.mkdir(parents=True, exist_ok=True)
         loop_config = {
@@ -285,26 +285,8 @@ def _parses(verifiable, prompt: str) -> bool:
         return False
 
 
-def _connect_ray() -> bool:
-    """As `reward_trainer`: the connected cluster, else $RAY_ADDRESS, else a new local one."""
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-        return False
-    ray.init(address="local", include_dashboard=False)
-    return True
 
 
-def _check_cluster(cfg: PolicyConfig) -> bool:
-    resources = ray.cluster_resources()
-    cpus, gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
-    use_gpu = gpus > 0 if cfg.use_gpu is None else cfg.use_gpu
-    if use_gpu and cfg.num_workers > gpus:
-        raise ValueError(f"policy.num_workers={cfg.num_workers} but the Ray cluster has {gpus} GPUs")
-    if cfg.num_workers > cpus:
-        raise ValueError(f"policy.num_workers={cfg.num_workers} but the Ray cluster has {cpus} CPUs")
-    return use_gpu
 
 
 # ----------------------------------------------------------------------------- worker
@@ -389,7 +371,7 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
-    _seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
     spec = algorithm_spec(cfg)
     sft_dir = config["sft_dir"]
     tokenizer = load_tokenizer(sft_dir)
@@ -475,10 +457,6 @@ class _Context:
     engine: Any = None  # RolloutEngine on rank 0
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _emit(config: dict[str, Any], step: int, metrics: dict[str, float]) -> None:
@@ -675,14 +653,8 @@ def _cpu_copy(state_dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().clone() for k, v in state_dict.items()}
 
 
-def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
 
 
 def _report_checkpoint(c: _Context, state: _State, metrics: dict[str, float]) -> None:
@@ -692,7 +664,7 @@ def _report_checkpoint(c: _Context, state: _State, metrics: dict[str, float]) ->
         c.actor.save_checkpoint(tmp, tag="actor")
         if c.critic is not None:
             c.critic.save_checkpoint(tmp, tag="critic")
-        torch.save(_rng_state(), Path(tmp) / f"rng_rank_{c.rank}.pt")
+        torch.save(rng_state(), Path(tmp) / f"rng_rank_{c.rank}.pt")
         if c.rank == 0:
             (Path(tmp) / STATE_FILE).write_text(json.dumps({"world_size": c.world, **asdict(state)}))
         ray.train.report(
@@ -712,7 +684,7 @@ def _load_checkpoint(actor, critic, ckpt_dir: Path, rank: int, world: int) -> _S
             load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
             if load_path is None:
                 raise RuntimeError(f"policy: DeepSpeed found no {tag} checkpoint in {ckpt_dir}")
-    _set_rng_state(torch.load(ckpt_dir / f"rng_rank_{rank}.pt", weights_only=False))
+    set_rng_state(torch.load(ckpt_dir / f"rng_rank_{rank}.pt", weights_only=False))
     return _State(**raw)
 
 

@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import random
 import signal
 import tempfile
 import time
@@ -61,6 +60,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.algos.losses import bradley_terry_loss
 from rlhf_core.config import RewardConfig
+from rlhf_core.distributed.cluster import check_cluster, connect_ray, rng_state, seed_everything, set_rng_state
 from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, rank_step_indices, steps_per_epoch, tokenize_pairs
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_pairs
 from rlhf_core.tokenizer import load_tokenizer
@@ -173,9 +173,9 @@ def train_reward_model(
             f"grad_accum_steps {cfg.grad_accum_steps})"
         )
 
-    started_ray = _connect_ray()
+    started_ray = connect_ray()
     try:
-        use_gpu = _check_cluster(cfg)
+        use_gpu = check_cluster("reward", cfg.num_workers, cfg.use_gpu)
         run_dir = Path(storage_path).resolve() / run_name
         run_dir.mkdir(parents=True, exist_ok=True)
         loop_config = {
@@ -243,28 +243,8 @@ def _tokenize(which: str, rows, tokenizer, cfg: RewardConfig) -> TokenizedPairs:
         raise type(exc)(f"reward ({which} pairs): {exc}") from None
 
 
-def _connect_ray() -> bool:
-    """Use the cluster this process is connected to, else join $RAY_ADDRESS, else start a
-    local one (never attaching to another local cluster by accident). True if we started it."""
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-        return False
-    ray.init(address="local", include_dashboard=False)
-    return True
 
 
-def _check_cluster(cfg: RewardConfig) -> bool:
-    """Whether to use GPUs; raises if the cluster cannot hold `cfg.num_workers` workers."""
-    resources = ray.cluster_resources()
-    cpus, gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
-    use_gpu = gpus > 0 if cfg.use_gpu is None else cfg.use_gpu
-    if use_gpu and cfg.num_workers > gpus:
-        raise ValueError(f"reward.num_workers={cfg.num_workers} but the Ray cluster has {gpus} GPUs")
-    if cfg.num_workers > cpus:
-        raise ValueError(f"reward.num_workers={cfg.num_workers} but the Ray cluster has {cpus} CPUs")
-    return use_gpu
 
 
 # ----------------------------------------------------------------------------- worker
@@ -305,7 +285,7 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     per_rank_batch = cfg.micro_batch_size * cfg.grad_accum_steps
     steps_epoch = steps_per_epoch(len(train), cfg.global_batch_size)
     total_steps = steps_epoch * cfg.epochs
-    _seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
     model = reward_model_from_base(config["base_dir"], seed=cfg.seed)
     engine, *_ = deepspeed.initialize(
         model=model,
@@ -350,10 +330,6 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     return _evaluate_and_save(state_dict, engine.module.config, config, cfg, pos)
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _optimizer_step(engine, pairs: TokenizedPairs, indices: list[int], cfg: RewardConfig) -> tuple[list[float], float]:
@@ -408,19 +384,8 @@ def _step_metrics(gathered: list[Any], engine, cfg: RewardConfig, truncated: int
     return {k: float(v) for k, v in metrics.items()}
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _report_checkpoint(engine, pos: _Position, metrics: dict[str, float], rank: int, world: int) -> None:
@@ -431,7 +396,7 @@ def _report_checkpoint(engine, pos: _Position, metrics: dict[str, float], rank: 
     """
     with tempfile.TemporaryDirectory(prefix="reward-ckpt-") as tmp:
         engine.save_checkpoint(tmp, tag=ENGINE_TAG)
-        torch.save(_rng_state(), Path(tmp) / f"rng_rank_{rank}.pt")
+        torch.save(rng_state(), Path(tmp) / f"rng_rank_{rank}.pt")
         if rank == 0:
             state = {
                 "world_size": world,
@@ -459,7 +424,7 @@ def _load_checkpoint(engine, ckpt_dir: Path, rank: int, world: int) -> _Position
     load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=ENGINE_TAG)
     if load_path is None:
         raise RuntimeError(f"reward: DeepSpeed found no engine checkpoint in {ckpt_dir}")
-    _set_rng_state(torch.load(ckpt_dir / f"rng_rank_{rank}.pt", weights_only=False))
+    set_rng_state(torch.load(ckpt_dir / f"rng_rank_{rank}.pt", weights_only=False))
     return _Position(state["epoch"], state["step_in_epoch"], state["global_step"], state["consumed"], state["history"])
 
 

@@ -1,0 +1,57 @@
+"""What every Ray Train stage needs: a cluster to run on, its size checked before training,
+and reproducible RNG state to seed, checkpoint and restore."""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+
+def connect_ray() -> bool:
+    """Use the cluster this process is connected to, else join $RAY_ADDRESS, else start a
+    local one (never attaching to another local cluster by accident). True if we started it."""
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return False
+    ray.init(address="local", include_dashboard=False)
+    return True
+
+
+def check_cluster(stage: str, num_workers: int, use_gpu: bool | None) -> bool:
+    """Whether to use GPUs (None: when the cluster has them); raises, naming the config key,
+    if the cluster cannot hold `num_workers` workers."""
+    resources = ray.cluster_resources()
+    cpus, gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
+    gpu = gpus > 0 if use_gpu is None else use_gpu
+    if gpu and num_workers > gpus:
+        raise ValueError(f"{stage}.num_workers={num_workers} but the Ray cluster has {gpus} GPUs")
+    if num_workers > cpus:
+        raise ValueError(f"{stage}.num_workers={num_workers} but the Ray cluster has {cpus} CPUs")
+    return gpu
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
