@@ -64,6 +64,7 @@ def test_pipeline_runs_every_stage_and_records_lineage(tiny_config, ray_cluster)
     assert "reward/loss" in stages["reward"].data.metrics
     assert stages["reward"].data.metrics["reward/eval_accuracy"] == pytest.approx(summary["stages"]["reward"]["eval_accuracy"], abs=1e-4)
     assert "reward-model-metrics" in asyncio.run(artifact_keys())
+    assert_registered_reward_model_scores_like_the_trained_one(client, version, summary)
 
     # the policy stage ran GRPO against that reward model and logged its before/after figures
     policy = summary["stages"]["policy"]
@@ -82,6 +83,25 @@ def test_validation_report_is_a_prefect_artifact(tiny_config, tmp_path, capsys):
     files = generate_demo_data(DemoDataConfig(n_sft=10, n_pairs=300, n_eval=20), tmp_path / "d")
     assert cli_main(["validate", str(files.preferences), "--config", str(tiny_config)]) == 0
     assert "data-validation-report" in asyncio.run(artifact_keys())
+
+
+def assert_registered_reward_model_scores_like_the_trained_one(client, version, summary):
+    import mlflow
+    import torch
+
+    from rlhf_core.data.schema import read_table
+    from rlhf_core.models.reward import load_reward_model, score
+
+    mlflow.set_tracking_uri(summary["mlflow_tracking_uri"])
+    downloaded = mlflow.artifacts.download_artifacts(f"models:/reward-model/{version.version}")
+    pairs = read_table(summary["output_dir"] + "/data/preferences.jsonl").head(16)
+    prompts, chosen = list(pairs["prompt"]), list(pairs["chosen"])
+    scores = []
+    for path in (summary["stages"]["reward"]["model_path"], downloaded):
+        model, tokenizer, stats = load_reward_model(path)
+        scores.append((score(model, tokenizer, prompts, chosen, max_length=32), stats))
+    torch.testing.assert_close(scores[0][0], scores[1][0], rtol=0, atol=0)
+    assert scores[0][1] == scores[1][1]  # normalisation statistics travel with the model
 
 
 def bad_preferences(tmp_path):
