@@ -250,6 +250,22 @@ class PolicyConfig(_Strict):
         return self
 
 
+class GateConfig(_Strict):
+    """Promotion gates on held-out prompts (`rlhf_core.eval.gates.gate`): a trained policy
+    replaces the champion only when every check passes (and `auto_promote` is on)."""
+
+    eval_prompts: int = Field(200, ge=1)  # held-out prompts evaluated
+    min_accuracy_gain: float = Field(0.0, ge=-1, le=1)  # over the reference (SFT) policy
+    max_regression_vs_champion: float = Field(0.02, ge=0, le=1)  # accuracy below the champion's
+    min_win_rate_vs_reference: float = Field(0.5, ge=0, le=1)  # reward-model win rate, ties count half
+    min_win_rate_vs_champion: float = Field(0.5, ge=0, le=1)
+    max_kl: float = Field(10.0, gt=0)  # per-sequence KL to the reference, the unit of policy.kl_bound
+    max_length_ratio: float = Field(1.5, gt=0)  # mean length / reference mean length
+    max_degenerate_rate: float = Field(0.05, ge=0, le=1)  # empty or looping responses
+    max_generation_failure_rate: float = Field(0.01, ge=0, le=1)  # prompts that failed to generate
+    auto_promote: bool = False  # False: a passing candidate still waits for a human
+
+
 class TrackingConfig(_Strict):
     """MLflow. `tracking_uri` None means $MLFLOW_TRACKING_URI, else SQLite in the cwd."""
 
@@ -267,6 +283,7 @@ class PipelineConfig(_Strict):
     sft: SFTConfig = SFTConfig()
     reward: RewardConfig = RewardConfig()
     policy: PolicyConfig = PolicyConfig()
+    gates: GateConfig = GateConfig()
     tracking: TrackingConfig = TrackingConfig()
 
 

@@ -1,0 +1,229 @@
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from rlhf_core.config import ConfigError, GateConfig, parse_config
+from rlhf_core.eval.gates import Decision, EvalFigures, gate
+
+CHECK_ORDER = [
+    "accuracy_vs_reference",
+    "accuracy_vs_champion",
+    "win_rate_vs_reference",
+    "win_rate_vs_champion",
+    "kl_to_reference",
+    "length_ratio",
+    "degenerate_rate",
+    "generation_failures",
+]
+
+# Explicit, so the table does not move when the defaults do.
+T = GateConfig(
+    min_accuracy_gain=0.05,
+    max_regression_vs_champion=0.02,
+    min_win_rate_vs_reference=0.55,
+    min_win_rate_vs_champion=0.5,
+    max_kl=5.0,
+    max_length_ratio=1.5,
+    max_degenerate_rate=0.05,
+    max_generation_failure_rate=0.01,
+)
+REFERENCE = EvalFigures(
+    accuracy=0.40, rm_score_mean=0.0, win_rate_vs_reference=0.5, win_rate_vs_champion=None,
+    kl_to_reference=0.0, mean_length=4.0, reference_mean_length=4.0, degenerate_rate=0.0, generation_failures=0.0,
+)
+CHAMPION = EvalFigures(
+    accuracy=0.80, rm_score_mean=1.0, win_rate_vs_reference=0.7, win_rate_vs_champion=None,
+    kl_to_reference=2.0, mean_length=4.2, reference_mean_length=4.0, degenerate_rate=0.0, generation_failures=0.0,
+)
+GOOD = EvalFigures(
+    accuracy=0.85, rm_score_mean=1.2, win_rate_vs_reference=0.8, win_rate_vs_champion=0.6,
+    kl_to_reference=2.5, mean_length=4.4, reference_mean_length=4.0, degenerate_rate=0.01, generation_failures=0.0,
+)
+WEAK_CHAMPION = replace(CHAMPION, accuracy=0.40)  # isolates the accuracy-vs-reference check
+
+
+def only(code: str, changes: dict, champion: EvalFigures = CHAMPION):
+    """A table row: these changes to GOOD are rejected for exactly this reason."""
+    return pytest.param(changes, champion, [code], id=code)
+
+
+def codes(decision: Decision) -> list[str]:
+    return [r.split(":")[0] for r in decision.reasons]
+
+
+def by_name(decision: Decision) -> dict:
+    return {c.name: c for c in decision.checks}
+
+
+@pytest.mark.parametrize(
+    "changes,champion,expected",
+    [
+        pytest.param({}, CHAMPION, [], id="passes-everything"),
+        only("accuracy_below_reference", {"accuracy": 0.44}, WEAK_CHAMPION),
+        only("accuracy_regressed_vs_champion", {"accuracy": 0.70}),
+        only("win_rate_vs_reference_too_low", {"win_rate_vs_reference": 0.5}),
+        only("win_rate_vs_champion_too_low", {"win_rate_vs_champion": 0.4}),
+        only("kl_above_max", {"kl_to_reference": 6.0}),
+        only("length_ratio_above_max", {"mean_length": 6.4}),
+        only("degenerate_rate_above_max", {"degenerate_rate": 0.2}),
+        only("generation_failures_above_max", {"generation_failures": 0.05}),
+        pytest.param({"kl_to_reference": math.nan}, CHAMPION, ["kl_above_max"], id="nan-fails-closed"),
+        pytest.param({"reference_mean_length": 0.0}, CHAMPION, ["length_ratio_above_max"], id="reference-length-zero"),
+        pytest.param(
+            {"accuracy": 0.30, "win_rate_vs_reference": 0.1, "kl_to_reference": 6.0, "degenerate_rate": 0.2},
+            CHAMPION,
+            ["accuracy_below_reference", "accuracy_regressed_vs_champion", "win_rate_vs_reference_too_low",
+             "kl_above_max", "degenerate_rate_above_max"],
+            id="several-failures-in-check-order",
+        ),
+    ],
+)
+def test_each_rejection_reports_exactly_its_reasons(changes, champion, expected):
+    decision = gate(replace(GOOD, **changes), REFERENCE, champion, T)
+    assert codes(decision) == expected
+    assert decision.passed is (expected == [])
+    assert [c.name for c in decision.checks] == CHECK_ORDER
+    assert [c.name for c in decision.checks if not c.passed] == [
+        c.name for c in decision.checks if c.reason is not None
+    ]
+
+
+@pytest.mark.parametrize(
+    "check,changes,reference,champion",
+    [
+        # 0.55 + 0.05 == 0.6000000000000001 and 0.26 - 0.02 == 0.24000000000000002 in floats:
+        # without the gate's tolerance, these accuracies would be rejected at their own threshold.
+        pytest.param("accuracy_vs_reference", {"accuracy": 0.6}, replace(REFERENCE, accuracy=0.55), WEAK_CHAMPION,
+                     id="accuracy=reference+gain"),
+        pytest.param("accuracy_vs_champion", {"accuracy": 0.24}, replace(REFERENCE, accuracy=0.1),
+                     replace(CHAMPION, accuracy=0.26), id="accuracy=champion-regression"),
+        pytest.param("win_rate_vs_reference", {"win_rate_vs_reference": 0.55}, REFERENCE, CHAMPION,
+                     id="win-rate-vs-reference=min"),
+        pytest.param("win_rate_vs_champion", {"win_rate_vs_champion": 0.5}, REFERENCE, CHAMPION,
+                     id="win-rate-vs-champion=min"),
+        pytest.param("kl_to_reference", {"kl_to_reference": 5.0}, REFERENCE, CHAMPION, id="kl=max"),
+        pytest.param("length_ratio", {"mean_length": 6.0}, REFERENCE, CHAMPION, id="length-ratio=max"),
+        pytest.param("degenerate_rate", {"degenerate_rate": 0.05}, REFERENCE, CHAMPION, id="degenerate=max"),
+        pytest.param("generation_failures", {"generation_failures": 0.01}, REFERENCE, CHAMPION, id="failures=max"),
+    ],
+)
+def test_a_value_equal_to_its_threshold_passes(check, changes, reference, champion):
+    decision = gate(replace(GOOD, **changes), reference, champion, T)
+    assert decision.passed, decision.reasons
+    c = by_name(decision)[check]
+    assert c.observed == pytest.approx(c.threshold)
+
+
+@pytest.mark.parametrize(
+    "candidate,reference,champion,skipped",
+    [
+        pytest.param(
+            replace(GOOD, win_rate_vs_champion=None), REFERENCE, None,
+            {"accuracy_vs_champion": "no champion", "win_rate_vs_champion": "no champion"},
+            id="no-champion",
+        ),
+        pytest.param(
+            replace(GOOD, accuracy=None), replace(REFERENCE, accuracy=None), replace(CHAMPION, accuracy=None),
+            {"accuracy_vs_reference": "no answers", "accuracy_vs_champion": "no answers"},
+            id="no-answers",
+        ),
+        pytest.param(
+            replace(GOOD, accuracy=None, win_rate_vs_champion=None), replace(REFERENCE, accuracy=None), None,
+            {"accuracy_vs_reference": "no answers", "accuracy_vs_champion": "no champion",
+             "win_rate_vs_champion": "no champion"},
+            id="no-answers-no-champion",
+        ),
+    ],
+)
+def test_checks_without_data_are_skipped_not_failed(candidate, reference, champion, skipped):
+    decision = gate(candidate, reference, champion, T)
+    assert decision.passed and decision.reasons == ()
+    assert {c.name: c.skipped for c in decision.checks if c.skipped} == skipped
+    assert all(c.observed is None and c.threshold is None for c in decision.checks if c.skipped)
+
+
+def test_no_champion_still_runs_the_other_checks():
+    decision = gate(replace(GOOD, win_rate_vs_champion=None, kl_to_reference=9.0), REFERENCE, None, T)
+    assert codes(decision) == ["kl_above_max"]
+
+
+def test_reasons_explain_the_numbers():
+    (reason,) = gate(replace(GOOD, accuracy=0.44), REFERENCE, WEAK_CHAMPION, T).reasons
+    assert reason == "accuracy_below_reference: accuracy 0.44 < reference 0.4 + min gain 0.05 = 0.45"
+    (reason,) = gate(replace(GOOD, kl_to_reference=6.0), REFERENCE, CHAMPION, T).reasons
+    assert reason == "kl_above_max: KL to reference 6 > max 5"
+
+
+@pytest.mark.parametrize(
+    "candidate,champion",
+    [
+        pytest.param(GOOD, CHAMPION, id="passing"),
+        pytest.param(replace(GOOD, kl_to_reference=6.0, mean_length=9.0), CHAMPION, id="failing"),
+        pytest.param(replace(GOOD, win_rate_vs_champion=None), None, id="skipping"),
+    ],
+)
+def test_to_markdown_mentions_every_check(candidate, champion):
+    decision = gate(candidate, REFERENCE, champion, T)
+    md = decision.to_markdown()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| check")]
+    assert [row.split("|")[1].strip() for row in rows] == CHECK_ORDER
+    assert md.count("❌") == len(decision.reasons) + (not decision.passed)  # rows + the verdict line
+    assert all(reason in md for reason in decision.reasons)
+
+
+def test_to_dict_is_json_ready():
+    decision = gate(replace(GOOD, kl_to_reference=6.0), REFERENCE, CHAMPION, T)
+    d = json.loads(json.dumps(decision.to_dict()))
+    assert d["passed"] is False and d["reasons"] == list(decision.reasons)
+    assert [c["name"] for c in d["checks"]] == CHECK_ORDER
+    assert d["checks"][4] == {"name": "kl_to_reference", "passed": False, "observed": 6.0, "threshold": 5.0,
+                              "op": "<=", "skipped": None, "reason": decision.reasons[0]}
+
+
+@pytest.mark.parametrize(
+    "candidate,reference,champion,match",
+    [
+        pytest.param(replace(GOOD, accuracy=None), REFERENCE, CHAMPION, "candidate and reference",
+                     id="accuracy-vs-none"),
+        pytest.param(GOOD, REFERENCE, replace(CHAMPION, accuracy=None), "candidate and champion",
+                     id="champion-no-accuracy"),
+        pytest.param(replace(GOOD, win_rate_vs_champion=None), REFERENCE, CHAMPION, "win_rate_vs_champion",
+                     id="champion-no-win-rate"),
+        pytest.param(GOOD, REFERENCE, None, "win_rate_vs_champion", id="win-rate-without-champion"),
+    ],
+)
+def test_inconsistent_figures_are_a_caller_error(candidate, reference, champion, match):
+    with pytest.raises(ValueError, match=match):
+        gate(candidate, reference, champion, T)
+
+
+@pytest.mark.parametrize(
+    "field,value", [("degenerate_rate", 1.5), ("win_rate_vs_reference", -0.1), ("mean_length", -1.0)]
+)
+def test_figures_out_of_range_are_rejected(field, value):
+    with pytest.raises(ValueError, match=field):
+        replace(GOOD, **{field: value})
+
+
+@pytest.mark.parametrize(
+    "gates,problem",
+    [
+        ({"max_kl": 0}, "gates.max_kl: must be > 0, got 0"),
+        ({"max_degenerate_rate": 1.5}, "gates.max_degenerate_rate: must be <= 1, got 1.5"),
+        ({"min_accuracy_gain": -2}, "gates.min_accuracy_gain: must be >= -1, got -2"),
+        ({"eval_prompts": 0}, "gates.eval_prompts: must be >= 1, got 0"),
+        ({"threshold": 1}, "gates.threshold: unknown key"),
+    ],
+)
+def test_gate_config_bounds(gates, problem):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"gates": gates})
+    assert exc.value.problems == [problem]
+
+
+def test_gate_config_defaults_are_conservative():
+    cfg = parse_config({})
+    assert cfg.gates.auto_promote is False
+    assert gate(GOOD, REFERENCE, CHAMPION, cfg.gates).passed
