@@ -19,7 +19,10 @@ def connect_ray() -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return False
-    ray.init(address="local", include_dashboard=False)
+    # Workers' own logs stay in the session's log directory (/tmp/ray/session_latest/logs):
+    # echoed, Ray Train's per-report lines bury the pipeline's output. A worker failure
+    # still surfaces as the exception trainer.fit() raises.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     return True
 
 
