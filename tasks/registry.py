@@ -1,8 +1,43 @@
-"""The MLflow model registry: register a stage's model directory as a new version."""
+"""The MLflow model registry: versions, the `challenger` / `champion` aliases, promotion and
+the rollback bookkeeping.
+
+The registry is the source of truth for what should serve: `models:/policy@champion`.
+What is recorded, so that a person in the MLflow UI and the rollback flow agree:
+
+- A version that passed the gates carries `gate.passed=true` and the gate report; only such
+  a version is ever given `challenger` by the pipeline.
+- Promoting a version (`promote`) moves `champion` to it and tags it with
+  `previous_champion` (the version it replaced), `promoted_by`, `promoted_at` and
+  `promotion_reason`. A promotion done by hand in the MLflow UI has no such tag; the
+  deploy flow fills `previous_champion` in from what was serving (see `tasks.deploy`).
+- A rollback is an incident: the registered model carries the tag `incident.<id>` with a
+  JSON record (from, to, reason, requested_by, status). Its status is `moved` once the
+  alias moved and `completed` once the target serves, so asking again for a completed
+  incident does nothing and asking again after a failed redeploy only redeploys.
+"""
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+POLICY = "policy"
+CHALLENGER = "challenger"
+CHAMPION = "champion"
+_INCIDENT_ID = re.compile(r"^[A-Za-z0-9_.\-:]{1,120}$")
+
+
+class RegistryError(RuntimeError):
+    """A registry request that cannot be carried out (unknown version, nothing to roll back to)."""
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def register_model_version(
@@ -19,3 +54,153 @@ def register_model_version(
         name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=tags, description=description
     )
     return str(version.version)
+
+
+def by_alias(client: MlflowClient, alias: str, name: str = POLICY) -> ModelVersion | None:
+    """The version `alias` points at, or None (no such alias, or no such registered model)."""
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def get_version(client: MlflowClient, version: str, name: str = POLICY) -> ModelVersion:
+    """A version by number or by alias (`challenger`, `champion`); RegistryError if unknown."""
+    if not version.isdigit():
+        found = by_alias(client, version, name)
+        if found is None:
+            raise RegistryError(f"{name}: no version has the alias {version!r}")
+        return found
+    try:
+        return client.get_model_version(name, version)
+    except MlflowException:
+        raise RegistryError(f"{name}: no version {version}") from None
+
+
+@dataclass(frozen=True)
+class Promotion:
+    version: str
+    previous: str | None  # the champion it replaced; None for the first champion
+    changed: bool  # False when the version already was the champion
+
+
+def promote(
+    client: MlflowClient, version: str, requested_by: str, reason: str, *, force: bool = False, name: str = POLICY
+) -> Promotion:
+    """Make `version` the champion and record the one it replaces.
+
+    Refuses a version whose gate decision was a rejection unless `force` (a person may
+    overrule the gates, and that is then recorded in `promotion_reason`).
+    """
+    target = get_version(client, version, name)
+    if target.tags.get("gate.passed") == "false" and not force:
+        raise RegistryError(
+            f"{name} v{target.version} was rejected by the gates ({target.tags.get('gate.reasons', 'see its gate report')}); "
+            "promote it anyway with force"
+        )
+    current = by_alias(client, CHAMPION, name)
+    if current is not None and current.version == target.version:
+        return Promotion(str(target.version), target.tags.get("previous_champion") or None, changed=False)
+    previous = None if current is None else str(current.version)
+    for key, value in {
+        "previous_champion": previous or "",
+        "promoted_by": requested_by,
+        "promoted_at": now_iso(),
+        "promotion_reason": reason + (" (forced past a gate rejection)" if force and target.tags.get("gate.passed") == "false" else ""),
+    }.items():
+        client.set_model_version_tag(name, target.version, key, value)
+    client.set_registered_model_alias(name, CHAMPION, target.version)
+    if by_alias(client, CHALLENGER, name) is not None and by_alias(client, CHALLENGER, name).version == target.version:
+        client.delete_registered_model_alias(name, CHALLENGER)  # the challenger won; it is no longer one
+    return Promotion(str(target.version), previous, changed=True)
+
+
+# -- rollback --------------------------------------------------------------------------------
+
+
+def incident_key(incident: str) -> str:
+    if not _INCIDENT_ID.match(incident):
+        raise RegistryError(
+            f"incident id {incident!r}: use 1-120 letters, digits, '_', '-', '.' or ':' (an alert fingerprint or ticket id)"
+        )
+    return f"incident.{incident}"
+
+
+def incident_record(client: MlflowClient, incident: str, name: str = POLICY) -> dict | None:
+    """The recorded handling of `incident`, or None if it was never asked for."""
+    try:
+        tags = client.get_registered_model(name).tags
+    except MlflowException:
+        return None
+    raw = tags.get(incident_key(incident))
+    return None if raw is None else json.loads(raw)
+
+
+def record_incident(client: MlflowClient, incident: str, record: dict, name: str = POLICY) -> None:
+    client.set_registered_model_tag(name, incident_key(incident), json.dumps(record, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class RollbackPlan:
+    incident: str
+    from_version: str | None
+    to_version: str
+    action: str  # "move" (alias and redeploy), "redeploy" (alias already moved), "none" (done before)
+    record: dict
+
+
+def plan_rollback(
+    current: str | None, previous_of_current: str | None, to_version: str | None, existing: dict | None, incident: str
+) -> tuple[str, str | None, str | None]:
+    """Which rollback to do: (action, from, to). Pure, for the table-driven tests.
+
+    `existing` is the incident's record if it was asked for before. A completed incident is
+    not acted on again; a `moved` one (the redeploy failed) is redeployed to its recorded
+    target. Otherwise the champion moves to `to_version`, or to the version it replaced.
+    """
+    if existing is not None:
+        if existing.get("status") == "completed":
+            return "none", existing.get("from"), existing.get("to")
+        return "redeploy", existing.get("from"), existing.get("to")
+    if current is None:
+        raise RegistryError(f"rollback for incident {incident}: there is no champion to roll back")
+    target = to_version or previous_of_current
+    if not target:
+        raise RegistryError(
+            f"rollback for incident {incident}: champion v{current} has no recorded previous champion; "
+            "name the version to return to"
+        )
+    if target == current:
+        raise RegistryError(f"rollback for incident {incident}: v{target} already is the champion")
+    return "move", current, target
+
+
+def start_rollback(
+    client: MlflowClient, incident: str, reason: str, requested_by: str, to_version: str | None = None, name: str = POLICY
+) -> RollbackPlan:
+    """Record the incident and move `champion` back (unless this incident was handled before)."""
+    existing = incident_record(client, incident, name)
+    current = by_alias(client, CHAMPION, name)
+    action, frm, to = plan_rollback(
+        None if current is None else str(current.version),
+        None if current is None else (current.tags.get("previous_champion") or None),
+        None if to_version is None else str(get_version(client, to_version, name).version),
+        existing, incident,
+    )
+    if action != "move":
+        return RollbackPlan(incident, frm, to, action, existing)
+    record = {"incident": incident, "from": frm, "to": to, "reason": reason, "requested_by": requested_by,
+              "requested_at": now_iso(), "status": "moved"}
+    client.set_registered_model_alias(name, CHAMPION, to)
+    for key, value in {"rolled_back_from": frm, "rollback.incident": incident, "rollback.reason": reason,
+                       "rollback.requested_by": requested_by, "rollback.at": record["requested_at"]}.items():
+        client.set_model_version_tag(name, to, key, value)
+    client.set_model_version_tag(name, frm, "rolled_back_by_incident", incident)
+    record_incident(client, incident, record, name)
+    return RollbackPlan(incident, frm, to, action, record)
+
+
+def complete_rollback(client: MlflowClient, plan: RollbackPlan, served_version: str, name: str = POLICY) -> dict:
+    record = {**plan.record, "status": "completed", "served_version": served_version, "completed_at": now_iso()}
+    record_incident(client, plan.incident, record, name)
+    return record

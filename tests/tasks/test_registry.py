@@ -17,3 +17,113 @@ def test_each_registration_is_a_new_version_with_its_lineage(tmp_path):
     v2 = client.get_model_version("reward-model", "2")
     assert v2.tags["dataset.fingerprint"] == "sha256:1"
     assert v2.source.endswith("/model")
+
+
+# -- aliases, promotion and rollback bookkeeping (a real MLflow SQLite store) ------------------
+
+import pytest  # noqa: E402
+
+from tasks.registry import (  # noqa: E402
+    CHALLENGER, CHAMPION, POLICY, RegistryError, by_alias, complete_rollback, incident_record, plan_rollback,
+    promote, start_rollback,
+)
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """`policy` with versions 1-3 (all passed the gates) and no aliases."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    for _ in range(3):
+        run = client.create_run(exp)
+        client.log_artifacts(run.info.run_id, str(tmp_path / "model"), "model")
+        register_model_version(client, POLICY, run.info.run_id, "model", {"gate.passed": "true"})
+    return client
+
+
+def champion(client) -> str | None:
+    v = by_alias(client, CHAMPION)
+    return None if v is None else str(v.version)
+
+
+def test_promotion_records_the_previous_champion(registry):
+    first = promote(registry, "1", "alice", "first release")
+    assert (first.version, first.previous, first.changed) == ("1", None, True)
+    registry.set_registered_model_alias(POLICY, CHALLENGER, "2")
+    second = promote(registry, "challenger", "bob", "better win rate")
+    assert (second.version, second.previous) == ("2", "1")
+    assert champion(registry) == "2" and by_alias(registry, CHALLENGER) is None  # the challenger won
+    tags = registry.get_model_version(POLICY, "2").tags
+    assert tags["previous_champion"] == "1" and tags["promoted_by"] == "bob" and tags["promotion_reason"] == "better win rate"
+    again = promote(registry, "2", "bob", "again")
+    assert not again.changed and again.previous == "1"
+
+
+def test_promotion_refuses_a_rejected_version_unless_forced(registry):
+    registry.set_model_version_tag(POLICY, "3", "gate.passed", "false")
+    registry.set_model_version_tag(POLICY, "3", "gate.reasons", "kl_above_max: KL to reference 12 > max 10")
+    with pytest.raises(RegistryError, match="rejected by the gates \\(kl_above_max"):
+        promote(registry, "3", "carol", "hotfix")
+    assert champion(registry) is None
+    promote(registry, "3", "carol", "hotfix", force=True)
+    assert "forced past a gate rejection" in registry.get_model_version(POLICY, "3").tags["promotion_reason"]
+
+
+def test_unknown_versions_and_aliases_are_named(registry):
+    with pytest.raises(RegistryError, match="no version 9"):
+        promote(registry, "9", "a", "r")
+    with pytest.raises(RegistryError, match="no version has the alias 'champion'"):
+        promote(registry, "champion", "a", "r")
+
+
+@pytest.mark.parametrize(
+    "current, previous, to_version, existing, expected",
+    [
+        ("3", "2", None, None, ("move", "3", "2")),
+        ("3", "2", "1", None, ("move", "3", "1")),  # an explicit target wins
+        ("3", None, "1", None, ("move", "3", "1")),
+        ("3", "2", None, {"status": "completed", "from": "3", "to": "2"}, ("none", "3", "2")),
+        ("2", "1", None, {"status": "moved", "from": "3", "to": "2"}, ("redeploy", "3", "2")),  # the redeploy failed
+    ],
+)
+def test_plan_rollback(current, previous, to_version, existing, expected):
+    assert plan_rollback(current, previous, to_version, existing, "INC-1") == expected
+
+
+@pytest.mark.parametrize(
+    "current, previous, to_version, match",
+    [
+        (None, None, None, "no champion to roll back"),
+        ("3", None, None, "no recorded previous champion; name the version"),
+        ("3", "2", "3", "v3 already is the champion"),
+    ],
+)
+def test_plan_rollback_refuses(current, previous, to_version, match):
+    with pytest.raises(RegistryError, match=match):
+        plan_rollback(current, previous, to_version, None, "INC-1")
+
+
+def test_rollback_moves_champion_back_once_per_incident(registry):
+    promote(registry, "1", "alice", "v1")
+    promote(registry, "2", "alice", "v2")
+    plan = start_rollback(registry, "fp-abc123", "KL explosion on v2", "alertmanager:rlhf")
+    assert (plan.action, plan.from_version, plan.to_version) == ("move", "2", "1")
+    assert champion(registry) == "1"
+    v1 = registry.get_model_version(POLICY, "1").tags
+    assert v1["rollback.incident"] == "fp-abc123" and v1["rollback.requested_by"] == "alertmanager:rlhf"
+    assert incident_record(registry, "fp-abc123")["status"] == "moved"
+
+    retry = start_rollback(registry, "fp-abc123", "KL explosion on v2", "alertmanager:rlhf")
+    assert retry.action == "redeploy" and champion(registry) == "1"  # the alias does not move twice
+    complete_rollback(registry, retry, served_version="1")
+    done = start_rollback(registry, "fp-abc123", "replayed", "someone")
+    assert done.action == "none" and champion(registry) == "1"
+    assert incident_record(registry, "fp-abc123")["reason"] == "KL explosion on v2"  # the replay changed nothing
+
+
+def test_incident_ids_are_checked(registry):
+    promote(registry, "1", "a", "r")
+    with pytest.raises(RegistryError, match="incident id 'a b'"):
+        start_rollback(registry, "a b", "r", "x")

@@ -1,0 +1,236 @@
+"""Held-out evaluation of a candidate policy against the reference (SFT) policy and the champion.
+
+Produces the `EvalFigures` that `rlhf_core.eval.gates.gate` decides on. Every policy answers
+the same held-out prompts; one reward model scores all answers, so win rates compare like
+with like. What is measured, and how:
+
+- Quality figures (accuracy, reward-model score, win rates, length, degenerate share) are
+  on greedy answers: what a deterministic request to the served model returns.
+- KL to the reference is the sequence KL at the training temperature T, the unit of
+  `policy.kl_bound`: one response per prompt is sampled from the candidate at T and the
+  exact per-token KL(pi_T(.|x, y<t) || ref_T(.|x, y<t)) over the whole vocabulary is summed
+  along it. That is an unbiased estimate of KL(pi_T || ref_T) over sequences, with less
+  variance than the k1 log-ratio of the sampled tokens alone.
+- Lengths are in characters, so a champion with another tokenizer is measured alike.
+- A prompt whose generation raises (a batch fails, then each prompt is retried alone) is a
+  generation failure: its answer counts as empty and wrong, and it is in `failed_prompts`.
+
+Evaluation runs Hugging Face `generate` in this process: for a policy of the demo's size
+the three policies take seconds, and no engine must be started.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from rlhf_core.eval.accuracy import exact_match, greedy_completions
+from rlhf_core.eval.gates import EvalFigures
+from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
+from rlhf_core.models.reward import RewardStats, normalise, score
+from rlhf_core.rollout.hf_reference import right_padded
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A policy to evaluate: its model and its own tokenizer."""
+
+    name: str  # "candidate", "reference", "champion"
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerFast
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """The reward model that scores every policy's answers (normalised as in training)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerFast
+    stats: RewardStats
+    max_length: int
+
+
+@dataclass(frozen=True)
+class Answers:
+    """One policy's greedy answers to the eval prompts, with the prompts that failed."""
+
+    texts: list[str]
+    failed_prompts: list[int]
+
+
+@dataclass
+class PolicyReport:
+    """A policy's figures (`figures`) plus what the report and the logs show besides them."""
+
+    name: str
+    figures: EvalFigures
+    rm_scores: list[float] = field(repr=False)
+    length: dict[str, float]
+    failed_prompts: list[int]
+    samples: list[tuple[str, str]] = field(repr=False)  # (prompt, answer), the first few
+
+    def metrics(self) -> dict[str, float]:
+        """Flat `eval/<policy>/<figure>` metrics; None figures are left out."""
+        f = self.figures
+        out = {
+            "accuracy": f.accuracy, "rm_score_mean": f.rm_score_mean,
+            "win_rate_vs_reference": f.win_rate_vs_reference, "win_rate_vs_champion": f.win_rate_vs_champion,
+            "kl_to_reference": f.kl_to_reference, "degenerate_rate": f.degenerate_rate,
+            "generation_failures": f.generation_failures, "length_ratio": f.length_ratio,
+            **{f"length_{k}": v for k, v in self.length.items()},
+        }
+        return {f"eval/{self.name}/{k}": float(v) for k, v in out.items() if v is not None}
+
+
+@torch.no_grad()
+def answer(policy: Policy, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 256) -> Answers:
+    """Greedy answers; a batch that raises is retried prompt by prompt, and a prompt that
+    still raises is recorded as failed with an empty answer."""
+    texts: list[str] = []
+    failed: list[int] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start : start + batch_size])
+        try:
+            texts += greedy_completions(policy.model, policy.tokenizer, chunk, max_new_tokens, batch_size)
+            continue
+        except Exception:  # noqa: BLE001 - isolate the prompts that fail below
+            pass
+        for i, prompt in enumerate(chunk):
+            try:
+                texts += greedy_completions(policy.model, policy.tokenizer, [prompt], max_new_tokens, 1)
+            except Exception:  # noqa: BLE001 - a failure is a figure, not a crash
+                texts.append("")
+                failed.append(start + i)
+    return Answers(texts, failed)
+
+
+def _same_vocabulary(a: PreTrainedTokenizerFast, b: PreTrainedTokenizerFast) -> bool:
+    return a.get_vocab() == b.get_vocab()
+
+
+@torch.no_grad()
+def sequence_kl(
+    policy: Policy, reference: Policy, prompts: Sequence[str], max_new_tokens: int, temperature: float,
+    seed: int = 0, batch_size: int = 128,
+) -> float:
+    """Mean over prompts of sum_t KL(pi_T(.|x,y<t) || ref_T(.|x,y<t)) along y ~ pi_T (see the
+    module docstring). Both policies must share a tokenizer."""
+    if not _same_vocabulary(policy.tokenizer, reference.tokenizer):
+        raise ValueError(f"{policy.name} and {reference.name} have different vocabularies: no token-level KL")
+    tok = policy.tokenizer
+    side = tok.padding_side
+    tok.padding_side = "left"
+    policy.model.eval()
+    reference.model.eval()
+    total, count = 0.0, 0
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), batch_size):
+                enc = tok(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True)
+                gen = policy.model.generate(
+                    **enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=1.0,
+                    top_k=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                )
+                prompt_ids = [row[m.bool()].tolist() for row, m in zip(enc["input_ids"], enc["attention_mask"])]
+                responses = [_until_eos(row.tolist(), tok.eos_token_id) for row in gen[:, enc["input_ids"].shape[1] :]]
+                total += float(_summed_token_kl(policy.model, reference.model, prompt_ids, responses, temperature).sum())
+                count += len(responses)
+    finally:
+        tok.padding_side = side
+    return total / count
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def _summed_token_kl(policy, reference, prompt_ids, response_ids, temperature: float) -> torch.Tensor:
+    """(B,) sum over response positions of the exact KL between the two next-token
+    distributions at `temperature`; positions after a response's end count 0."""
+    input_ids, mask = right_padded(prompt_ids, response_ids)  # (B, L)
+    logp = torch.log_softmax(policy(input_ids=input_ids, attention_mask=mask).logits.float() / temperature, -1)
+    logq = torch.log_softmax(reference(input_ids=input_ids, attention_mask=mask).logits.float() / temperature, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, L): KL of the distribution predicting position t+1
+    predicts_response = torch.zeros_like(kl)
+    for row, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        predicts_response[row, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+    return (kl * predicts_response).sum(-1)
+
+
+@dataclass
+class EvalResult:
+    candidate: PolicyReport
+    reference: PolicyReport
+    champion: PolicyReport | None
+    num_prompts: int
+
+    def metrics(self) -> dict[str, float]:
+        out = {"eval/num_prompts": float(self.num_prompts)}
+        for report in (self.candidate, self.reference, self.champion):
+            if report is not None:
+                out.update(report.metrics())
+        return out
+
+
+def evaluate(
+    candidate: Policy,
+    reference: Policy,
+    champion: Policy | None,
+    scorer: Scorer,
+    prompts: Sequence[str],
+    answers: Sequence[str] | None,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    n_samples: int = 3,
+) -> EvalResult:
+    """Answer `prompts` with every policy and compute each one's `EvalFigures`.
+
+    `answers` (one per prompt) enable accuracy; without them accuracy is None. The
+    reference's win rate against itself is 0.5 and its KL 0 by definition. The champion's
+    KL is NaN when its vocabulary differs from the reference's (it is not gated).
+    """
+    if not prompts:
+        raise ValueError("no eval prompts")
+    if answers is not None and len(answers) != len(prompts):
+        raise ValueError(f"{len(answers)} answers for {len(prompts)} eval prompts")
+    outputs = {p.name: answer(p, prompts, max_new_tokens) for p in (candidate, reference, champion) if p is not None}
+    scores = {
+        name: normalise(score(scorer.model, scorer.tokenizer, prompts, out.texts, scorer.max_length), scorer.stats).tolist()
+        for name, out in outputs.items()
+    }
+    ref_length = response_length_stats(outputs[reference.name].texts)["mean"]
+
+    def report(policy: Policy, kl: float) -> PolicyReport:
+        out = outputs[policy.name]
+        length = response_length_stats(out.texts)
+        figures = EvalFigures(
+            accuracy=None if answers is None else exact_match(out.texts, answers),
+            rm_score_mean=sum(scores[policy.name]) / len(prompts),
+            win_rate_vs_reference=win_rate(scores[policy.name], scores[reference.name]),
+            win_rate_vs_champion=None if champion is None else win_rate(scores[policy.name], scores[champion.name]),
+            kl_to_reference=kl,
+            mean_length=length["mean"],
+            reference_mean_length=ref_length,
+            degenerate_rate=degenerate_rate(out.texts),
+            generation_failures=len(out.failed_prompts) / len(prompts),
+        )
+        samples = list(zip(prompts[:n_samples], out.texts[:n_samples]))
+        return PolicyReport(policy.name, figures, scores[policy.name], length, out.failed_prompts, samples)
+
+    def kl_of(policy: Policy) -> float:
+        if not _same_vocabulary(policy.tokenizer, reference.tokenizer):
+            return math.nan
+        return sequence_kl(policy, reference, prompts, max_new_tokens, temperature, seed)
+
+    return EvalResult(
+        candidate=report(candidate, kl_of(candidate)),
+        reference=report(reference, 0.0),
+        champion=None if champion is None else report(champion, kl_of(champion)),
+        num_prompts=len(prompts),
+    )
