@@ -5,8 +5,14 @@
     rlhf validate PATH [--eval PATH] [--config PATH]      validate preference data only
     rlhf check-config PATH                                validate a config file only
     rlhf make-demo-data OUT_DIR [--config PATH]           write the demo task's data
+    rlhf evaluate [VERSION|ALIAS]                         re-run the gates on a registered policy
+    rlhf promote VERSION [--by NAME] [--reason TEXT]      make a policy version the champion
+    rlhf deploy                                           serve the champion (blue/green)
+    rlhf rollback --incident ID --reason TEXT [--to V]    move the champion back and serve it
+    rlhf serving [status|stop]                            what serves now; stop it
 
-Exit codes: 0 success, 1 the run failed (summary.json says why), 2 bad usage or config.
+Exit codes: 0 success, 1 the run failed (summary.json says why), 2 bad usage or config,
+3 the candidate was rejected by the gates (nothing was registered or deployed).
 """
 from __future__ import annotations
 
@@ -58,7 +64,38 @@ def _parser() -> argparse.ArgumentParser:
     data = sub.add_parser("make-demo-data", help="write the demo task's SFT, preference and eval files")
     data.add_argument("out_dir")
     data.add_argument("--config", default=DEFAULT_CONFIG)
+
+    ev = sub.add_parser("evaluate", help="re-run the gates on a registered policy version")
+    ev.add_argument("candidate", nargs="?", default="challenger", help="version number or alias (default challenger)")
+    _config_args(ev)
+
+    pro = sub.add_parser("promote", help="make a policy version the champion (records the previous one)")
+    pro.add_argument("version", help="version number of `policy` (or an alias, e.g. challenger)")
+    pro.add_argument("--by", default=os.environ.get("USER", "unknown"), help="who promotes (default $USER)")
+    pro.add_argument("--reason", default="promoted with rlhf promote")
+    pro.add_argument("--force", action="store_true", help="promote a version the gates rejected")
+    pro.add_argument("--deploy", action="store_true", help="serve it right away (deploy-champion)")
+    _config_args(pro)
+
+    dep = sub.add_parser("deploy", help="serve models:/policy@champion (deploy-champion flow)")
+    _config_args(dep)
+
+    rb = sub.add_parser("rollback", help="move champion back to the previous version and serve it")
+    rb.add_argument("--incident", required=True, help="incident id; a second request for it does nothing")
+    rb.add_argument("--reason", required=True)
+    rb.add_argument("--by", default=os.environ.get("USER", "unknown"), help="who asks (default $USER)")
+    rb.add_argument("--to", dest="to_version", help="version to return to (default: the previous champion)")
+    _config_args(rb)
+
+    srv = sub.add_parser("serving", help="show the serving endpoint, or stop it")
+    srv.add_argument("action", nargs="?", choices=["status", "stop"], default="status")
+    _config_args(srv)
     return p
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pipeline config YAML (default {DEFAULT_CONFIG})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -82,7 +119,23 @@ def print_summary(summary: dict[str, Any]) -> None:
     print("=" * 72)
 
 
-def _run_flow(fn, **kwargs) -> int:
+def print_deployment(stage: dict[str, Any], cfg) -> None:
+    print(f"Serving:     policy v{stage['version']} at {stage['endpoint']}/v1  (model {stage['served_model_name']!r})")
+    print(f"Sample:      {stage['sample']}")
+    print(f"API key:     ${cfg.serving.api_key_env}, else the file {_state_dir(cfg)}/api_key")
+    print(f"Try it:      curl -s {stage['endpoint']}/v1/completions -H \"Authorization: Bearer $(cat {_state_dir(cfg)}/api_key)\" \\")
+    print(f"               -H 'Content-Type: application/json' -d '{{\"model\": \"{stage['served_model_name']}\", "
+          f"\"prompt\": \"{cfg.serving.smoke_prompt}\", \"max_tokens\": 8, \"temperature\": 0}}'")
+    print("Stop it:     rlhf serving stop")
+
+
+def _state_dir(cfg) -> Path:
+    from rlhf_core.serving.server import state_dir_for
+
+    return state_dir_for(cfg.serving, cfg.output_dir)
+
+
+def _run_flow(fn, cfg=None, **kwargs) -> int:
     """Run a flow and print its summary; a failed run's summary (and summary.json) say why."""
     from tasks.tracking import PipelineFailed
 
@@ -96,7 +149,60 @@ def _run_flow(fn, **kwargs) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print_summary(summary)
+    if cfg is not None and "deploy" in summary.get("stages", {}):
+        print_deployment(summary["stages"]["deploy"], cfg)
+    return 3 if summary.get("status") == "rejected" else 0
+
+
+def _run_plain_flow(fn, **kwargs) -> int:
+    """Run a flow whose result is a small dict; print it, or the error."""
+    state = fn(**kwargs, return_state=True)
+    try:
+        result = state.result()
+    except Exception as exc:  # noqa: BLE001 - the flow's error is the message
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, default=str))
     return 0
+
+
+def _registry_command(args, cfg) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from tasks.registry import RegistryError, promote
+    from tasks.tracking import resolve_tracking_uri
+
+    try:
+        p = promote(MlflowClient(resolve_tracking_uri(cfg)), args.version, args.by, args.reason, force=args.force)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if p.changed:
+        print(f"policy v{p.version} is now the champion (previous: {'v' + p.previous if p.previous else 'none'})")
+    else:
+        print(f"policy v{p.version} already is the champion")
+    if args.deploy:
+        from flows.serving import deploy_champion_flow
+
+        return _run_plain_flow(deploy_champion_flow, config_path=args.config, overrides=args.overrides)
+    return 0
+
+
+def _serving_command(args, cfg) -> int:
+    from rlhf_core.serving import server
+
+    state_dir = _state_dir(cfg)
+    if args.action == "stop":
+        stopped = server.stop(state_dir)
+        print(f"stopped policy v{stopped.version} at {stopped.url}" if stopped else "nothing was serving")
+        return 0
+    current = server.current_endpoint(state_dir)
+    if current is None:
+        print("nothing is serving")
+        return 1
+    healthy = server.health(current.url)
+    print(json.dumps({**current.to_dict(), "healthy": healthy}, indent=2))
+    return 0 if healthy else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +228,23 @@ def main(argv: list[str] | None = None) -> int:
             load_config(config, args.overrides)  # fail fast, before any server starts
             from flows.pipeline import rlhf_pipeline
 
-            return _run_flow(rlhf_pipeline, config_path=config, overrides=args.overrides)
+            return _run_flow(rlhf_pipeline, cfg=load_config(config, args.overrides), config_path=config,
+                             overrides=args.overrides)
+        if args.command in ("evaluate", "promote", "deploy", "rollback", "serving"):
+            cfg = load_config(args.config, args.overrides)
+            if args.command == "promote":
+                return _registry_command(args, cfg)
+            if args.command == "serving":
+                return _serving_command(args, cfg)
+            from flows.serving import deploy_champion_flow, evaluate_flow, rollback_flow
+
+            if args.command == "evaluate":
+                return _run_flow(evaluate_flow, candidate=args.candidate, config_path=args.config,
+                                 overrides=args.overrides)
+            if args.command == "deploy":
+                return _run_plain_flow(deploy_champion_flow, config_path=args.config, overrides=args.overrides)
+            return _run_plain_flow(rollback_flow, incident=args.incident, reason=args.reason, requested_by=args.by,
+                                   to_version=args.to_version, config_path=args.config, overrides=args.overrides)
         if args.command == "validate":
             load_config(args.config)
             for p in filter(None, (args.path, args.eval_path)):

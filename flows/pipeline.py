@@ -1,9 +1,15 @@
-"""The `rlhf-pipeline` flow: validate → SFT base policy → reward model → PPO | GRPO (gates,
-registry and deployment join with later issues).
+"""The `rlhf-pipeline` flow: validate → SFT base policy → reward model → PPO | GRPO →
+evaluation gates → registry → deployment.
 
 The flow only composes tasks. Every run writes `summary.json` (stage verdicts and headline
-figures) into its output directory, whether it completes or fails, so that schedulers and
-scripts can read the outcome without parsing logs.
+figures) into its output directory, so that schedulers and scripts can read the outcome
+without parsing logs. Its `status` is one of:
+
+- `completed`: the candidate passed the gates and is registered as `policy` (alias
+  `challenger`; with `gates.auto_promote` also `champion`, and then it serves);
+- `rejected`: the candidate failed a gate; it is not registered, `reasons` say why, and
+  what serves is unchanged. The MLflow run is FINISHED with tag `gate.passed=false`;
+- `failed`: a stage raised; `failed_stage` and `error` say which and why.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from tasks.data import prepare_data, validate_data
+from tasks.deploy import deploy_champion
+from tasks.evaluate import Candidate, eval_set, evaluate_candidate, register_candidate
 from tasks.policy import optimise_policy
 from tasks.reward import train_reward_model_task
 from tasks.sft import train_base_policy
@@ -37,5 +45,18 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         data = run_stage(stages, "validate", validate_data, paths, cfg, run)
         base = run_stage(stages, "sft", train_base_policy, data, cfg, run)
         reward = run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run)
-        run_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
+        policy = run_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
+        candidate = Candidate(policy.path, base.path, reward.path, {
+            "dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
+            "reward_model.version": reward.version, "policy.run_id": policy.run_id,
+            "algorithm": policy.result.algorithm, "pipeline.run_id": run.run_id,
+        })
+        prompts, answers = eval_set(data.paths, cfg)
+        evaluation = run_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)
+        if not evaluation.passed:
+            summary.update(status="rejected", reasons=list(evaluation.decision.reasons))
+            return summary
+        registration = run_stage(stages, "register", register_candidate, evaluation, cfg, run)
+        if registration.promoted and cfg.serving.enabled:
+            run_stage(stages, "deploy", deploy_champion, cfg)
     return summary

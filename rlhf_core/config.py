@@ -166,6 +166,18 @@ class GRPOConfig(_Strict):
     clip_range: float = Field(0.2, gt=0, lt=1)
 
 
+class CircuitBreakerConfig(_Strict):
+    """When RL training stops itself (`rlhf_core.training.circuit_breaker.should_trip`)."""
+
+    enabled: bool = True
+    kl_patience: int = Field(3, ge=1)  # steps in a row with policy/kl > policy.kl_bound
+    max_consecutive_nonfinite: int = Field(2, ge=1)  # steps in a row with a skipped non-finite update
+    entropy_floor: float | None = Field(None, ge=0)  # nats; None: no entropy check
+    entropy_patience: int = Field(3, ge=1)
+    max_reward_drop: float | None = Field(None, gt=0)  # below the run's best windowed mean; None: off
+    reward_window: int = Field(3, ge=1)  # steps averaged for the reward check
+
+
 class PolicyConfig(_Strict):
     """Policy optimisation (PPO | GRPO) on Ray Train + DeepSpeed with vLLM rollouts.
 
@@ -208,6 +220,7 @@ class PolicyConfig(_Strict):
     min_accuracy_gain: float = Field(0.0, ge=-1, le=1)  # the stage fails below this gain
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
 
     @property
     def samples_per_prompt(self) -> int:
@@ -266,6 +279,34 @@ class GateConfig(_Strict):
     auto_promote: bool = False  # False: a passing candidate still waits for a human
 
 
+class ServingConfig(_Strict):
+    """Serving the champion with vLLM's OpenAI-compatible server (`rlhf_core.serving`).
+
+    Blue/green: a new deployment starts on whichever of `ports` the current server does not
+    use, must pass a health check and a smoke completion, and only then becomes the current
+    endpoint (recorded in `<state_dir>/current.json`); the old server is stopped after that.
+    """
+
+    enabled: bool = True  # deploy after a promotion inside the pipeline
+    host: str = "127.0.0.1"  # bind address; anything else exposes the API beyond this machine
+    ports: tuple[int, int] = (8100, 8101)  # blue / green
+    api_key_env: str = "RLHF_SERVING_API_KEY"  # unset: a key is generated into <state_dir>/api_key
+    state_dir: Path | None = None  # None: <output_dir>/serving
+    dtype: str = "float32"  # vLLM --dtype ("auto" / "bfloat16" on GPU)
+    max_model_len: int | None = Field(None, ge=8)  # None: the model's max_position_embeddings
+    kv_cache_gib: float = Field(0.5, gt=0)  # CPU backend KV cache (VLLM_CPU_KVCACHE_SPACE)
+    startup_timeout_s: float = Field(300.0, gt=0)  # until /health answers 200
+    smoke_prompt: str = "Hello"  # completed once before the new server takes traffic
+    smoke_max_tokens: int = Field(8, ge=1)
+    extra_args: list[str] = []  # passed on to vllm.entrypoints.openai.api_server
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> "ServingConfig":
+        if self.ports[0] == self.ports[1]:
+            raise ValueError("ports must be two different ports (blue, green)")
+        return self
+
+
 class TrackingConfig(_Strict):
     """MLflow. `tracking_uri` None means $MLFLOW_TRACKING_URI, else SQLite in the cwd."""
 
@@ -284,6 +325,7 @@ class PipelineConfig(_Strict):
     reward: RewardConfig = RewardConfig()
     policy: PolicyConfig = PolicyConfig()
     gates: GateConfig = GateConfig()
+    serving: ServingConfig = ServingConfig()
     tracking: TrackingConfig = TrackingConfig()
 
 

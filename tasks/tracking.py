@@ -178,7 +178,8 @@ def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
     os.replace(tmp, run.summary_path)
     client = run.client
     client.log_artifact(run.run_id, str(run.summary_path))
-    ok = summary["status"] == "completed"
+    client.set_tag(run.run_id, "outcome", summary["status"])
+    ok = summary["status"] in ("completed", "rejected")  # a rejection is a decision, not a crash
     end_run(run, run.run_id, ok, None if ok else summary.get("error"))
     return run.summary_path
 
@@ -195,5 +196,5 @@ def recorded_outcome(run: PipelineRun, summary: dict):
         summary.update(status="failed", failed_stage=failed, error=str(exc))
         finish_pipeline_run(run, summary)
         raise PipelineFailed(summary) from exc
-    summary["status"] = "completed"
+    summary.setdefault("status", "completed")  # the flow may have set "rejected"
     finish_pipeline_run(run, summary)

@@ -34,6 +34,12 @@ def tiny_config_dict(tmp: Path) -> dict:
     }
 
 
+@pytest.fixture(scope="session")
+def tiny_config_factory():
+    """`tiny_config_dict` for fixtures wider than one test (module-scoped pipeline runs)."""
+    return tiny_config_dict
+
+
 @pytest.fixture
 def tiny_config(tmp_path) -> Path:
     path = tmp_path / "tiny.yaml"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import pytest
 import yaml
@@ -30,9 +31,43 @@ async def artifact_keys() -> set[str]:
         return {a.key for a in await client.read_artifacts() if a.key}
 
 
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def full_run(prefect_server, ray_cluster, tmp_path_factory, tiny_config_factory):
+    """One pipeline run through every stage, serving included (gates loose: a 2-step tiny
+    policy cannot be expected to beat its SFT policy; the gate math has its own tests).
+    Whatever it serves is stopped at the end of the module."""
+    from rlhf_core.config import load_config
+    from rlhf_core.serving import server
+
+    tmp = tmp_path_factory.mktemp("full")
+    raw = tiny_config_factory(tmp)
+    raw["gates"] = {"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
+                    "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,
+                    "max_degenerate_rate": 1.0, "max_kl": 1000.0}
+    raw["serving"] = {"ports": free_ports(2), "smoke_prompt": "12+34="}
+    config = tmp / "full.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    cfg = load_config(config)
+    state_dir = server.state_dir_for(cfg.serving, cfg.output_dir)
+    try:
+        yield config, cfg, state_dir, rlhf_pipeline(config_path=str(config))
+    finally:
+        server.stop(state_dir)
+
+
 @pytest.mark.slow
-def test_pipeline_runs_every_stage_and_records_lineage(tiny_config, ray_cluster):
-    summary = rlhf_pipeline(config_path=str(tiny_config))
+def test_pipeline_runs_every_stage_and_records_lineage(full_run):
+    _, _, _, summary = full_run
 
     assert summary["status"] == "completed"
     assert summary["stages"]["validate"]["status"] == "passed"
@@ -47,7 +82,7 @@ def test_pipeline_runs_every_stage_and_records_lineage(tiny_config, ray_cluster)
     assert parent.data.tags["dataset.fingerprint"] == summary["stages"]["validate"]["dataset_fingerprint"]
     assert "git.commit" in parent.data.tags and parent.data.params["sft.epochs"] == "1"
     stages = child_runs(client, parent.info.run_id)
-    assert set(stages) == {"validate", "sft", "reward", "policy"}
+    assert set(stages) == {"validate", "sft", "reward", "policy", "evaluate"}
     assert all(r.info.status == "FINISHED" for r in stages.values())
     assert stages["sft"].data.metrics["sft/eval_accuracy"] == summary["stages"]["sft"]["eval_accuracy"]
     assert "sft/loss" in stages["sft"].data.metrics
@@ -74,6 +109,50 @@ def test_pipeline_runs_every_stage_and_records_lineage(tiny_config, ray_cluster)
     assert "eval/accuracy" in stages["policy"].data.metrics and "rollout/logprob_diff" in stages["policy"].data.metrics
     assert "model/model.safetensors" in {a.path for a in client.list_artifacts(stages["policy"].info.run_id, "model")}
     AutoModelForCausalLM.from_pretrained(policy["model_path"])
+
+
+@pytest.mark.slow
+def test_gates_register_promote_and_deploy_the_candidate(full_run):
+    from rlhf_core.serving import server
+
+    _, cfg, state_dir, summary = full_run
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    stages = child_runs(client, summary["mlflow_run_id"])
+
+    # the gate decision: MLflow metrics and tags, a JSON report, a Prefect table artifact
+    evaluation = summary["stages"]["evaluate"]
+    assert evaluation["status"] == "passed" and evaluation["champion"] is None
+    gate_run = stages["evaluate"].data
+    assert gate_run.metrics["gate/passed"] == 1.0 and gate_run.tags["gate.passed"] == "true"
+    assert gate_run.metrics["eval/reference/kl_to_reference"] == 0.0
+    assert gate_run.metrics["eval/candidate/win_rate_vs_reference"] == evaluation["win_rate_vs_reference"] or \
+        abs(gate_run.metrics["eval/candidate/win_rate_vs_reference"] - evaluation["win_rate_vs_reference"]) < 1e-3
+    report = json.loads(open(evaluation["report"]).read())
+    assert report["decision"]["passed"] is True and len(report["decision"]["checks"]) == 8
+    assert report["candidate"]["figures"]["accuracy"] == evaluation["accuracy"]
+    assert {"gate-decision", "deployed-endpoint", "policy-metrics"} <= asyncio.run(artifact_keys())
+
+    # the registry: version 1 of `policy` with lineage, promoted (auto_promote) with no previous champion
+    register = summary["stages"]["register"]
+    assert register == {"status": "promoted", "version": "1", "aliases": ["champion"], "previous_champion": None}
+    v1 = client.get_model_version_by_alias("policy", "champion")
+    assert str(v1.version) == "1" and v1.run_id == stages["policy"].info.run_id
+    assert v1.tags["dataset.fingerprint"] == summary["stages"]["validate"]["dataset_fingerprint"]
+    assert v1.tags["reward_model.version"] == summary["stages"]["reward"]["registered_version"]
+    assert v1.tags["base_model.run_id"] == stages["sft"].info.run_id and v1.tags["gate.passed"] == "true"
+    assert v1.tags["promoted_by"] == f"pipeline:{summary['mlflow_run_id']}"
+
+    # deployment: the served model is v1, behind an API key
+    deploy = summary["stages"]["deploy"]
+    assert deploy["status"] == "serving" and deploy["version"] == "1"
+    current = server.current_endpoint(state_dir)
+    assert current.url == deploy["endpoint"] and current.url.startswith("http://127.0.0.1:")
+    key = server.resolve_api_key(cfg.serving, state_dir)
+    assert server.list_models(current.url, key) == ["policy-v1"]
+    assert isinstance(server.complete(current.url, key, "policy-v1", "12+34=", max_tokens=4), str)
+    for bad_key in (None, "wrong"):
+        with pytest.raises(server.ServingError, match="401"):
+            server.complete(current.url, bad_key, "policy-v1", "12+34=")
 
 
 def test_validation_report_is_a_prefect_artifact(tiny_config, tmp_path, capsys):
@@ -140,3 +219,100 @@ def test_cli_validate_exits_nonzero_naming_the_problem(tiny_config, tmp_path, ca
     assert code == 1
     assert "chosen_differs_from_rejected" in out.out + out.err
     assert "FAILED" in out.out
+
+
+def register_copy(client, summary, model_dir, tags) -> str:
+    """A new `policy` version from `model_dir`, logged to a fresh run (as a later pipeline would)."""
+    from tasks.registry import register_model_version
+
+    parent = client.get_run(summary["mlflow_run_id"])
+    run = client.create_run(parent.info.experiment_id, run_name="policy-copy")
+    client.log_artifacts(run.info.run_id, str(model_dir), "model")
+    client.set_terminated(run.info.run_id)
+    return register_model_version(client, "policy", run.info.run_id, "model", tags)
+
+
+def served(cfg, state_dir) -> tuple[list[str], int]:
+    """What the recorded endpoint serves, asked through the API, and the server's pid."""
+    from rlhf_core.serving import server
+
+    current = server.current_endpoint(state_dir)
+    return server.list_models(current.url, server.resolve_api_key(cfg.serving, state_dir)), current.pid
+
+
+@pytest.mark.slow
+def test_promote_deploy_rollback_and_a_broken_deploy(full_run, tmp_path, capsys):
+    import shutil
+
+    from tasks.registry import incident_record
+
+    config, cfg, state_dir, summary = full_run
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    v1 = client.get_model_version("policy", "1")
+    tags = {k: v for k, v in v1.tags.items() if k in ("dataset.fingerprint", "base_model.run_id", "reward_model.version")}
+    v2 = register_copy(client, summary, summary["stages"]["policy"]["model_path"], {**tags, "gate.passed": "true"})
+
+    # a person promotes v2 and deploys it: blue/green onto the other port, v1's server stops
+    assert cli_main(["promote", v2, "--by", "alice", "--reason", "weekly run", "--deploy", "--config", str(config)]) == 0
+    assert f"policy v{v2} is now the champion (previous: v1)" in capsys.readouterr().out
+    assert served(cfg, state_dir)[0] == [f"policy-v{v2}"]
+    assert client.get_model_version("policy", v2).tags["previous_champion"] == "1"
+
+    # on-call rolls back: champion v1 again, served again, recorded once per incident
+    args = ["rollback", "--incident", "INC-7", "--reason", "KL explosion", "--by", "bob", "--config", str(config)]
+    assert cli_main(args) == 0
+    assert str(client.get_model_version_by_alias("policy", "champion").version) == "1"
+    models, pid = served(cfg, state_dir)
+    assert models == ["policy-v1"]
+    record = incident_record(client, "INC-7")
+    assert record["status"] == "completed" and record["from"] == v2 and record["to"] == "1"
+    assert record["requested_by"] == "bob" and record["reason"] == "KL explosion"
+    assert client.get_model_version("policy", "1").tags["rollback.incident"] == "INC-7"
+    assert "rollback" in asyncio.run(artifact_keys())
+    rollback_runs = client.search_runs([client.get_run(summary["mlflow_run_id"]).info.experiment_id],
+                                       "tags.incident = 'INC-7'")
+    assert len(rollback_runs) == 1 and rollback_runs[0].data.tags["rollback.requested_by"] == "bob"
+
+    capsys.readouterr()
+    assert cli_main(args) == 0  # the same incident again: nothing happens
+    assert '"action": "none"' in capsys.readouterr().out
+    assert served(cfg, state_dir) == (["policy-v1"], pid)
+    assert len(client.search_runs([rollback_runs[0].info.experiment_id], "tags.incident = 'INC-7'")) == 1
+
+    # a broken model (corrupt weights) is promoted: its deploy fails and v1 keeps serving
+    broken = tmp_path / "broken"
+    shutil.copytree(summary["stages"]["policy"]["model_path"], broken)
+    (broken / "model.safetensors").write_bytes(b"\x00garbage" * 1000)
+    v3 = register_copy(client, summary, broken, {**tags, "gate.passed": "true"})
+    capsys.readouterr()
+    assert cli_main(["promote", v3, "--deploy", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "error:" in err and f"policy-v{v3}" in err
+    assert served(cfg, state_dir) == (["policy-v1"], pid)  # the old server, untouched
+
+    # and rolling back from the broken champion returns to v1 without restarting it
+    assert cli_main(["rollback", "--incident", "INC-8", "--reason", "broken deploy", "--config", str(config)]) == 0
+    assert str(client.get_model_version_by_alias("policy", "champion").version) == "1"
+    assert served(cfg, state_dir) == (["policy-v1"], pid)
+
+
+@pytest.mark.slow
+def test_evaluate_flow_rejects_with_reasons_and_promote_then_refuses(full_run, capsys):
+    config, _, _, summary = full_run
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    v1 = client.get_model_version("policy", "1")
+    tags = {k: v for k, v in v1.tags.items() if k in ("dataset.fingerprint", "base_model.run_id", "reward_model.version")}
+    candidate = register_copy(client, summary, summary["stages"]["policy"]["model_path"], tags)
+    champion_before = str(client.get_model_version_by_alias("policy", "champion").version)
+
+    code = cli_main(["evaluate", candidate, "--config", str(config), "--set", "gates.max_kl=0.000001",
+                     "--set", "gates.min_accuracy_gain=1.0"])
+    out = capsys.readouterr().out
+    assert code == 3 and "evaluate: REJECTED" in out
+    tags = client.get_model_version("policy", candidate).tags
+    assert tags["gate.passed"] == "false" and tags["gate.vs_champion"] == champion_before
+    assert "accuracy_below_reference" in tags["gate.reasons"] and "kl_above_max" in tags["gate.reasons"]
+
+    assert cli_main(["promote", candidate, "--config", str(config)]) == 1
+    assert "rejected by the gates" in capsys.readouterr().err
+    assert str(client.get_model_version_by_alias("policy", "champion").version) == champion_before

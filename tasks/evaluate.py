@@ -1,0 +1,222 @@
+"""Prefect tasks for the evaluation gates and the registration of a passing candidate.
+
+`evaluate_candidate` answers the held-out prompts with the candidate, the reference (SFT)
+policy and the current champion, and applies `rlhf_core.eval.gates.gate`. The decision
+goes to MLflow (metrics `eval/...`, `gate/passed`, tags `gate.*`), to the Prefect table
+artifact `gate-decision`, and to `gate_report.json` in the run's output directory.
+
+`register_candidate` turns a passing candidate into a version of `policy` with its lineage
+and gate report, gives it the alias `challenger`, and promotes it to `champion` when
+`gates.auto_promote` is on. A rejected candidate is not registered: the pipeline ends with
+status `rejected` and the reasons (see `flows.pipeline`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlflow
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+
+from rlhf_core.config import PipelineConfig
+from rlhf_core.data.pairs import split_by_prompt
+from rlhf_core.data.schema import read_table
+from rlhf_core.eval.evaluate import EvalResult, Policy, Scorer, evaluate
+from rlhf_core.eval.gates import Decision, gate
+from rlhf_core.models.llama import load_policy
+from rlhf_core.models.reward import load_reward_model
+from rlhf_core.tokenizer import load_tokenizer
+from tasks.registry import CHALLENGER, CHAMPION, POLICY, by_alias, promote, register_model_version
+from tasks.data import DataPaths
+from tasks.tracking import PipelineRun, stage_run
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What is evaluated, and where it comes from (lineage for the registry)."""
+
+    model_dir: Path
+    reference_dir: Path  # the SFT policy RL started from
+    reward_dir: Path
+    lineage: dict[str, str]  # dataset.fingerprint, base_model.run_id, reward_model.version, policy.run_id, ...
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    candidate: Candidate
+    result: EvalResult
+    decision: Decision
+    champion_version: str | None
+    run_id: str  # the evaluate stage's MLflow run
+    report_path: Path
+
+    @property
+    def passed(self) -> bool:
+        return self.decision.passed
+
+    def summary(self) -> dict:
+        c = self.result.candidate.figures
+        return {
+            "status": "passed" if self.passed else "rejected",
+            "accuracy": c.accuracy, "reference_accuracy": self.result.reference.figures.accuracy,
+            "win_rate_vs_reference": round(c.win_rate_vs_reference, 3),
+            "kl_to_reference": round(c.kl_to_reference, 3),
+            "champion": self.champion_version,
+            **({"reasons": list(self.decision.reasons)} if self.decision.reasons else {}),
+            "report": str(self.report_path),
+        }
+
+
+def eval_set(paths: DataPaths, cfg: PipelineConfig) -> tuple[list[str], list[str] | None]:
+    """The held-out prompts (and answers, when the eval file has them) the gates decide on:
+    the eval file, else the preference prompts the reward model held out."""
+    if paths.eval is not None:
+        table = read_table(paths.eval)
+        return list(table["prompt"]), (list(table["answer"]) if "answer" in table.columns else None)
+    rows = read_table(paths.preferences)[["prompt"]].to_dict("records")
+    _, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
+    return list(dict.fromkeys(r["prompt"] for r in held_out)), None
+
+
+def _policy(name: str, model_dir: Path) -> Policy:
+    return Policy(name, load_policy(model_dir), load_tokenizer(model_dir))
+
+
+def fetch_version(tracking_uri: str, version: str, dest_root: Path, name: str = POLICY) -> Path:
+    """Download `models:/<name>/<version>` to `<dest_root>/v<version>` (once; atomically)."""
+    dest = dest_root / f"v{version}"
+    if dest.is_dir():
+        return dest
+    dest_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=dest_root))
+    try:
+        mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(tmp), tracking_uri=tracking_uri)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _report_json(ev_result: EvalResult, decision: Decision, candidate: Candidate, champion: str | None, cfg) -> dict:
+    def policy(report):
+        if report is None:
+            return None
+        return {"figures": {**asdict(report.figures), "length_ratio": report.figures.length_ratio},
+                "length": report.length, "failed_prompts": report.failed_prompts,
+                "samples": [{"prompt": p, "answer": a} for p, a in report.samples]}
+
+    return {
+        "decision": decision.to_dict(),
+        "thresholds": cfg.gates.model_dump(mode="json"),
+        "num_prompts": ev_result.num_prompts,
+        "candidate": {"model_dir": str(candidate.model_dir), **policy(ev_result.candidate)},
+        "reference": {"model_dir": str(candidate.reference_dir), **policy(ev_result.reference)},
+        "champion": None if champion is None else {"version": champion, **policy(ev_result.champion)},
+        "lineage": candidate.lineage,
+    }
+
+
+def _publish_decision(decision: Decision, champion: str | None) -> None:
+    rows = [
+        {"check": c.name, "observed": "–" if c.observed is None else f"{c.observed:.4g}",
+         "threshold": "–" if c.threshold is None else f"{c.op} {c.threshold:.4g}",
+         "result": f"skipped ({c.skipped})" if c.skipped else ("pass" if c.passed else "FAIL")}
+        for c in decision.checks
+    ]
+    verdict = "passed" if decision.passed else "rejected: " + "; ".join(decision.reasons)
+    vs = f"champion v{champion}" if champion else "no champion yet"
+    create_table_artifact(key="gate-decision", table=rows, description=f"Gate {verdict} (vs reference and {vs})")
+
+
+@task(name="evaluate-candidate")
+def evaluate_candidate(
+    candidate: Candidate, prompts: list[str], answers: list[str] | None, cfg: PipelineConfig, run: PipelineRun
+) -> Evaluation:
+    log = get_run_logger()
+    client = run.client
+    champion = by_alias(client, CHAMPION)
+    champion_version = None if champion is None else str(champion.version)
+    with stage_run(run, "evaluate", {**candidate.lineage, "champion.version": champion_version or ""}) as stage_id:
+        reward_model, reward_tok, stats = load_reward_model(candidate.reward_dir)
+        champion_policy = None
+        if champion is not None:
+            champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion"))
+        n = min(cfg.gates.eval_prompts, len(prompts))
+        result = evaluate(
+            _policy("candidate", candidate.model_dir), _policy("reference", candidate.reference_dir), champion_policy,
+            Scorer(reward_model, reward_tok, stats, cfg.reward.max_length),
+            prompts[:n], None if answers is None else answers[:n],
+            max_new_tokens=cfg.policy.max_new_tokens, temperature=cfg.policy.temperature, seed=cfg.policy.seed,
+        )
+        decision = gate(
+            result.candidate.figures, result.reference.figures,
+            None if result.champion is None else result.champion.figures, cfg.gates,
+        )
+        report = _report_json(result, decision, candidate, champion_version, cfg)
+        report_path = run.out_dir / "gate_report.json"
+        tmp = report_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        os.replace(tmp, report_path)
+        client.log_artifact(stage_id, str(report_path))
+        for key, value in {**result.metrics(), "gate/passed": float(decision.passed)}.items():
+            client.log_metric(stage_id, key, value)
+        for target in (stage_id, run.run_id):
+            client.set_tag(target, "gate.passed", str(decision.passed).lower())
+            client.set_tag(target, "gate.reasons", "; ".join(decision.reasons)[:5000])
+        _publish_decision(decision, champion_version)
+        log.info("gate %s: %s", "passed" if decision.passed else "REJECTED", "; ".join(decision.reasons) or "every check passed")
+    return Evaluation(candidate, result, decision, champion_version, stage_id, report_path)
+
+
+@dataclass(frozen=True)
+class Registration:
+    version: str
+    promoted: bool
+    previous_champion: str | None
+
+    def summary(self) -> dict:
+        return {"status": "promoted" if self.promoted else "challenger", "version": self.version,
+                "aliases": [CHAMPION] if self.promoted else [CHALLENGER],
+                "previous_champion": self.previous_champion}
+
+
+@task(name="register-candidate")
+def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: PipelineRun) -> Registration:
+    """Register a passing candidate as `policy` (alias `challenger`); promote it if configured."""
+    if not evaluation.passed:
+        raise ValueError("a rejected candidate is never registered")  # the flow does not call this then
+    log = get_run_logger()
+    client = run.client
+    lineage = evaluation.candidate.lineage
+    c = evaluation.result.candidate.figures
+    client.log_artifact(lineage["policy.run_id"], str(evaluation.report_path), artifact_path="gate")
+    tags = {
+        **lineage, "eval.run_id": evaluation.run_id, "gate.passed": "true",
+        "gate.report": f"runs:/{lineage['policy.run_id']}/gate/{evaluation.report_path.name}",
+        "gate.vs_champion": evaluation.champion_version or "none",
+        "eval.accuracy": "" if c.accuracy is None else f"{c.accuracy:.4f}",
+        "eval.win_rate_vs_reference": f"{c.win_rate_vs_reference:.4f}",
+        "eval.kl_to_reference": f"{c.kl_to_reference:.4f}",
+    }
+    version = register_model_version(
+        client, POLICY, lineage["policy.run_id"], "model", tags,
+        description=f"{lineage.get('algorithm', 'RL')} policy; gate passed vs "
+                    f"{'champion v' + evaluation.champion_version if evaluation.champion_version else 'reference only'}",
+    )
+    client.set_registered_model_alias(POLICY, CHALLENGER, version)
+    client.set_tag(run.run_id, "registered_model", f"{POLICY}/{version}")
+    previous = None
+    promoted = False
+    if cfg.gates.auto_promote:
+        promotion = promote(client, version, requested_by=f"pipeline:{run.run_id}", reason="gates.auto_promote")
+        promoted, previous = True, promotion.previous
+        log.info("policy v%s promoted to %s (previous champion: %s)", version, CHAMPION, previous or "none")
+    else:
+        log.info("policy v%s is the %s; promote it with `rlhf promote %s` or in the MLflow UI", version, CHALLENGER, version)
+    return Registration(version, promoted, previous)

@@ -1,0 +1,415 @@
+"""Blue/green deployment of vLLM's OpenAI-compatible server.
+
+Fast tests (no server) cover the key, the port choice, the recorded endpoint, stopping a
+process group and the key check loaded into the server. The slow tests run one real
+sequence on loopback, because every server start costs ~40 s on two CPU cores:
+
+    deploy v1 -> deploy a corrupt v2 (fails, v1 keeps serving) -> deploy v3 (replaces v1) -> stop
+
+Each stage is a module-scoped fixture that depends on the one before, and the tests of a
+stage come before those of the next in this file, so a stage's live checks run while its
+server serves. The policy is a tiny Llama with random weights (head size 32, the smallest
+vLLM's CPU attention supports): the tests check plumbing, not answers.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from rlhf_core.config import ModelConfig, ServingConfig
+from rlhf_core.data.synthetic import answer_for, prompt_for
+from rlhf_core.models.llama import build_policy, save_pretrained_atomic
+from rlhf_core.serving.server import (
+    SERVER_MODULE,
+    Endpoint,
+    RequireApiKey,
+    ServingError,
+    complete,
+    current_endpoint,
+    deploy,
+    health,
+    list_models,
+    next_port,
+    resolve_api_key,
+    state_dir_for,
+    stop,
+    stop_process_group,
+)
+from rlhf_core.tokenizer import train_tokenizer
+
+POLICY = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2)
+KEY_ENV = "RLHF_TEST_SERVING_API_KEY"  # never set by the slow tests: the key comes from the state dir
+
+
+def free_ports(n: int) -> tuple[int, ...]:
+    socks = [socket.socket() for _ in range(n)]  # all open at once: n different ports
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return tuple(s.getsockname()[1] for s in socks)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def servers_on(port: int) -> list[int]:
+    """Pids of vLLM API servers started with `--port port`."""
+    pids = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        args = proc.info["cmdline"] or []
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and SERVER_MODULE in args and f"{port}" in args:
+            pids.append(proc.pid)
+    return pids
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes of a process group."""
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except ProcessLookupError:
+            pass
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+def refuses_connections(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def endpoint(pid: int = 1, port: int = 8100) -> Endpoint:
+    return Endpoint(
+        url=f"http://127.0.0.1:{port}", host="127.0.0.1", port=port, pid=pid, served_model_name="policy-v1",
+        version="1", model_dir="/m", log_path="/l", started_at="2024-01-01T00:00:00+00:00",
+    )
+
+
+# --- fast: key, ports, recorded endpoint ---------------------------------------------------
+
+
+def test_api_key_from_the_environment_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, "from-env")
+    assert resolve_api_key(ServingConfig(api_key_env=KEY_ENV), tmp_path) == "from-env"
+    assert not (tmp_path / "api_key").exists()
+
+
+def test_api_key_is_generated_once_with_mode_600(tmp_path, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, "")  # empty counts as unset
+    cfg = ServingConfig(api_key_env=KEY_ENV)
+    key = resolve_api_key(cfg, tmp_path / "serving")
+    path = tmp_path / "serving" / "api_key"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(key) >= 40 and path.read_text().strip() == key
+    assert resolve_api_key(cfg, tmp_path / "serving") == key
+    assert [p.name for p in path.parent.iterdir()] == ["api_key"]  # no temporary file left
+
+
+def test_state_dir_defaults_to_the_output_dir(tmp_path):
+    assert state_dir_for(ServingConfig(), tmp_path) == tmp_path / "serving"
+    assert state_dir_for(ServingConfig(state_dir=tmp_path / "elsewhere"), tmp_path) == tmp_path / "elsewhere"
+
+
+def test_blue_green_port_choice():
+    ports = (8100, 8101)
+    assert next_port(ports, None) == 8100
+    assert next_port(ports, endpoint(port=8100)) == 8101
+    assert next_port(ports, endpoint(port=8101)) == 8100
+    assert next_port(ports, endpoint(port=9000)) == 8100  # the ports were reconfigured
+
+
+def test_endpoint_round_trips_through_json():
+    ep = endpoint()
+    assert Endpoint.from_dict(json.loads(json.dumps(ep.to_dict()))) == ep
+
+
+def test_current_endpoint_is_none_without_a_record(tmp_path):
+    assert current_endpoint(tmp_path) is None
+
+
+def test_current_endpoint_with_a_dead_pid_is_none_and_says_so(tmp_path, caplog):
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    (tmp_path / "current.json").write_text(json.dumps(endpoint(pid=proc.pid).to_dict()))
+    assert current_endpoint(tmp_path) is None
+    assert "no longer running" in caplog.text
+
+
+def test_current_endpoint_ignores_a_live_pid_that_is_not_the_server(tmp_path):
+    # After a reboot the recorded pid may belong to anything: never treat it as the server.
+    (tmp_path / "current.json").write_text(json.dumps(endpoint(pid=os.getpid()).to_dict()))
+    assert current_endpoint(tmp_path) is None
+
+
+def test_deploy_fails_before_starting_anything_when_the_port_is_taken(tmp_path):
+    port, other = free_ports(2)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        with pytest.raises(ServingError, match=f"port {port} .* in use"):
+            deploy(tmp_path / "model", "1", ServingConfig(ports=(port, other), api_key_env=KEY_ENV), tmp_path / "s")
+    assert not (tmp_path / "s" / "logs").exists()
+    assert not (tmp_path / "s" / "deployments.jsonl").exists()
+
+
+def test_deploy_needs_a_max_model_len(tmp_path):
+    (tmp_path / "model").mkdir()
+    cfg = ServingConfig(ports=free_ports(2), api_key_env=KEY_ENV)
+    with pytest.raises(ServingError, match="max_position_embeddings"):
+        deploy(tmp_path / "model", "1", cfg, tmp_path / "s")
+
+
+def test_stop_without_a_server_is_a_no_op(tmp_path):
+    assert stop(tmp_path / "never-deployed") is None
+    assert stop(tmp_path) is None
+
+
+# --- fast: stopping a process group ----------------------------------------------------------
+
+
+def detached(script: str) -> subprocess.Popen:
+    proc = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    time.sleep(0.3)  # let bash start its child
+    return proc
+
+
+def test_stop_process_group_stops_the_leader_and_its_children():
+    proc = detached("sleep 60 & wait")
+    assert group_alive(proc.pid)
+    start = time.monotonic()
+    stop_process_group(proc.pid, timeout=10)
+    assert time.monotonic() - start < 5
+    assert not group_alive(proc.pid)
+
+
+def test_stop_process_group_kills_what_ignores_sigterm():
+    proc = detached('trap "" TERM; sleep 60 & wait')  # the ignored signal is inherited by sleep
+    start = time.monotonic()
+    stop_process_group(proc.pid, timeout=1)
+    assert 1 <= time.monotonic() - start < 5
+    assert not group_alive(proc.pid)
+
+
+def test_stop_process_group_of_a_gone_process_returns():
+    proc = subprocess.Popen(["true"], start_new_session=True)
+    proc.wait()
+    stop_process_group(proc.pid, timeout=1)
+
+
+# --- fast: the key check loaded into the server ------------------------------------------
+
+
+def asgi_status(middleware: RequireApiKey, path: str, authorization: str | None = None) -> int:
+    headers = [(b"authorization", authorization.encode())] if authorization is not None else []
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": headers}
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(middleware(scope, None, send))
+    return sent[0]["status"]
+
+
+async def ok_app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_require_api_key_guards_every_path_but_health_and_metrics(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    guard = RequireApiKey(ok_app)
+    assert asgi_status(guard, "/invocations") == 401
+    assert asgi_status(guard, "/invocations", "Bearer wrong") == 401
+    assert asgi_status(guard, "/invocations", "Basic k") == 401
+    assert asgi_status(guard, "/invocations", "Bearer k") == 200
+    assert asgi_status(guard, "/v1/completions", "Bearer k") == 200
+    assert asgi_status(guard, "/health") == 200
+    assert asgi_status(guard, "/metrics") == 200
+
+
+def test_require_api_key_fails_closed_without_a_key(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    guard = RequireApiKey(ok_app)
+    assert asgi_status(guard, "/invocations", "Bearer ") == 401
+    assert asgi_status(guard, "/health") == 200
+
+
+# --- slow: one real blue/green sequence ---------------------------------------------------
+
+
+@dataclass
+class Serving:
+    cfg: ServingConfig
+    state_dir: Path
+    model_dir: Path
+    corrupt_dir: Path
+
+    @property
+    def key(self) -> str:
+        return (self.state_dir / "api_key").read_text().strip()
+
+    def current_json(self) -> bytes:
+        return (self.state_dir / "current.json").read_bytes()
+
+    def history(self) -> list[dict]:
+        return [json.loads(line) for line in (self.state_dir / "deployments.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory) -> Serving:
+    tmp = tmp_path_factory.mktemp("serving")
+    rng = random.Random(0)
+    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(256)]
+    tok = train_tokenizer([prompt_for(a, b, 2) + answer_for(a + b, 2) for a, b in pairs], vocab_size=64)
+    model_dir = save_pretrained_atomic(build_policy(POLICY, tok, seed=0), tok, tmp / "policy")
+    corrupt_dir = tmp / "corrupt"
+    shutil.copytree(model_dir, corrupt_dir)
+    (corrupt_dir / "model.safetensors").write_bytes(random.Random(1).randbytes(4096))
+    cfg = ServingConfig(
+        ports=free_ports(2), api_key_env=KEY_ENV, smoke_prompt="12+34=", kv_cache_gib=0.25, startup_timeout_s=300
+    )
+    os.environ.pop(KEY_ENV, None)
+    yield Serving(cfg, tmp / "state", model_dir, corrupt_dir)
+    for port in cfg.ports:  # whatever a failed test left behind
+        for pid in servers_on(port):
+            stop_process_group(pid)
+
+
+@pytest.fixture(scope="module")
+def v1(serving):
+    return deploy(serving.model_dir, "1", serving.cfg, serving.state_dir)
+
+
+@pytest.fixture(scope="module")
+def failed_v2(serving, v1):
+    before = serving.current_json()
+    with pytest.raises(ServingError) as failure:
+        deploy(serving.corrupt_dir, "2", serving.cfg, serving.state_dir)
+    return failure.value, before
+
+
+@pytest.fixture(scope="module")
+def v3(serving, failed_v2):
+    return deploy(serving.model_dir, "3", serving.cfg, serving.state_dir)
+
+
+@pytest.mark.slow
+def test_v1_serves_on_the_first_port_and_is_recorded(serving, v1):
+    ep = v1.endpoint
+    assert (ep.served_model_name, ep.version, ep.port) == ("policy-v1", "1", serving.cfg.ports[0])
+    assert v1.previous is None
+    assert isinstance(v1.smoke_completion, str)
+    assert current_endpoint(serving.state_dir) == ep
+    assert json.loads(serving.current_json()) == ep.to_dict()
+    assert [(h["event"], h["endpoint"]["version"]) for h in serving.history()] == [("deployed", "1")]
+    print(f"v1 healthy and smoke-tested in {v1.seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_v1_answers_with_the_key(serving, v1):
+    url = v1.endpoint.url
+    assert health(url)
+    assert list_models(url, serving.key) == ["policy-v1"]
+    assert complete(url, serving.key, "policy-v1", "12+34=", max_tokens=4) == complete(
+        url, serving.key, "policy-v1", "12+34=", max_tokens=4
+    )  # greedy
+
+
+@pytest.mark.slow
+def test_v1_refuses_requests_without_the_right_key(serving, v1):
+    url = v1.endpoint.url
+    body = {"model": "policy-v1", "prompt": "12+34=", "max_tokens": 2}
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert client.get(f"{url}/v1/models", headers=headers).status_code == 401
+            assert client.post(f"{url}/v1/completions", headers=headers, json=body).status_code == 401
+            # vLLM's own key check skips SageMaker's /invocations; RequireApiKey does not
+            assert client.post(f"{url}/invocations", headers=headers, json=body).status_code == 401
+        assert client.get(f"{url}/health").status_code == 200
+        assert client.get(f"{url}/metrics").status_code == 200
+        authorised = {"Authorization": f"Bearer {serving.key}"}
+        assert client.post(f"{url}/invocations", headers=authorised, json=body).status_code == 200
+    with pytest.raises(ServingError, match="401"):
+        list_models(url, "wrong")
+
+
+@pytest.mark.slow
+def test_v1_is_detached_and_its_key_is_in_neither_ps_nor_the_log(serving, v1):
+    pid = v1.endpoint.pid
+    assert os.getpgid(pid) == pid and os.getsid(pid) == pid != os.getsid(0)
+    assert stat.S_IMODE((serving.state_dir / "api_key").stat().st_mode) == 0o600
+    group = group_members(pid)
+    assert len(group) >= 2  # the API server and vLLM's engine core (and its worker)
+    for proc in group:
+        assert serving.key not in " ".join(proc.cmdline())
+    assert serving.key not in Path(v1.endpoint.log_path).read_text(errors="replace")
+
+
+@pytest.mark.slow
+def test_a_corrupt_model_fails_with_the_cause(serving, failed_v2):
+    error, _ = failed_v2
+    message = str(error)
+    assert "policy-v2" in message
+    assert "exited with code" in message
+    assert "SafetensorError" in message  # the root cause, logged by a worker far above the tail
+    assert "last 20 lines" in message
+
+
+@pytest.mark.slow
+def test_after_a_failed_deploy_v1_still_serves_and_nothing_is_left(serving, v1, failed_v2):
+    _, before = failed_v2
+    assert serving.current_json() == before
+    assert current_endpoint(serving.state_dir) == v1.endpoint
+    assert list_models(v1.endpoint.url, serving.key) == ["policy-v1"]
+    assert complete(v1.endpoint.url, serving.key, "policy-v1", "12+34=") == v1.smoke_completion
+    other = serving.cfg.ports[1]
+    assert servers_on(other) == [] and refuses_connections(other)
+    history = serving.history()
+    assert [h["event"] for h in history] == ["deployed", "failed"]
+    assert "SafetensorError" in history[-1]["cause"]
+
+
+@pytest.mark.slow
+def test_v3_replaces_v1_on_the_other_port(serving, v1, v3):
+    assert v3.previous == v1.endpoint
+    assert (v3.endpoint.served_model_name, v3.endpoint.port) == ("policy-v3", serving.cfg.ports[1])
+    assert current_endpoint(serving.state_dir) == v3.endpoint
+    assert list_models(v3.endpoint.url, serving.key) == ["policy-v3"]
+    assert v3.smoke_completion == v1.smoke_completion  # same weights, greedy
+    with pytest.raises(ServingError, match="404"):
+        complete(v3.endpoint.url, serving.key, "policy-v1", "12+34=")
+    assert not group_alive(v1.endpoint.pid)
+    assert refuses_connections(v1.endpoint.port)
+    last = serving.history()[-1]
+    assert (last["event"], last["endpoint"]["version"], last["replaced"]["version"]) == ("deployed", "3", "1")
+    print(f"v3 healthy and smoke-tested in {v3.seconds:.1f} s (v1 serving meanwhile)")
+
+
+@pytest.mark.slow
+def test_stop_leaves_no_server(serving, v3):
+    assert stop(serving.state_dir) == v3.endpoint
+    assert not (serving.state_dir / "current.json").exists()
+    assert current_endpoint(serving.state_dir) is None
+    assert not group_alive(v3.endpoint.pid)
+    for port in serving.cfg.ports:
+        assert servers_on(port) == [] and refuses_connections(port)
+    assert stop(serving.state_dir) is None
