@@ -102,7 +102,7 @@ def rollback_flow(
     cfg = load_config(config_path, overrides)
     plan = move_champion_back(cfg, incident, reason, requested_by, to_version)
     deployment = None
-    if plan.action != "none":
+    if plan.action != "none" and cfg.serving.enabled:  # serving.enabled false: something else serves the alias
         deployment = deploy_champion(cfg)
     record = record_rollback(cfg, plan, deployment)
     return {"incident": incident, "action": plan.action, "from_version": plan.from_version,

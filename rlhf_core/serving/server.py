@@ -117,7 +117,8 @@ class DeployResult:
 
 
 def state_dir_for(cfg: ServingConfig, output_dir: Path) -> Path:
-    return Path(cfg.state_dir) if cfg.state_dir is not None else Path(output_dir) / "serving"
+    """`cfg.state_dir`, else `<output_dir>/serving`; absolute, so the records stay valid from any cwd."""
+    return (Path(cfg.state_dir) if cfg.state_dir is not None else Path(output_dir) / "serving").resolve()
 
 
 def resolve_api_key(cfg: ServingConfig, state_dir: Path) -> str:
