@@ -1,0 +1,85 @@
+"""The in-loop circuit breaker: should RL training stop now, before it does more harm?
+
+`should_trip(history, limits, kl_bound)` is a pure function of the run's per-step metrics
+(oldest first, as the trainer records them) and returns the first condition that holds at
+the last step, or None. Every rank computes it from the same gathered metrics, so all ranks
+stop at the same step. Conditions, each over the last `patience` steps:
+
+    kl_above_bound      policy/kl > kl_bound at each of the last `kl_patience` steps
+                        (a NaN KL counts as above: an unmeasurable policy is not a safe one)
+    nonfinite_loss      an optimizer step was skipped for a NaN/Inf loss or gradient at each
+                        of the last `max_consecutive_nonfinite` steps (one skip alone is
+                        ZeRO's normal protection and is tolerated)
+    entropy_collapse    policy/entropy < entropy_floor at each of the last `entropy_patience`
+                        steps (off when entropy_floor is None)
+    reward_collapse     the mean reward of the last `reward_window` steps is more than
+                        `max_reward_drop` below the best such mean earlier in the run (off
+                        when max_reward_drop is None)
+
+What the trainer does on a trip (`rlhf_core.distributed.policy_trainer`): it stops without
+writing a checkpoint for the tripping step, so the last checkpoint is the last good one,
+does not save the policy, and the stage fails with the trip's message.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from rlhf_core.config import CircuitBreakerConfig
+
+
+@dataclass(frozen=True)
+class Trip:
+    reason: str  # one of the condition codes above
+    message: str
+    step: int
+
+
+def _last(history: Sequence[Mapping[str, float]], key: str, n: int) -> list[float] | None:
+    """The last `n` values of `key`, or None when fewer than `n` steps recorded it."""
+    values = [h[key] for h in history if key in h][-n:]
+    return values if len(values) == n else None
+
+
+def _above(x: float, bound: float) -> bool:
+    return math.isnan(x) or x > bound
+
+
+def _window_means(values: list[float], window: int) -> list[float]:
+    return [sum(values[i - window : i]) / window for i in range(window, len(values) + 1)]
+
+
+def should_trip(
+    history: Sequence[Mapping[str, float]], limits: CircuitBreakerConfig, kl_bound: float
+) -> Trip | None:
+    if not limits.enabled or not history:
+        return None
+    step = int(history[-1].get("step", len(history)))
+
+    kl = _last(history, "policy/kl", limits.kl_patience)
+    if kl is not None and all(_above(x, kl_bound) for x in kl):
+        return Trip("kl_above_bound", f"circuit breaker: KL to the reference {kl[-1]:.4g} above the bound "
+                    f"{kl_bound:g} for {limits.kl_patience} consecutive steps (step {step})", step)
+
+    skipped = _last(history, "policy/nonfinite_skipped", limits.max_consecutive_nonfinite)
+    if skipped is not None and all(x > 0 for x in skipped):
+        return Trip("nonfinite_loss", f"circuit breaker: non-finite loss or gradients at "
+                    f"{limits.max_consecutive_nonfinite} consecutive steps (step {step})", step)
+
+    if limits.entropy_floor is not None:
+        entropy = _last(history, "policy/entropy", limits.entropy_patience)
+        if entropy is not None and all(x < limits.entropy_floor for x in entropy):
+            return Trip("entropy_collapse", f"circuit breaker: policy entropy {entropy[-1]:.4g} below the floor "
+                        f"{limits.entropy_floor:g} for {limits.entropy_patience} consecutive steps (step {step})", step)
+
+    if limits.max_reward_drop is not None:
+        rewards = [h["policy/reward_mean"] for h in history if "policy/reward_mean" in h]
+        means = _window_means(rewards, limits.reward_window)
+        if len(means) >= 2:
+            best, now = max(means[:-1]), means[-1]
+            if best - now > limits.max_reward_drop:
+                return Trip("reward_collapse", f"circuit breaker: mean reward over the last {limits.reward_window} "
+                            f"steps {now:.4g} fell {best - now:.4g} below the run's best {best:.4g} "
+                            f"(max drop {limits.max_reward_drop:g}, step {step})", step)
+    return None

@@ -1,0 +1,67 @@
+"""The circuit breaker decision, table-driven: each condition trips exactly when it should."""
+import math
+
+import pytest
+
+from rlhf_core.config import CircuitBreakerConfig, ConfigError, parse_config
+from rlhf_core.training.circuit_breaker import should_trip
+
+BOUND = 10.0
+
+
+def steps(**series) -> list[dict]:
+    """History rows from per-metric lists: steps(kl=[1, 2]) -> [{step 1, policy/kl 1}, ...]."""
+    names = {"kl": "policy/kl", "skipped": "policy/nonfinite_skipped", "entropy": "policy/entropy",
+             "reward": "policy/reward_mean"}
+    n = max(len(v) for v in series.values())
+    return [{"step": i + 1, **{names[k]: v[i] for k, v in series.items() if i < len(v)}} for i in range(n)]
+
+
+ALL_ON = CircuitBreakerConfig(entropy_floor=0.05, max_reward_drop=0.5)
+
+
+@pytest.mark.parametrize(
+    "history, limits, expected",
+    [
+        pytest.param(steps(kl=[1, 2, 3]), ALL_ON, None, id="healthy"),
+        pytest.param(steps(kl=[11, 12, 13]), ALL_ON, "kl_above_bound", id="kl-3-in-a-row"),
+        pytest.param(steps(kl=[11, 12, 9, 13, 14]), ALL_ON, None, id="kl-streak-broken"),
+        pytest.param(steps(kl=[1, 11, 12]), ALL_ON, None, id="kl-only-2-of-3"),
+        pytest.param(steps(kl=[10, 10, 10]), ALL_ON, None, id="kl-at-the-bound-is-fine"),
+        pytest.param(steps(kl=[11, math.nan, 12]), ALL_ON, "kl_above_bound", id="nan-kl-counts-as-above"),
+        pytest.param(steps(kl=[11, 12]), ALL_ON, None, id="too-few-steps"),
+        pytest.param(steps(skipped=[0, 1, 0, 1]), ALL_ON, None, id="isolated-nonfinite-tolerated"),
+        pytest.param(steps(skipped=[0, 1, 1]), ALL_ON, "nonfinite_loss", id="nonfinite-2-in-a-row"),
+        pytest.param(steps(entropy=[0.5, 0.01, 0.01, 0.01]), ALL_ON, "entropy_collapse", id="entropy-floor"),
+        pytest.param(steps(entropy=[0.01, 0.01, 0.01]), CircuitBreakerConfig(), None, id="entropy-check-off"),
+        pytest.param(steps(reward=[1, 1, 1, 0.2, 0.2, 0.2]), ALL_ON, "reward_collapse", id="reward-drop"),
+        pytest.param(steps(reward=[1, 1, 1, 0.8, 0.8, 0.8]), ALL_ON, None, id="reward-drop-within-limit"),
+        pytest.param(steps(reward=[0.2, 0.5, 1, 1.2]), ALL_ON, None, id="reward-rising"),
+        pytest.param(steps(reward=[1, 1, 1, 0, 0, 0]), CircuitBreakerConfig(), None, id="reward-check-off"),
+        pytest.param(steps(kl=[50, 50, 50]), CircuitBreakerConfig(enabled=False), None, id="disabled"),
+        pytest.param([], ALL_ON, None, id="no-history"),
+    ],
+)
+def test_should_trip(history, limits, expected):
+    trip = should_trip(history, limits, BOUND)
+    assert (None if trip is None else trip.reason) == expected
+    if trip is not None:
+        assert trip.step == history[-1]["step"] and trip.message.startswith("circuit breaker:")
+
+
+def test_the_first_condition_in_order_is_reported_and_the_message_has_the_numbers():
+    history = steps(kl=[11, 12, 13.5], skipped=[1, 1, 1])
+    trip = should_trip(history, ALL_ON, BOUND)
+    assert trip.reason == "kl_above_bound"
+    assert trip.message == "circuit breaker: KL to the reference 13.5 above the bound 10 for 3 consecutive steps (step 3)"
+
+
+def test_reward_window_mean_against_the_best_earlier_window():
+    # windows of 2: means 1.0, 1.0, 0.75, 0.4 -> best earlier 1.0, now 0.4: drop 0.6 > 0.5
+    trip = should_trip(steps(reward=[1, 1, 1, 0.5, 0.3]), CircuitBreakerConfig(max_reward_drop=0.5, reward_window=2), BOUND)
+    assert trip.reason == "reward_collapse" and "fell 0.6 below the run's best 1" in trip.message
+
+
+def test_config_bounds_are_named():
+    with pytest.raises(ConfigError, match="policy.circuit_breaker.kl_patience: must be >= 1, got 0"):
+        parse_config({"policy": {"circuit_breaker": {"kl_patience": 0}}})
