@@ -86,8 +86,9 @@ class JobExporter:
     """The Prometheus endpoint of one training job (see the module docstring)."""
 
     def __init__(self, run: str, stage: str, *, host: str = "127.0.0.1", port: int = 0,
-                 targets_dir: Path | None = None, kl_bound: float | None = None):
+                 advertise_host: str | None = None, targets_dir: Path | None = None, kl_bound: float | None = None):
         self.run, self.stage = run, stage
+        self.advertise_host = advertise_host
         self.targets_dir = None if targets_dir is None else Path(targets_dir)
         self.token = secrets.token_urlsafe(24)
         self.registry = CollectorRegistry()
@@ -120,7 +121,7 @@ class JobExporter:
     @property
     def address(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        return f"{self.advertise_host or host}:{port}"
 
     @property
     def url(self) -> str:

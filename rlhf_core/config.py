@@ -307,6 +307,18 @@ class ServingConfig(_Strict):
         return self
 
 
+class MonitoringConfig(_Strict):
+    """Prometheus export of the training jobs: one endpoint per job (`monitoring.prometheus`),
+    listed for Prometheus in a file_sd target file."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"  # the exporter's bind address; 0.0.0.0 when workers run on other nodes
+    port: int = Field(0, ge=0, le=65535)  # 0: any free port (the target file says which)
+    advertise_host: str | None = None  # the address workers and Prometheus use; None: host
+    targets_dir: Path | None = None  # None: <output_dir>/prometheus-targets
+    linger_on_failure_s: float = Field(15.0, ge=0)  # keep a failed job's endpoint up so alerts can fire
+
+
 class TrackingConfig(_Strict):
     """MLflow. `tracking_uri` None means $MLFLOW_TRACKING_URI, else SQLite in the cwd."""
 
@@ -326,6 +338,7 @@ class PipelineConfig(_Strict):
     policy: PolicyConfig = PolicyConfig()
     gates: GateConfig = GateConfig()
     serving: ServingConfig = ServingConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
     tracking: TrackingConfig = TrackingConfig()
 
 

@@ -14,7 +14,9 @@ from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.schema import read_table
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult, train_policy
+from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
 from tasks.data import ValidatedData
+from tasks.monitoring import exported
 from tasks.reward import RewardModel
 from tasks.sft import BasePolicy
 from tasks.tracking import PipelineRun, flatten, stage_run
@@ -82,18 +84,26 @@ def optimise_policy(
         client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
         evals = read_table(data.paths.eval) if data.paths.eval is not None else None
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
-        result = train_policy(
-            training_prompts(data),
-            list(evals["prompt"]) if evals is not None else [],
-            list(evals["answer"]) if evals is not None else [],
-            base.path,
-            reward.path,
-            cfg.policy,
-            out_dir=run.out_dir / "models" / "policy",
-            storage_path=run.out_dir / "ray",
-            on_metrics=sink,
-            run_name=f"policy-{stage_id[:8]}",
-        )
+        try:
+            with exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound) as on_metrics:
+                result = train_policy(
+                    training_prompts(data),
+                    list(evals["prompt"]) if evals is not None else [],
+                    list(evals["answer"]) if evals is not None else [],
+                    base.path,
+                    reward.path,
+                    cfg.policy,
+                    out_dir=run.out_dir / "models" / "policy",
+                    storage_path=run.out_dir / "ray",
+                    on_metrics=on_metrics,
+                    run_name=f"policy-{stage_id[:8]}",
+                )
+        except CircuitBreakerTripped as exc:
+            for key, value in {"circuit_breaker.reason": exc.trip.reason, "circuit_breaker.step": exc.trip.step,
+                               "circuit_breaker.checkpoint": exc.checkpoint_path or "none"}.items():
+                client.set_tag(stage_id, key, str(value))
+            log.error("%s", exc)
+            raise
         sink(result.steps, {  # headline figures; None (no reward model) is not logged
             "policy/accuracy_before": result.accuracy_before, "policy/accuracy_after": result.accuracy_after,
             "policy/accuracy_gain": result.accuracy_gain, "policy/kl_max": result.kl_max,

@@ -14,6 +14,7 @@ from rlhf_core.data.pairs import split_by_prompt
 from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
 from rlhf_core.distributed.reward_trainer import RewardTrainResult, train_reward_model
 from tasks.data import ValidatedData
+from tasks.monitoring import exported
 from tasks.registry import register_model_version
 from tasks.sft import BasePolicy
 from tasks.tracking import PipelineRun, flatten, stage_run
@@ -68,13 +69,14 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         rows = read_table(data.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
         train, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
-        result = train_reward_model(
-            train, held_out, base.path, cfg.reward,
-            out_dir=run.out_dir / "models" / "reward",
-            storage_path=run.out_dir / "ray",
-            on_metrics=sink,
-            run_name=f"reward-{stage_id[:8]}",
-        )
+        with exported(cfg, stage_id, "reward", sink) as on_metrics:
+            result = train_reward_model(
+                train, held_out, base.path, cfg.reward,
+                out_dir=run.out_dir / "models" / "reward",
+                storage_path=run.out_dir / "ray",
+                on_metrics=on_metrics,
+                run_name=f"reward-{stage_id[:8]}",
+            )
         sink(result.steps, {
             "reward/eval_accuracy": result.eval_accuracy, "reward/eval_loss": result.eval_loss,
             "reward/norm_mean": result.reward_mean, "reward/norm_std": result.reward_std,

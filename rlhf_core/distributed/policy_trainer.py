@@ -64,7 +64,9 @@ from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.reward import load_reward_model, normalise, score
 from rlhf_core.models.value import value_model_from
 from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.training.base_policy import StageFailed
+from rlhf_core.training.circuit_breaker import CircuitBreakerTripped, Trip, should_trip
 from rlhf_core.training.ppo_step import (
     PolicyBatch,
     StepOutcome,
@@ -220,6 +222,8 @@ def train_policy(
     summary = getattr(result, "return_value", None)
     if summary is None:
         raise RuntimeError("policy: rank 0 returned no summary (Ray Train V2 is required: RAY_TRAIN_V2_ENABLED=1)")
+    if summary.get("trip") is not None:
+        raise CircuitBreakerTripped(Trip(**summary["trip"]), result.checkpoint.path if result.checkpoint else None)
     attempts = [json.loads(line) for line in (run_dir / ATTEMPTS_FILE).read_text().splitlines() if line.strip()]
     evals = summary["evaluations"]
     out = PolicyTrainResult(
@@ -316,6 +320,7 @@ class _State:
     evaluations: list[dict[str, float]] = field(default_factory=list)
     history: list[dict[str, float]] = field(default_factory=list)
     kl_controller: dict[str, float] = field(default_factory=dict)
+    trip: dict[str, Any] | None = None  # the circuit breaker's Trip (as a dict) once it tripped
 
 
 class DeepSpeedBackwardAndStep:
@@ -411,6 +416,7 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
 
     ctx_ = _Context(cfg, config, spec, tokenizer, actor_engine, critic_engine, reference, reward_model, rm_stats,
                     kl_controller, rank, world, use_gpu)
+    ctx_.meter = WorkerMeter(use_gpu)
     if resumed_from is not None:  # every rank: under ZeRO-3 this is a collective
         state_dict = _actor_state_dict(actor_engine, cfg.zero_stage, rank)
     engine = None
@@ -426,8 +432,10 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
                 state.evaluations.append(_evaluate(ctx_, engine, 0))
                 _emit(config, 0, {k: v for k, v in state.evaluations[-1].items() if k != "step"})
         ctx_.engine = engine
-        while state.step < cfg.steps:
+        while state.step < cfg.steps and state.trip is None:
             _rl_step(ctx_, state)
+        if state.trip is not None:  # every rank saw the same history: all stop here, nothing is saved
+            return {**asdict(state), "sync_checks": []} if rank == 0 else None
         state_dict = _actor_state_dict(actor_engine, cfg.zero_stage, rank)
         if rank != 0:
             return None
@@ -455,6 +463,7 @@ class _Context:
     world: int
     use_gpu: bool
     engine: Any = None  # RolloutEngine on rank 0
+    meter: WorkerMeter = field(default_factory=WorkerMeter)
 
 
 
@@ -469,6 +478,7 @@ def _rl_step(c: _Context, state: _State) -> None:
     step = state.step + 1  # 1-based number of the step being run
     timings: dict[str, float] = {}
     start = time.perf_counter()
+    c.meter.start()
 
     with _timed(timings, "generate"):
         indices = prompt_indices(len(c.config["prompts"]), cfg.prompts_per_step, state.step, cfg.seed)
@@ -478,15 +488,16 @@ def _rl_step(c: _Context, state: _State) -> None:
         samples: list[Sample] = received[0]
 
     batch = build_batch(samples, c.tokenizer.pad_token_id)
-    with _timed(timings, "score"):
-        local = _score(c, samples, batch)
-    with _timed(timings, "old_logprobs"):
-        batch.old_logprobs = batched_logprobs(c.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
-    with _timed(timings, "ref_logprobs"):
-        batch.ref_logprobs = batched_logprobs(c.reference, batch, cfg.temperature, cfg.micro_batch_size)
-    with _timed(timings, "values"):
-        if c.critic is not None:
-            batch.values = batched_values(c.critic.module, batch, cfg.micro_batch_size)
+    with c.meter.compute():  # this worker's own forward passes, no collectives: its throughput
+        with _timed(timings, "score"):
+            local = _score(c, samples, batch)
+        with _timed(timings, "old_logprobs"):
+            batch.old_logprobs = batched_logprobs(c.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
+        with _timed(timings, "ref_logprobs"):
+            batch.ref_logprobs = batched_logprobs(c.reference, batch, cfg.temperature, cfg.micro_batch_size)
+        with _timed(timings, "values"):
+            if c.critic is not None:
+                batch.values = batched_values(c.critic.module, batch, cfg.micro_batch_size)
     kl_coef = c.kl_controller.value
     with _timed(timings, "advantages"):
         rewards, _ = token_rewards(batch, c.spec, kl_coef, cfg.kl_estimator)
@@ -510,7 +521,8 @@ def _rl_step(c: _Context, state: _State) -> None:
         sync_s = c.engine.sync_weights(state_dict) if rank == 0 else 0.0
 
     gathered: list[Any] = [None] * c.world
-    dist.all_gather_object(gathered, (time.perf_counter() - start, local, update, int(batch.attention_mask.sum())))
+    dist.all_gather_object(gathered, (time.perf_counter() - start, local, update, int(batch.attention_mask.sum()),
+                                      c.meter.figures(len(samples))))
     metrics = _step_metrics(gathered, timings, kl_coef, sync_s)
     c.kl_controller.update(metrics["policy/kl"], cfg.rollouts_per_step)
     metrics["policy/kl_coef_next"] = c.kl_controller.value
@@ -528,9 +540,15 @@ def _rl_step(c: _Context, state: _State) -> None:
             evaluation = _evaluate(c, c.engine, step)
             state.evaluations.append(evaluation)
             metrics |= {k: v for k, v in evaluation.items() if k != "step"}
+    trip = should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound)
+    if trip is not None:
+        state.trip = {"reason": trip.reason, "message": trip.message, "step": trip.step}
+        metrics["policy/circuit_breaker_tripped"] = 1.0
     state.history.append({"step": step, **metrics})
     if rank == 0:
-        _emit(c.config, step, metrics)
+        _emit(c.config, step, metrics | flatten_workers([g[4] for g in gathered]))
+    if trip is not None:
+        return  # no checkpoint of this step: the last one reported is the last good one
 
     kill: KillWorkerOnce | None = c.config["kill_once"]
     if kill is not None and kill.rank == rank and kill.at_step == step and not kill.marker.exists():

@@ -61,6 +61,7 @@ from transformers import AutoModelForSequenceClassification
 from rlhf_core.algos.losses import bradley_terry_loss
 from rlhf_core.config import RewardConfig
 from rlhf_core.distributed.cluster import check_cluster, connect_ray, rng_state, seed_everything, set_rng_state
+from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, rank_step_indices, steps_per_epoch, tokenize_pairs
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_pairs
 from rlhf_core.tokenizer import load_tokenizer
@@ -307,17 +308,19 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     on_metrics: MetricsCallback | None = config["on_metrics"]
     kill: KillWorkerOnce | None = config["kill_once"]
     plan, plan_epoch = [], None
+    meter = WorkerMeter(use_gpu)
     while pos.global_step < total_steps:
         if plan_epoch != pos.epoch:
             plan, plan_epoch = rank_step_indices(len(train), cfg.seed, pos.epoch, rank, world, per_rank_batch), pos.epoch
         indices = plan[pos.step_in_epoch]
-        local, step_time = _optimizer_step(engine, train, indices, cfg)
+        meter.start()
+        local, step_time = _optimizer_step(engine, train, indices, cfg, meter)
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (step_time, indices, local))
+        dist.all_gather_object(gathered, (step_time, indices, local, meter.figures(len(indices))))
         metrics = _step_metrics(gathered, engine, cfg, train.truncated)
-        pos.advance(steps_epoch, [i for _, idx, _ in gathered for i in idx], metrics)
+        pos.advance(steps_epoch, [i for _, idx, _, _ in gathered for i in idx], metrics)
         if rank == 0 and on_metrics is not None:
-            on_metrics(pos.global_step, metrics)
+            on_metrics(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
         if kill is not None and kill.rank == rank and kill.at_step == pos.global_step and not kill.marker.exists():
             kill.marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -332,7 +335,9 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 
-def _optimizer_step(engine, pairs: TokenizedPairs, indices: list[int], cfg: RewardConfig) -> tuple[list[float], float]:
+def _optimizer_step(
+    engine, pairs: TokenizedPairs, indices: list[int], cfg: RewardConfig, meter: WorkerMeter
+) -> tuple[list[float], float]:
     """One optimizer step over `grad_accum_steps` micro-batches of this rank's `indices`.
 
     -> ([loss, accuracy, margin, chosen mean, rejected mean, grad norm] averaged over the
@@ -344,10 +349,11 @@ def _optimizer_step(engine, pairs: TokenizedPairs, indices: list[int], cfg: Rewa
     grad_norm = float("nan")
     for k in range(cfg.grad_accum_steps):
         batch = collate_pairs(pairs, indices[k * mb : (k + 1) * mb])
-        rewards = engine(
-            input_ids=batch.input_ids.to(engine.device), attention_mask=batch.attention_mask.to(engine.device)
-        ).logits[:, 0].float()  # (2B,)
-        loss, m = bradley_terry_loss(rewards[: batch.num_pairs], rewards[batch.num_pairs :], cfg.margin)
+        with meter.compute():  # the forward pass: this worker's own compute, no collectives
+            rewards = engine(
+                input_ids=batch.input_ids.to(engine.device), attention_mask=batch.attention_mask.to(engine.device)
+            ).logits[:, 0].float()  # (2B,)
+            loss, m = bradley_terry_loss(rewards[: batch.num_pairs], rewards[batch.num_pairs :], cfg.margin)
         engine.backward(loss)
         if cfg.zero_stage == 0 and engine.is_gradient_accumulation_boundary():
             grad_norm = _grad_norm(engine.module)  # without ZeRO DeepSpeed does not keep it

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rlhf_core.config import CircuitBreakerConfig
+from rlhf_core.training.base_policy import StageFailed
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,15 @@ class Trip:
     reason: str  # one of the condition codes above
     message: str
     step: int
+
+
+class CircuitBreakerTripped(StageFailed):
+    """The stage stopped itself. `checkpoint_path` is the last checkpoint written before the
+    trip (None if it tripped before the first one)."""
+
+    def __init__(self, trip: Trip, checkpoint_path: str | None):
+        super().__init__(f"{trip.message}; last good checkpoint: {checkpoint_path or 'none'}")
+        self.trip, self.checkpoint_path = trip, checkpoint_path
 
 
 def _last(history: Sequence[Mapping[str, float]], key: str, n: int) -> list[float] | None:

@@ -169,7 +169,11 @@ def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, de
     assert skipped == [0, 0, 1, 0] and result.nonfinite_skipped == 1
     logged = [json.loads(line) for line in sink.path.read_text().splitlines()]
     assert logged[0]["step"] == 0 and "eval/accuracy" in logged[0]
-    assert logged[1:] == result.metrics_history  # on_metrics ran on rank 0 once per step
+    # on_metrics ran on rank 0 once per step, with every worker's figures besides the step's
+    assert [{k: v for k, v in m.items() if not k.startswith("worker/")} for m in logged[1:]] == result.metrics_history
+    for m in logged[1:]:
+        assert isinstance(m["worker/0/host"], str) and m["worker/0/samples_per_second"] > 0
+        assert m["worker/0/cpu_utilization"] > 0 and m["worker/0/step_seconds"] > 0
     names = set(result.metrics_history[-1])
     for phase in ("generate", "score", "old_logprobs", "ref_logprobs", "values", "advantages", "update", "sync"):
         assert f"timing/{phase}" in names
@@ -202,3 +206,26 @@ def test_killed_worker_resumes_from_its_last_checkpoint(ray_cluster, demo, tmp_p
 
     assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(5)]
     assert [e["step"] for e in result.evaluations] == [0, 5]
+
+
+@pytest.mark.slow
+def test_circuit_breaker_stops_an_absurd_learning_rate_and_keeps_the_last_good_checkpoint(ray_cluster, demo, tmp_path):
+    from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
+
+    cfg = CFG.model_copy(update={
+        "learning_rate": 50.0, "steps": 8, "checkpoint_every": 1, "kl_bound": 0.5,
+        "circuit_breaker": CFG.circuit_breaker.model_copy(update={"kl_patience": 2}),
+    })
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    with pytest.raises(CircuitBreakerTripped) as exc:
+        run(demo, tmp_path, cfg, on_metrics=sink)
+    trip = exc.value.trip
+    assert trip.reason in ("kl_above_bound", "nonfinite_loss") and trip.step < cfg.steps
+    assert str(exc.value).startswith("circuit breaker:") and "last good checkpoint" in str(exc.value)
+    logged = [json.loads(line) for line in sink.path.read_text().splitlines()][1:]
+    assert [m["step"] for m in logged] == list(range(1, trip.step + 1))  # it stopped at the trip
+    assert logged[-1]["policy/circuit_breaker_tripped"] == 1.0
+    assert "policy/circuit_breaker_tripped" not in logged[0]
+    # a checkpoint from before the trip is kept (none is written at the tripping step); no policy is saved
+    assert exc.value.checkpoint_path is not None
+    assert not (tmp_path / "policy" / "model.safetensors").exists()
