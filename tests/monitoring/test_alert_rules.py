@@ -84,7 +84,7 @@ def test_prometheus_config_passes_promtool_check(monitoring_tools, tmp_path):
     (targets / "policy-run123.json").write_text(  # as monitoring/prometheus.py writes it
         '[{"targets": ["127.0.0.1:41234"], "labels": {"job_run": "run123", "job_stage": "policy"}}]'
     )
-    (copy / "prometheus.yml").write_text(text.replace(TARGETS_DIR, str(targets)))
+    (copy / "prometheus.yml").write_text(text.replace(TARGETS_DIR, str(targets)).replace("../../runs/prometheus-targets", str(targets)))
 
     output = _run(monitoring_tools.promtool, "check", "config", copy / "prometheus.yml")
 
@@ -114,7 +114,7 @@ def test_prometheus_config_scrapes_training_and_both_serving_ports():
     cfg = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     assert cfg["global"]["scrape_interval"] == "5s"
     jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
-    assert jobs["rlhf-training"]["file_sd_configs"][0]["files"] == [f"{TARGETS_DIR}/*.json"]
+    assert jobs["rlhf-training"]["file_sd_configs"][0]["files"] == [f"{TARGETS_DIR}/*.json", "../../runs/prometheus-targets/*.json"]
     vllm_targets = {t for sc in jobs["vllm"]["static_configs"] for t in sc["targets"]}
     assert vllm_targets == {"127.0.0.1:8100", "127.0.0.1:8101"}
     assert jobs["vllm"].get("metrics_path", "/metrics") == "/metrics"
