@@ -10,11 +10,13 @@ already gathers, as flat `worker/<rank>/<figure>` keys (plus `worker/<rank>/host
                          excluding waits in collectives: in a synchronous step every worker's
                          wall time is the slowest one's, so only the compute time shows which
                          worker is the straggler
+    host, pid            where the worker runs (strings: labels, not figures)
     gpu_utilization, gpu_memory_used_bytes
                          the worker's GPU through NVML, when it has one and pynvml is installed
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 from contextlib import contextmanager
@@ -45,6 +47,7 @@ class WorkerMeter:
         wall = max(time.perf_counter() - self._wall0, 1e-9)
         out: dict[str, Any] = {
             "host": self.host,
+            "pid": str(os.getpid()),
             "cpu_utilization": (time.process_time() - self._cpu0) / wall,
             "step_seconds": wall,
             "samples_per_second": samples / self.compute_s if self.compute_s > 0 else float("nan"),

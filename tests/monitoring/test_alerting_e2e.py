@@ -1,0 +1,344 @@
+"""End to end: training metrics → real Prometheus (rules from infra/) → real Alertmanager →
+the webhook receiver → the `rollback` deployment on a Prefect server → champion moved back.
+
+Everything runs on loopback with short intervals: Prometheus scrapes and evaluates every
+second, Alertmanager groups after a second, and the rules are a copy of
+`infra/prometheus/rules/rlhf.rules.yml` with their `for:` durations and range windows
+shortened (the rules themselves, expressions and labels, are the committed ones).
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "infra" / "prometheus" / "rules" / "rlhf.rules.yml"
+ALERTMANAGER_CONFIG = REPO / "infra" / "alertmanager" / "alertmanager.yml"
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(what: str, check, timeout: float, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def short_rules(text: str) -> str:
+    """The committed rules with test-sized windows: `for:` 2 s, 1m windows 15 s, 10m windows 1m."""
+    text = re.sub(r"for: \d+[smh]", "for: 2s", text)
+    return text.replace("[10m]", "[1m]").replace("[5m]", "[30s]").replace("[1m]", "[15s]")
+
+
+class Stack:
+    """Prometheus + Alertmanager + the receiver, started for one test and stopped after."""
+
+    def __init__(self, tools, tmp: Path, trigger):
+        from monitoring.receiver import Receiver, serve_in_thread
+
+        self.tmp = tmp
+        self.targets = tmp / "targets"
+        self.targets.mkdir()
+        token = secrets.token_urlsafe(24)
+        (tmp / "token").write_text(token)
+        (tmp / "token").chmod(0o600)
+        self.receiver = Receiver(token, tmp / "receiver", trigger)
+        self.receiver_server, _ = serve_in_thread(self.receiver)
+        receiver_port = self.receiver_server.server_address[1]
+
+        am = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+        for route in [am["route"], *am["route"].get("routes", [])]:
+            route.update(group_wait="1s", group_interval="2s")
+        hook = am["receivers"][0]["webhook_configs"][0]
+        hook["url"] = f"http://127.0.0.1:{receiver_port}/alerts"
+        hook["http_config"]["authorization"]["credentials_file"] = str(tmp / "token")
+        (tmp / "alertmanager.yml").write_text(yaml.safe_dump(am))
+        self.am_port = free_port()
+        self.alertmanager = subprocess.Popen(
+            [tools.alertmanager, f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am-data'}",
+             f"--web.listen-address=127.0.0.1:{self.am_port}", "--cluster.listen-address="],
+            stdout=open(tmp / "alertmanager.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+        (tmp / "rules").mkdir()
+        (tmp / "rules" / "rlhf.rules.yml").write_text(short_rules(RULES.read_text()))
+        prom = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+            "rule_files": [str(tmp / "rules" / "rlhf.rules.yml")],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{self.am_port}"]}]}]},
+            "scrape_configs": [{"job_name": "rlhf-training",
+                                "file_sd_configs": [{"files": [str(self.targets / "*.json")], "refresh_interval": "1s"}]}],
+        }
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump(prom))
+        self.prom_port = free_port()
+        self.prometheus = subprocess.Popen(
+            [tools.prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'prom-data'}",
+             f"--web.listen-address=127.0.0.1:{self.prom_port}"],
+            stdout=open(tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        wait_for("Prometheus and Alertmanager to be ready", self._ready, 60)
+
+    def _ready(self) -> bool:
+        try:
+            return all(httpx.get(url, timeout=1, trust_env=False).status_code == 200 for url in (
+                f"http://127.0.0.1:{self.prom_port}/-/ready", f"http://127.0.0.1:{self.am_port}/-/ready"))
+        except httpx.HTTPError:
+            return False
+
+    def alerts(self) -> list[dict]:
+        """Prometheus' active alerts (pending and firing)."""
+        r = httpx.get(f"http://127.0.0.1:{self.prom_port}/api/v1/alerts", timeout=5, trust_env=False)
+        return r.json()["data"]["alerts"]
+
+    def query(self, expr: str) -> list[dict]:
+        r = httpx.get(f"http://127.0.0.1:{self.prom_port}/api/v1/query", params={"query": expr}, timeout=5,
+                      trust_env=False)
+        return r.json()["data"]["result"]
+
+    def firing(self, name: str) -> list[dict]:
+        return [a for a in self.alerts() if a["labels"]["alertname"] == name and a["state"] == "firing"]
+
+    def decisions(self) -> list[dict]:
+        import json
+
+        path = self.tmp / "receiver" / "receiver-decisions.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def close(self) -> None:
+        for proc in (self.prometheus, self.alertmanager):
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.receiver_server.shutdown()
+        self.receiver_server.server_close()
+
+
+@pytest.fixture
+def stack_factory(monitoring_tools, tmp_path):
+    if monitoring_tools.prometheus is None or monitoring_tools.alertmanager is None:
+        pytest.fail("prometheus / prometheus-alertmanager not on PATH (apt-get install prometheus prometheus-alertmanager)")
+    stacks = []
+
+    def make(trigger):
+        stacks.append(Stack(monitoring_tools, tmp_path / f"stack{len(stacks)}", trigger))
+        return stacks[-1]
+
+    (tmp_path / "stack0").mkdir()
+    (tmp_path / "stack1").mkdir()
+    yield make
+    for s in stacks:
+        s.close()
+
+
+# ------------------------------------------------------------------------------------------
+# instability -> alert -> receiver -> rollback deployment -> champion moved back
+
+
+def registry_with_two_champions(tracking_uri: str, tmp: Path) -> MlflowClient:
+    """`policy` v1 then v2 promoted (so v2 is champion and remembers v1)."""
+    from tasks.registry import POLICY, promote, register_model_version
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("tests") or client.get_experiment(
+        client.create_experiment("tests", artifact_location=(tmp / "mlartifacts").as_uri()))
+    (tmp / "model").mkdir()
+    (tmp / "model" / "config.json").write_text("{}")
+    for version in ("1", "2"):
+        run = client.create_run(exp.experiment_id)
+        client.log_artifacts(run.info.run_id, str(tmp / "model"), "model")
+        register_model_version(client, POLICY, run.info.run_id, "model", {"gate.passed": "true"})
+        promote(client, version, "pytest", "setup")
+    return client
+
+
+@pytest.fixture
+def rollback_runner(prefect_server):
+    """The real `rollback` flow served as `rollback/e2e-rollback` by a runner process polling
+    the test's Prefect server every second."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+           "PYTHONPATH": str(REPO)}
+    code = "from flows.serving import rollback_flow; rollback_flow.serve(name='e2e-rollback')"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def deployed():
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            try:
+                return client.read_deployment_by_name("rollback/e2e-rollback")
+            except Exception:  # noqa: BLE001 - not registered yet
+                return None
+
+    wait_for("the rollback deployment", deployed, 120, every=1)
+    yield "rollback/e2e-rollback"
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+def test_an_unstable_run_fires_an_alert_that_rolls_the_champion_back(
+    stack_factory, rollback_runner, ray_cluster, tiny_config_factory, tmp_path
+):
+    from prefect import get_client
+
+    from flows.pipeline import rlhf_pipeline
+    from monitoring.receiver import PrefectRollbackTrigger
+    from tasks.registry import CHAMPION, POLICY, by_alias
+    from tasks.tracking import PipelineFailed
+
+    raw = tiny_config_factory(tmp_path)
+    raw["policy"].update(learning_rate=50.0, steps=8, kl_bound=0.5, checkpoint_every=1, eval_every=8,
+                         circuit_breaker={"kl_patience": 2})  # the injected instability: an absurd step size
+    raw["serving"] = {"enabled": False}  # the rollback moves the alias; this test starts no vLLM server
+    raw["monitoring"] = {"targets_dir": str(tmp_path / "stack0" / "targets"), "linger_on_failure_s": 15}
+    config = tmp_path / "unstable.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    client = registry_with_two_champions(raw["tracking"]["tracking_uri"], tmp_path)
+    stack = stack_factory(PrefectRollbackTrigger(rollback_runner, config_path=str(config)))
+
+    with pytest.raises(PipelineFailed) as exc:
+        rlhf_pipeline(config_path=str(config))
+    summary = exc.value.summary
+    assert summary["failed_stage"] == "policy" and "circuit breaker" in summary["error"]
+
+    def rolled_back():
+        champion = by_alias(client, CHAMPION, POLICY)
+        return champion is not None and str(champion.version) == "1"
+
+    wait_for("champion to move back to v1", rolled_back, 180, every=1)
+    [decision] = [d for d in stack.decisions() if d.get("action") == "rollback" and d.get("result") == "triggered"]
+    assert decision["requested_by"] == "alertmanager:rlhf-receiver"
+    with get_client(sync_client=True) as prefect:
+        flow_run = prefect.read_flow_run(decision["flow_run_id"])
+        flow_run = wait_for("the rollback flow run to complete",
+                            lambda: (r := prefect.read_flow_run(decision["flow_run_id"])).state.is_completed() and r, 60)
+    assert flow_run.parameters["incident"].startswith("run-")
+
+    # the registry says why and at whose request; the same incident again does nothing
+    stage_runs = client.search_runs([client.get_run(summary["mlflow_run_id"]).info.experiment_id],
+                                    "tags.stage = 'policy'")
+    policy_run = next(r for r in stage_runs if r.data.tags.get("mlflow.parentRunId") == summary["mlflow_run_id"])
+    assert policy_run.info.status == "FAILED" and policy_run.data.tags["circuit_breaker.reason"] in (
+        "kl_above_bound", "nonfinite_loss")
+    v1 = client.get_model_version(POLICY, "1").tags
+    assert v1["rollback.requested_by"] == "alertmanager:rlhf-receiver"
+    assert v1["rollback.incident"] == flow_run.parameters["incident"] == f"run-{policy_run.info.run_id}-policy"
+
+    # seconds from the first unstable step (KL above the bound) to the completed rollback
+    kl = sorted(client.get_metric_history(policy_run.info.run_id, "policy/kl"), key=lambda m: m.step)
+    first_unstable = next(m for m in kl if not m.value <= raw["policy"]["kl_bound"])
+    seconds = flow_run.end_time.timestamp() - first_unstable.timestamp / 1000
+    print(f"\nfirst unstable step {first_unstable.step} (KL {first_unstable.value:.3g}) -> rollback completed: "
+          f"{seconds:.1f} s")
+    assert 0 < seconds < 300
+
+
+# ------------------------------------------------------------------------------------------
+# a throttled worker -> imbalance alert -> recorded, no rollback
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of a process (threads created later inherit it)."""
+    for thread in psutil.Process(pid).threads():
+        os.sched_setaffinity(thread.id, cpus)
+
+
+def noisy_neighbours(cpu: int, n: int = 3) -> list[subprocess.Popen]:
+    """`n` busy loops pinned to `cpu`: a worker pinned there gets about 1/(n+1) of it, as on
+    an oversubscribed node. SIGSTOP duty cycles would not do: they land between the short
+    forward passes, not inside them, and the worker's compute time hardly changes."""
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+
+
+def test_a_throttled_worker_fires_the_imbalance_alert_and_nothing_is_rolled_back(
+    stack_factory, ray_cluster, tmp_path
+):
+    from monitoring.prometheus import JobExporter
+    from rlhf_core.config import RewardConfig
+    from rlhf_core.distributed.reward_trainer import train_reward_model
+    from rlhf_core.config import DemoDataConfig
+    from rlhf_core.data.schema import read_table
+    from rlhf_core.data.synthetic import generate_demo_data
+
+    triggered = []
+    stack = stack_factory(lambda incident, reason, by: triggered.append(incident) or "never")
+    stack_dir = tmp_path / "stack0"
+    files = generate_demo_data(DemoDataConfig(n_sft=10, n_pairs=1200, n_eval=10), tmp_path / "data")
+    pairs = read_table(files.preferences)[["prompt", "chosen", "rejected"]].to_dict("records")
+    base = _tiny_base(tmp_path)
+    # long enough (about a minute) for Prometheus to see the spread over its window
+    cfg = RewardConfig(num_workers=2, micro_batch_size=8, epochs=12, checkpoint_every=10_000, min_eval_accuracy=0.0,
+                       warmup_steps=2)
+    exporter = JobExporter("imbalance-run", "reward", targets_dir=stack_dir / "targets")
+    neighbours: list[subprocess.Popen] = []
+    result: dict = {}
+    sink = exporter.sink()
+
+    def train():
+        result["r"] = train_reward_model(pairs[:1100], pairs[1100:], base, cfg, tmp_path / "rm", tmp_path / "ray",
+                                         on_metrics=sink, run_name="imbalance")
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        # the exporter learns each worker's pid from the figures rank 0 sends; throttle rank 1
+        pids = wait_for("the workers' first figures",
+                        lambda: len(exporter.workers) == 2 and all("pid" in w for w in exporter.workers.values())
+                        and {r: int(w["pid"]) for r, w in exporter.workers.items()}, 180)
+        pin(pids["0"], {1})
+        pin(pids["1"], {0})
+        neighbours.extend(noisy_neighbours(cpu=0))
+        alert = wait_for("TrainingWorkerImbalance to fire",
+                         lambda: stack.firing("TrainingWorkerImbalance") or (not trainer.is_alive() and ["done"]), 240)
+        ratio = stack.query("run_stage:rlhf_worker_samples_per_second:imbalance_ratio1m")
+        assert alert != ["done"], f"training ended before the imbalance alert fired (ratio {ratio})"
+        assert alert[0]["labels"]["action"] == "notify" and alert[0]["labels"]["run"] == "imbalance-run"
+        wait_for("the receiver to record it", lambda: any(
+            d.get("alertname") == "TrainingWorkerImbalance" and d.get("action") == "notify" for d in stack.decisions()), 60)
+    finally:
+        for proc in neighbours:
+            proc.kill()
+        trainer.join(600)
+        exporter.finish(ok=True)
+        exporter.close()
+    assert triggered == []  # an imbalance is for a person: no rollback
+    assert not stack.firing("TrainingCircuitBreakerTripped")
+
+
+def _tiny_base(tmp: Path) -> Path:
+    from rlhf_core.config import ModelConfig
+    from rlhf_core.models.llama import build_policy, save_pretrained_atomic
+    from rlhf_core.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([f"{a:02d}+{b:02d}={a + b:03d}" for a in range(100) for b in range(100)], vocab_size=64)
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
+    return save_pretrained_atomic(build_policy(cfg, tok, seed=0), tok, tmp / "base")
