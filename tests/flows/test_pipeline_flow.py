@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -41,11 +46,39 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture(scope="module")
-def full_run(prefect_server, ray_cluster, tmp_path_factory, tiny_config_factory):
-    """One pipeline run through every stage, serving included (gates loose: a 2-step tiny
-    policy cannot be expected to beat its SFT policy; the gate math has its own tests).
-    Whatever it serves is stopped at the end of the module."""
+def deployed(prefect_server):
+    """prefect.yaml deployed with `prefect deploy --all` to the test's Prefect server, and a
+    process worker of the `rlhf-local` pool polling it every second; stopped at the end."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RLHF_HOME": str(REPO),
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    for cmd in ([prefect, "work-pool", "create", "rlhf-local", "--type", "process", "--overwrite"],
+                [prefect, "deploy", "--all", "--no-prompt"]):
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{cmd}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    worker = subprocess.Popen([prefect, "worker", "start", "--pool", "rlhf-local"], cwd=REPO, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(60)
+
+
+@pytest.fixture(scope="module")
+def full_run(deployed, tmp_path_factory, tiny_config_factory):
+    """One run of the `rlhf-pipeline/nightly` deployment, started through the Prefect API and
+    executed by the process worker, through every stage, serving included (gates loose: a
+    2-step tiny policy cannot be expected to beat its SFT policy; the gate math has its own
+    tests). Whatever it serves is stopped at the end of the module."""
+    from prefect.deployments import run_deployment
+
     from rlhf_core.config import load_config
     from rlhf_core.serving import server
 
@@ -60,9 +93,32 @@ def full_run(prefect_server, ray_cluster, tmp_path_factory, tiny_config_factory)
     cfg = load_config(config)
     state_dir = server.state_dir_for(cfg.serving, cfg.output_dir)
     try:
-        yield config, cfg, state_dir, rlhf_pipeline(config_path=str(config))
+        flow_run = run_deployment("rlhf-pipeline/nightly", parameters={"config_path": str(config)}, timeout=1200,
+                                  poll_interval=2)
+        [summary_path] = (tmp / "runs").glob("*/summary.json")
+        summary = json.loads(summary_path.read_text())
+        assert flow_run.state.is_completed(), (flow_run.state, summary.get("error"))
+        yield config, cfg, state_dir, summary
     finally:
         server.stop(state_dir)
+
+
+@pytest.mark.slow
+def test_the_nightly_deployment_is_scheduled_and_every_deployment_has_a_form(deployed):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        nightly = client.read_deployment_by_name("rlhf-pipeline/nightly")
+        [schedule] = nightly.schedules
+        assert schedule.schedule.cron == "0 2 * * *" and schedule.active
+        assert nightly.parameters == {"config_path": "configs/demo.yaml", "overrides": []}
+        assert nightly.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        for name in ("rlhf-pipeline/nightly", "evaluate/evaluate", "deploy-champion/deploy-champion",
+                     "rollback/rollback"):
+            deployment = client.read_deployment_by_name(name)
+            assert deployment.work_pool_name == "rlhf-local"
+            properties = deployment.parameter_openapi_schema["properties"]
+            assert properties and all(p.get("description") for p in properties.values()), (name, properties)
 
 
 @pytest.mark.slow
