@@ -109,7 +109,7 @@ class JobExporter:
         self._kl_bound = Gauge("rlhf_policy_kl_bound", "The KL bound of the job (policy.kl_bound)", labels,
                                registry=self.registry)
         self._lock = threading.Lock()
-        self.workers: dict[str, dict[str, str]] = {}  # rank -> {"host", "pid"}: where each worker runs
+        self.workers: dict[str, dict[str, str]] = {}  # rank -> {"host", "node", "pid"}: where each runs
         if kl_bound is not None:
             self._kl_bound.labels(run, stage).set(kl_bound)
         self._running.labels(run, stage).set(1)
@@ -157,7 +157,7 @@ class JobExporter:
                 self._nonfinite.labels(run, stage).inc(skipped)
             for key, value in metrics.items():
                 m = _WORKER_KEY.match(key)
-                if m and m.group(2) in ("host", "pid"):
+                if m and m.group(2) in ("host", "node", "pid"):
                     self.workers.setdefault(m.group(1), {})[m.group(2)] = str(value)
                 if m and m.group(2) in WORKER_GAUGES and _number(value):
                     rank = m.group(1)

@@ -125,6 +125,7 @@ class RewardConfig(_Strict):
     seed: int = 0
     num_workers: int = Field(2, ge=1)
     use_gpu: bool | None = None  # None: use GPUs when the cluster has them
+    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD"] = "SPREAD"  # workers over the Ray nodes
     zero_stage: int = Field(2, ge=0, le=3)
     micro_batch_size: int = Field(32, ge=1)
     grad_accum_steps: int = Field(1, ge=1)
@@ -191,6 +192,7 @@ class PolicyConfig(_Strict):
     seed: int = 0
     num_workers: int = Field(2, ge=1)
     use_gpu: bool | None = None  # None: use GPUs when the cluster has them
+    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD"] = "SPREAD"  # workers over the Ray nodes
     zero_stage: int = Field(2, ge=1, le=3)  # >= 1: the non-finite-gradient skip is ZeRO's
     steps: int = Field(30, ge=1)  # RL iterations
     prompts_per_step: int = Field(32, ge=1)

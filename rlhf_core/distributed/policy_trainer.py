@@ -203,7 +203,8 @@ def train_policy(
         trainer = TorchTrainer(
             train_loop_per_worker=_train_loop,
             train_loop_config=loop_config,
-            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu),
+            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu,
+                                         placement_strategy=cfg.placement_strategy),
             run_config=RunConfig(
                 name=run_name,
                 storage_path=str(Path(storage_path).resolve()),

@@ -10,7 +10,8 @@ already gathers, as flat `worker/<rank>/<figure>` keys (plus `worker/<rank>/host
                          excluding waits in collectives: in a synchronous step every worker's
                          wall time is the slowest one's, so only the compute time shows which
                          worker is the straggler
-    host, pid            where the worker runs (strings: labels, not figures)
+    host, node, pid      where the worker runs: host name, Ray node id, process id (strings:
+                         labels, not figures; two nodes on one host differ only by node)
     gpu_utilization, gpu_memory_used_bytes
                          the worker's GPU through NVML, when it has one and pynvml is installed
 """
@@ -26,6 +27,7 @@ from typing import Any
 class WorkerMeter:
     def __init__(self, use_gpu: bool = False):
         self.host = socket.gethostname()
+        self.node = _ray_node_id()
         self._nvml = _nvml_handle() if use_gpu else None
         self.start()
 
@@ -47,6 +49,7 @@ class WorkerMeter:
         wall = max(time.perf_counter() - self._wall0, 1e-9)
         out: dict[str, Any] = {
             "host": self.host,
+            "node": self.node,
             "pid": str(os.getpid()),
             "cpu_utilization": (time.process_time() - self._cpu0) / wall,
             "step_seconds": wall,
@@ -63,6 +66,15 @@ class WorkerMeter:
 def flatten_workers(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """[{figure: value} for each rank] -> {"worker/<rank>/<figure>": value}."""
     return {f"worker/{rank}/{k}": v for rank, figures in enumerate(per_rank) for k, v in figures.items()}
+
+
+def _ray_node_id() -> str:
+    try:
+        import ray  # noqa: PLC0415
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return "local"
 
 
 def _nvml_handle():
