@@ -44,6 +44,10 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         paths = prepare_data(cfg, run.out_dir)
         data = run_stage(stages, "validate", validate_data, paths, cfg, run)
         base = run_stage(stages, "sft", train_base_policy, data, cfg, run)
+        if not base.path.is_dir():  # cached, but its files are gone: train it again
+            base = run_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg, run)
+        if base.pipeline_run_id != run.run_id:
+            stages["sft"]["status"] = "cached"
         reward = run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run)
         policy = run_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
         candidate = Candidate(policy.path, base.path, reward.path, {

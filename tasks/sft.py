@@ -1,7 +1,18 @@
-"""Prefect task for the SFT base-policy stage."""
+"""Prefect task for the SFT base-policy stage.
+
+SFT is deterministic in its inputs and the most expensive CPU stage of the demo, so its
+result is cached: a run whose data (the dataset fingerprint and the SFT corpus's), `sft`,
+`model` and `tokenizer` settings and MLflow store are those of an earlier run reuses that
+run's base policy (and its MLflow run, so lineage tags still point at the run that trained
+it). Change any input and it is trained again. The flow retrains when the cached model
+directory no longer exists (`runs/` cleaned).
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from mlflow.entities import Param
@@ -9,16 +20,21 @@ from prefect import get_run_logger, task
 
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data.schema import read_table
+from rlhf_core.data.schema import fingerprint, read_table
 from rlhf_core.training.base_policy import BasePolicyResult, make_base_policy
 from tasks.data import ValidatedData
 from tasks.tracking import PipelineRun, flatten, stage_run
+
+
+# Bump when the SFT code changes what it produces for the same inputs.
+SFT_CACHE_VERSION = 1
 
 
 @dataclass(frozen=True)
 class BasePolicy:
     result: BasePolicyResult
     run_id: str  # the stage's MLflow run
+    pipeline_run_id: str = ""  # the pipeline run that trained it (another one's when cached)
 
     @property
     def path(self) -> Path:
@@ -26,7 +42,7 @@ class BasePolicy:
 
     def summary(self) -> dict:
         r = self.result
-        return {"status": "completed", "eval_accuracy": r.eval_accuracy, "num_parameters": r.num_parameters,
+        return {"status": "completed", "trained_by_run": self.pipeline_run_id, "eval_accuracy": r.eval_accuracy, "num_parameters": r.num_parameters,
                 "seconds": round(r.sft_seconds, 1), "model_path": str(r.path)}
 
 
@@ -41,7 +57,20 @@ def _with_progress(sink, log, every: int = 250):
     return on_metrics
 
 
-@task(name="train-base-policy")
+def sft_cache_key(context, parameters: dict) -> str:
+    """Everything the base policy depends on (see the module docstring)."""
+    data, cfg, run = parameters["data"], parameters["cfg"], parameters["run"]
+    inputs = {
+        "version": SFT_CACHE_VERSION,
+        "data": data.fingerprint,
+        "sft_corpus": fingerprint(data.paths.sft) if data.paths.sft is not None else None,
+        "settings": {k: getattr(cfg, k).model_dump(mode="json") for k in ("sft", "model", "tokenizer")},
+        "tracking_uri": run.tracking_uri,
+    }
+    return "sft-" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+@task(name="train-base-policy", cache_key_fn=sft_cache_key, persist_result=True, cache_expiration=timedelta(days=30))
 def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun) -> BasePolicy:
     log = get_run_logger()
     with stage_run(run, "sft", {"dataset.fingerprint": data.fingerprint}) as stage_id:
@@ -76,4 +105,4 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         client.set_tag(stage_id, "model.path", str(result.path))
         log.info("base policy: %d parameters, held-out accuracy %s", result.num_parameters, result.eval_accuracy)
-    return BasePolicy(result, stage_id)
+    return BasePolicy(result, stage_id, run.run_id)

@@ -71,10 +71,20 @@ def deployed(prefect_server):
         worker.wait(60)
 
 
+def flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 @pytest.fixture(scope="module")
 def full_run(deployed, tmp_path_factory, tiny_config_factory):
-    """One run of the `rlhf-pipeline/nightly` deployment, started through the Prefect API and
-    executed by the process worker, through every stage, serving included (gates loose: a
+    """One run of the `rlhf-pipeline/nightly` deployment on configs/demo.yaml (with overrides
+    that make it test-sized), started through the Prefect API and executed by the process worker, through every stage, serving included (gates loose: a
     2-step tiny policy cannot be expected to beat its SFT policy; the gate math has its own
     tests). Whatever it serves is stopped at the end of the module."""
     from prefect.deployments import run_deployment
@@ -88,13 +98,16 @@ def full_run(deployed, tmp_path_factory, tiny_config_factory):
                     "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,
                     "max_degenerate_rate": 1.0, "max_kl": 1000.0}
     raw["serving"] = {"ports": free_ports(2), "smoke_prompt": "12+34="}
-    config = tmp / "full.yaml"
+    config = tmp / "full.yaml"  # the same settings as a file, for the commands the later tests run
     config.write_text(yaml.safe_dump(raw))
     cfg = load_config(config)
     state_dir = server.state_dir_for(cfg.serving, cfg.output_dir)
+    # the deployment runs the demo config as a user would start it from the UI, made small by overrides
+    overrides = [f"{key}={json.dumps(value)}" for key, value in flat(raw).items()]
+    assert load_config(REPO / "configs" / "demo.yaml", overrides) == cfg
     try:
-        flow_run = run_deployment("rlhf-pipeline/nightly", parameters={"config_path": str(config)}, timeout=1200,
-                                  poll_interval=2)
+        flow_run = run_deployment("rlhf-pipeline/nightly", timeout=1200, poll_interval=2,
+                                  parameters={"config_path": "configs/demo.yaml", "overrides": overrides})
         [summary_path] = (tmp / "runs").glob("*/summary.json")
         summary = json.loads(summary_path.read_text())
         assert flow_run.state.is_completed(), (flow_run.state, summary.get("error"))
