@@ -1,14 +1,21 @@
-"""Prefect tasks for the data stage: materialise the inputs, then validate them."""
+"""Prefect tasks for the data stage: materialise the inputs, then validate them.
+
+The data contract (Great Expectations) is cached on the dataset fingerprint and the
+`validation` settings: a nightly run on the same data reuses the report instead of
+re-running every expectation, and still records its own validate run, tags and report.
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import PipelineConfig, ValidationConfig
 from rlhf_core.data.schema import fingerprint, read_table
 from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.data.validation import ValidationReport, validate_preferences
@@ -58,6 +65,19 @@ def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:
     return path
 
 
+def _contract_key(context, parameters: dict) -> str:
+    inputs = {"fingerprint": parameters["data_fingerprint"], "validation": parameters["cfg"].model_dump(mode="json")}
+    return "contract-" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+@task(name="check-data-contract", cache_key_fn=_contract_key, persist_result=True, cache_expiration=timedelta(days=30))
+def check_data_contract(data_fingerprint: str, paths: DataPaths, cfg: ValidationConfig) -> ValidationReport:
+    """The expectations' verdict on the data whose fingerprint is `data_fingerprint`."""
+    prefs = read_table(paths.preferences)
+    evals = read_table(paths.eval) if paths.eval is not None else None
+    return validate_preferences(prefs, cfg, eval_df=evals)
+
+
 @task(name="validate-data")
 def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> ValidatedData:
     """Run the data contract; record the report in MLflow and Prefect; raise when it fails."""
@@ -65,9 +85,7 @@ def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> Va
     with stage_run(run, "validate", {"dataset.fingerprint": data_fp}) as stage_id:
         client = run.client
         client.set_tag(run.run_id, "dataset.fingerprint", data_fp)
-        prefs = read_table(paths.preferences)
-        evals = read_table(paths.eval) if paths.eval is not None else None
-        report = validate_preferences(prefs, cfg.validation, eval_df=evals)
+        report = check_data_contract(data_fp, paths, cfg.validation)
         report_path = _publish(report, run.out_dir, f"Validation of {paths.preferences.name}")
         client.log_artifact(stage_id, str(report_path))
         client.log_artifact(stage_id, str(run.out_dir / "validation_report.md"))
