@@ -65,8 +65,13 @@ def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:
     return path
 
 
+# Bump when the expectations or the report's shape change: old cached reports then stop matching.
+CONTRACT_CACHE_VERSION = 1
+
+
 def _contract_key(context, parameters: dict) -> str:
-    inputs = {"fingerprint": parameters["data_fingerprint"], "validation": parameters["cfg"].model_dump(mode="json")}
+    inputs = {"version": CONTRACT_CACHE_VERSION, "fingerprint": parameters["data_fingerprint"],
+              "validation": parameters["cfg"].model_dump(mode="json")}
     return "contract-" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
