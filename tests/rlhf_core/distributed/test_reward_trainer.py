@@ -150,7 +150,13 @@ def test_zero2_trains_and_reports_every_step(baseline, pairs):
     check_trained(result, pairs, CFG)
     assert result.attempts == 1 and result.resumed_from_step is None
     logged = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    assert logged == result.metrics_history  # on_metrics ran on rank 0 once per optimizer step
+    # on_metrics ran on rank 0 once per optimizer step, with every worker's figures besides the step's
+    assert [{k: v for k, v in m.items() if not k.startswith("worker/")} for m in logged] == result.metrics_history
+    for m in logged:
+        for rank in (0, 1):
+            assert m[f"worker/{rank}/samples_per_second"] > 0 and m[f"worker/{rank}/cpu_utilization"] > 0
+            assert isinstance(m[f"worker/{rank}/host"], str) and m[f"worker/{rank}/pid"].isdigit()
+    assert m["worker/0/pid"] != m["worker/1/pid"]
     names = set(logged[-1])
     for name in ("loss", "accuracy", "margin", "chosen_mean", "rejected_mean", "grad_norm", "pairs_per_s", "truncated"):
         assert f"reward/{name}" in names
