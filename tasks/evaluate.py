@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlflow
+from mlflow.tracking import MlflowClient
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
@@ -95,11 +96,13 @@ def fetch_version(tracking_uri: str, version: str, dest_root: Path, name: str = 
     dest_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=dest_root))
     try:
-        mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(tmp), tracking_uri=tracking_uri)
-        os.replace(tmp, dest)
-    except BaseException:
+        # Ask the registry of *this* store where the version's files are: a `models:/` URI would
+        # be resolved against the process-wide registry URI, which may be another store.
+        source = MlflowClient(tracking_uri, registry_uri=tracking_uri).get_model_version_download_uri(name, version)
+        local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=tracking_uri)
+        os.replace(local, dest)  # the model directory itself, wherever the download nested it
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
 
 

@@ -127,3 +127,21 @@ def test_incident_ids_are_checked(registry):
     promote(registry, "1", "a", "r")
     with pytest.raises(RegistryError, match="incident id 'a b'"):
         start_rollback(registry, "a b", "r", "x")
+
+
+def test_fetch_version_reads_the_given_store_not_the_process_wide_one(registry, tmp_path):
+    """Regression: `models:/` URIs resolve against the process-wide registry URI, so a deploy
+    started by `rlhf promote --deploy` looked for `policy` in the wrong store."""
+    import mlflow
+
+    from tasks.evaluate import fetch_version
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'another-store.db'}")
+    try:
+        model = fetch_version(registry.tracking_uri, "2", tmp_path / "models")
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert model == tmp_path / "models" / "v2" and (model / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["v2"]  # no temporary directory left
+    assert fetch_version(registry.tracking_uri, "2", tmp_path / "models") == model  # downloaded once
