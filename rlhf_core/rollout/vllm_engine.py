@@ -110,14 +110,17 @@ class RolloutEngine:
         top_p: float = 1.0,
         max_tokens: int = 16,
         seed: int | None = None,
+        min_tokens: int = 0,
     ) -> list[Rollout]:
         """`n` responses for each prompt, grouped by prompt in input order.
 
         temperature 0 is greedy. With `seed` the samples are reproducible (vLLM gives the
         i-th of the n samples seed + i); without it they follow the engine's generator.
+        `min_tokens` keeps </s> from ending a response earlier (benchmarks fix the length).
         """
         params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, min_tokens=min_tokens, seed=seed,
+            logprobs=0,
         )
         start = time.perf_counter()
         outputs = self._engine().generate(list(prompts), params, use_tqdm=False)
