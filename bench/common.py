@@ -1,0 +1,73 @@
+"""Shared by the benchmarks: model sizes, the machine's description, result files, tables."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# The two sizes the targets are stated at: the demo policy (fixed overheads dominate) and a
+# Llama of about 25M parameters (compute dominates); "100m" for the weight-sync curve.
+SIZES = {
+    "demo": dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=4),
+    "25m": dict(hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=8),
+    "100m": dict(hidden_size=768, intermediate_size=2048, num_layers=14, num_heads=12, num_kv_heads=12),
+}
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import vllm  # noqa: PLC0415
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "vllm": vllm.__version__,
+            "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def timed(fn, repeats: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    lines = [" | ".join(c.ljust(widths[c]) for c in columns), "-|-".join("-" * widths[c] for c in columns)]
+    lines += [" | ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+    return "" if x is None else str(x)

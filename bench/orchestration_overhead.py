@@ -1,0 +1,91 @@
+"""Orchestration overhead of the demo: the share of its wall time spent outside model compute.
+
+Runs `rlhf demo` (unless `--analyse-only`), timing the whole command, then reads that run
+back from MLflow. Model compute is what the stages spend in their training and evaluation
+loops, from the metrics they log:
+
+    sft       sft/seconds (the SFT loop and its held-out check)
+    reward    the sum over optimizer steps of the slowest worker's step time
+    policy    the sum over RL iterations of the slowest worker's step time (generation,
+              scoring, logprobs, update, weight sync), plus eval/seconds of each evaluation
+    gates     the evaluate stage's run (three policies answering the held-out prompts)
+
+Everything else is overhead: Python and Prefect start-up (the temporary API server), MLflow
+bookkeeping, data generation and validation, Ray cluster and worker start-up, DeepSpeed
+initialisation, vLLM engine start, checkpointing, and starting the serving process.
+
+    .venv/bin/python bench/orchestration_overhead.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from bench.common import save, table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _history_sum_of_max(client: MlflowClient, run_id: str, prefix: str) -> float:
+    """Sum over steps of max over workers of `<prefix>/worker_<r>`."""
+    keys = [k for k in client.get_run(run_id).data.metrics if k.startswith(prefix)]
+    per_step: dict[int, float] = {}
+    for key in keys:
+        for m in client.get_metric_history(run_id, key):
+            per_step[m.step] = max(per_step.get(m.step, 0.0), m.value)
+    return sum(per_step.values())
+
+
+def analyse(tracking_uri: str, wall_s: float | None) -> dict:
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("rlhf-pipeline")
+    [parent] = client.search_runs([exp.experiment_id], "tags.pipeline = 'rlhf-pipeline' and tags.outcome = 'completed'",
+                                  order_by=["attributes.start_time DESC"], max_results=1)
+    stages = {r.info.run_name: r for r in client.search_runs(
+        [exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    policy = stages["policy"].info.run_id
+    compute = {
+        "sft": stages["sft"].data.metrics["sft/seconds"],
+        "reward": _history_sum_of_max(client, stages["reward"].info.run_id, "reward/step_time_s/worker_"),
+        "policy_steps": _history_sum_of_max(client, policy, "policy/step_time_s/worker_"),
+        "policy_evals": sum(m.value for m in client.get_metric_history(policy, "eval/seconds")),
+        "gates": (stages["evaluate"].info.end_time - stages["evaluate"].info.start_time) / 1000,
+    }
+    run_s = (parent.info.end_time - parent.info.start_time) / 1000
+    wall = wall_s if wall_s is not None else run_s
+    model = sum(compute.values())
+    return {"pipeline_run": parent.info.run_id, "wall_s": wall, "mlflow_run_s": run_s, "compute_s": compute,
+            "model_compute_s": model, "overhead_s": wall - model, "overhead_share": (wall - model) / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--analyse-only", action="store_true", help="read the latest completed run, do not run")
+    parser.add_argument("--tracking-uri", default=f"sqlite:///{REPO / 'mlflow.db'}")
+    args = parser.parse_args()
+    wall = None
+    if not args.analyse_only:
+        t0 = time.perf_counter()
+        subprocess.run([str(Path(sys.executable).parent / "rlhf"), "demo"], cwd=REPO, check=True,
+                       env={**os.environ, "MLFLOW_TRACKING_URI": args.tracking_uri})
+        wall = time.perf_counter() - t0
+    result = analyse(args.tracking_uri, wall)
+    rows = [{"part": k, "seconds": v, "share": v / result["wall_s"]} for k, v in result["compute_s"].items()]
+    rows += [{"part": "model compute", "seconds": result["model_compute_s"], "share": result["model_compute_s"] / result["wall_s"]},
+             {"part": "overhead", "seconds": result["overhead_s"], "share": result["overhead_share"]},
+             {"part": "wall (rlhf demo)" if wall else "wall (MLflow run)", "seconds": result["wall_s"], "share": 1.0}]
+    print("\nDemo wall time, model compute and overhead:")
+    print(table(rows, ["part", "seconds", "share"]))
+    print(f"\nwritten {save('orchestration_overhead', result)}")
+
+
+if __name__ == "__main__":
+    main()

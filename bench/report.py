@@ -1,0 +1,68 @@
+"""Print the latest benchmark results (bench/results/*.json) as the README's markdown tables."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import RESULTS  # noqa: E402
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _md(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(format(r[key], fmt) if fmt else str(r[key]) for key, _, fmt in columns) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    machine = None
+    out = []
+    if (r := _load("rollout_generation")) is not None:
+        machine = r["machine"]
+        out += [f"**Rollout generation** ({r['group']} samples per prompt, {r['tokens']} tokens each, tokens/s):", "",
+                _md(r["rows"], [("size", "policy", ""), ("params", "parameters", ","), ("completions", "completions", ""),
+                                ("hf_tokens_per_s", "HF generate", ",.0f"), ("ours_tokens_per_s", "our engine", ",.0f"),
+                                ("speedup", "ours / HF", ".2f")]), ""]
+    if (r := _load("weight_sync")) is not None:
+        machine = machine or r["machine"]
+        out += [f"**Weight sync** (share of one step of {r['prompts']} prompts × 8 samples × {r['tokens']} tokens "
+                "plus a train pass):", "",
+                _md(r["rows"], [("size", "policy", ""), ("params", "parameters", ","), ("MB", "MB", ".0f"),
+                                ("sync_s", "sync s", ".3f"), ("step_s", "step s", ".2f"), ("sync_share", "share", ".1%")]), ""]
+    for name in ("rl_step_vs_trl_demo", "rl_step_vs_trl_25m"):
+        if (r := _load(name)) is not None:
+            machine = machine or r["machine"]
+            out += [f"**GRPO step throughput, {r['size']} policy** ({r['params']:,} parameters; ours / TRL "
+                    f"= {r['ratio']:.2f}×):", "",
+                    _md(r["rows"], [("side", "side", ""), ("median_step_s", "median step s", ".2f"),
+                                    ("samples_per_s", "samples/s", ".1f")]), ""]
+    if (r := _load("scaling")) is not None:
+        machine = machine or r["machine"]
+        out += [f"**Reward-model training, 1 → 2 Ray workers** (global batch {r['global_batch']} pairs):", "",
+                _md(r["rows"], [("workers", "workers", ""), ("pairs_per_s", "pairs/s", ".0f"),
+                                ("speedup", "speedup", ".2f")]), ""]
+    if (r := _load("orchestration_overhead")) is not None:
+        machine = machine or r["machine"]
+        rows = [{"part": k, "s": v} for k, v in r["compute_s"].items()]
+        rows += [{"part": "**model compute**", "s": r["model_compute_s"]}, {"part": "**overhead**", "s": r["overhead_s"]},
+                 {"part": "wall", "s": r["wall_s"]}]
+        for row in rows:
+            row["share"] = row["s"] / r["wall_s"]
+        out += [f"**Demo wall time** (overhead {r['overhead_share']:.0%} of {r['wall_s']:.0f} s):", "",
+                _md(rows, [("part", "part", ""), ("s", "seconds", ".1f"), ("share", "share", ".1%")]), ""]
+    if machine:
+        out.insert(0, f"Measured {machine['when']} on {machine['cpu']}, {machine['cores']} cores, "
+                      f"{machine['ram_gib']} GiB (torch {machine['torch']}, vLLM {machine['vllm']}).\n")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

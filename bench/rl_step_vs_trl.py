@@ -1,0 +1,113 @@
+"""RL step throughput: our GRPO (Ray Train + DeepSpeed workers, rollouts from the vLLM
+engine) against TRL's `GRPOTrainer`, on the same policy, prompts, reward, group size,
+completion length and number of optimizer updates per step, in one run.
+
+Settings shared by both sides: a Llama policy of the chosen size (random weights), the
+demo's addition prompts, the verifiable exact-match reward only, 32 prompts x 8 samples =
+256 completions per step of at most `--tokens` tokens at temperature 1, one optimizer update
+per step (AdamW, lr 1e-5, KL coefficient 0.02 to a frozen reference), float32 on the CPU.
+Ours runs 2 workers (one per core); TRL one process with as many torch threads as cores
+(TRL's CPU path, generation with Hugging Face `generate`). Throughput is completions per
+second of step wall time, median over the steps after the first (warm-up).
+
+TRL is installed by this script into its own virtual environment (`--trl-venv`, default
+/tmp/rlhf-bench-trl), so its dependency pins never touch the project's.
+
+    .venv/bin/python bench/rl_step_vs_trl.py --size 25m
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import SIZES, save, table  # noqa: E402
+from bench.rollout_generation import demo_tokenizer  # noqa: E402
+from bench.scaling import JsonlSink  # noqa: E402
+from rlhf_core.config import ModelConfig, PolicyConfig  # noqa: E402
+from rlhf_core.data.synthetic import answer_for, prompt_for  # noqa: E402
+from rlhf_core.models.llama import build_policy, num_parameters, save_pretrained_atomic  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+PROMPTS_PER_STEP, GROUP, LR, KL = 32, 8, 1e-5, 0.02
+
+
+def trl_python(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # torch first, pinned to the project's build so both sides run the same kernels
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "torch==2.13.0", "trl", "datasets"], check=True)
+    return python
+
+
+def ours(model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path) -> dict:
+    from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+
+    cfg = PolicyConfig(
+        algorithm="grpo", num_workers=2, steps=steps, prompts_per_step=PROMPTS_PER_STEP, grpo={"group_size": GROUP},
+        max_new_tokens=tokens, epochs_per_step=1, minibatch_size=PROMPTS_PER_STEP * GROUP, micro_batch_size=64,
+        learning_rate=LR, kl_coef=KL, reward_model_weight=0.0, verifiable_reward_weight=1.0,
+        eval_every=steps, checkpoint_every=steps, kl_bound=1e6,
+    )
+    eval_prompts = prompts[:8]
+    answers = [answer_for(int(p[:2]) + int(p[3:5]), 2) for p in eval_prompts]
+    sink = JsonlSink(tmp / "ours.jsonl")
+    result = train_policy(prompts, eval_prompts, answers, model_dir, None, cfg, tmp / "policy", tmp / "ray",
+                          on_metrics=sink, run_name="bench")
+    rows = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+    step_s = [max(v for k, v in r.items() if k.startswith("policy/step_time_s/worker_")) for r in rows if r["step"] > 0]
+    return {"step_s": step_s, "fit_s": result.seconds}
+
+
+def trl(python: Path, model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path) -> dict:
+    spec = {"model_dir": str(model_dir), "prompts": prompts, "steps": steps, "tokens": tokens, "group_size": GROUP,
+            "completions_per_step": PROMPTS_PER_STEP * GROUP, "micro_batch": 64, "learning_rate": LR,
+            "kl_coef": KL, "threads": os.cpu_count() or 1, "out_dir": str(tmp / "trl")}
+    done = subprocess.run([str(python), str(HERE / "trl_side.py"), json.dumps(spec)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL side failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="25m", choices=list(SIZES))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--trl-venv", type=Path, default=Path("/tmp/rlhf-bench-trl"))
+    args = parser.parse_args()
+    python = trl_python(args.trl_venv)
+    tok = demo_tokenizer()
+    prompts = [prompt_for(a, b, 2) for a in range(16) for b in range(16)]  # 256 distinct prompts
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = build_policy(ModelConfig(**SIZES[args.size], max_position_embeddings=args.tokens + 16), tok, seed=0)
+        model_dir = save_pretrained_atomic(model, tok, tmp / "policy0")
+        theirs = trl(python, model_dir, prompts, args.steps, args.tokens, tmp)
+        mine = ours(model_dir, prompts, args.steps, args.tokens, tmp)
+    completions = PROMPTS_PER_STEP * GROUP
+    rows = []
+    for name, res in (("TRL GRPOTrainer " + theirs["trl"], theirs), ("ours (Ray+DeepSpeed+vLLM)", mine)):
+        steady = res["step_s"][1:] or res["step_s"]
+        rows.append({"side": name, "steps": len(res["step_s"]), "median_step_s": statistics.median(steady),
+                     "samples_per_s": completions / statistics.median(steady)})
+    ratio = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
+    print(f"\nGRPO step throughput, {args.size} policy ({num_parameters(model):,} parameters), "
+          f"{PROMPTS_PER_STEP}x{GROUP} completions of <= {args.tokens} tokens, 1 update per step:")
+    print(table(rows, ["side", "steps", "median_step_s", "samples_per_s"]))
+    print(f"ours / TRL: {ratio:.2f}x")
+    path = save(f"rl_step_vs_trl_{args.size}", {"size": args.size, "params": num_parameters(model), "rows": rows,
+                                                 "ratio": ratio, "raw": {"trl": theirs, "ours": mine}})
+    print(f"written {path}")
+
+
+if __name__ == "__main__":
+    main()
