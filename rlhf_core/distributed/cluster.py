@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
 
 
 def connect_ray() -> bool:
@@ -37,6 +40,28 @@ def check_cluster(stage: str, num_workers: int, use_gpu: bool | None) -> bool:
     if num_workers > cpus:
         raise ValueError(f"{stage}.num_workers={num_workers} but the Ray cluster has {cpus} CPUs")
     return gpu
+
+
+def torch_trainer(
+    train_loop, loop_config: dict[str, Any], *, num_workers: int, use_gpu: bool, placement_strategy: str,
+    run_name: str, storage_path, max_failures: int, env: dict[str, str],
+) -> TorchTrainer:
+    """The Ray Train set-up every stage shares: `num_workers` workers placed by
+    `placement_strategy`, runs and checkpoints under `storage_path/run_name` (the last two
+    checkpoints kept), `max_failures` restarts from the last checkpoint, and `env` in every
+    worker's environment."""
+    return TorchTrainer(
+        train_loop_per_worker=train_loop,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, placement_strategy=placement_strategy),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=str(Path(storage_path).resolve()),
+            failure_config=FailureConfig(max_failures=max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            worker_runtime_env={"env_vars": env} if env else {},
+        ),
+    )
 
 
 def seed_everything(seed: int) -> None:

@@ -52,12 +52,12 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 
 from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import PolicyConfig
-from rlhf_core.distributed.cluster import check_cluster, connect_ray, rng_state, seed_everything, set_rng_state
+from rlhf_core.distributed.cluster import (
+    check_cluster, connect_ray, rng_state, seed_everything, set_rng_state, torch_trainer,
+)
 from rlhf_core.distributed.reward_trainer import KillWorkerOnce
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
@@ -199,19 +199,11 @@ def train_policy(
             "nan_at": _nan_at,
             "check_sync": _check_sync,
         }
-        env = {} if use_gpu else {"DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        trainer = TorchTrainer(
-            train_loop_per_worker=_train_loop,
-            train_loop_config=loop_config,
-            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu,
-                                         placement_strategy=cfg.placement_strategy),
-            run_config=RunConfig(
-                name=run_name,
-                storage_path=str(Path(storage_path).resolve()),
-                failure_config=FailureConfig(max_failures=cfg.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=2),
-                worker_runtime_env={"env_vars": env},
-            ),
+        trainer = torch_trainer(
+            _train_loop, loop_config, num_workers=cfg.num_workers, use_gpu=use_gpu,
+            placement_strategy=cfg.placement_strategy, run_name=run_name, storage_path=storage_path,
+            max_failures=cfg.max_failures,
+            env={} if use_gpu else {"DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
         )
         start = time.perf_counter()
         result = trainer.fit()

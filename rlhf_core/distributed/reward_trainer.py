@@ -54,13 +54,13 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.algos.losses import bradley_terry_loss
 from rlhf_core.config import RewardConfig
-from rlhf_core.distributed.cluster import check_cluster, connect_ray, rng_state, seed_everything, set_rng_state
+from rlhf_core.distributed.cluster import (
+    check_cluster, connect_ray, rng_state, seed_everything, set_rng_state, torch_trainer,
+)
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, rank_step_indices, steps_per_epoch, tokenize_pairs
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_pairs
@@ -190,19 +190,12 @@ def train_reward_model(
             "attempts_file": str(run_dir / ATTEMPTS_FILE),
             "kill_once": _kill_once,
         }
-        trainer = TorchTrainer(
-            train_loop_per_worker=_train_loop,
-            train_loop_config=loop_config,
-            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu,
-                                         placement_strategy=cfg.placement_strategy),
-            run_config=RunConfig(
-                name=run_name,
-                storage_path=str(Path(storage_path).resolve()),
-                failure_config=FailureConfig(max_failures=cfg.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=2),
-                # DeepSpeed picks its accelerator when first imported; without GPUs it must be "cpu".
-                worker_runtime_env={} if use_gpu else {"env_vars": {"DS_ACCELERATOR": "cpu"}},
-            ),
+        trainer = torch_trainer(
+            _train_loop, loop_config, num_workers=cfg.num_workers, use_gpu=use_gpu,
+            placement_strategy=cfg.placement_strategy, run_name=run_name, storage_path=storage_path,
+            max_failures=cfg.max_failures,
+            # DeepSpeed picks its accelerator when first imported; without GPUs it must be "cpu".
+            env={} if use_gpu else {"DS_ACCELERATOR": "cpu"},
         )
         start = time.perf_counter()
         result = trainer.fit()
