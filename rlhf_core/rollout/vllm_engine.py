@@ -22,6 +22,11 @@ Where this departs from a plain `LLM(...)`:
   request (temperature 0) gets log_softmax of the unscaled logits.
 - After a weight sync the prefix cache is reset: cached KV blocks were computed with the
   old weights and would otherwise be reused for prompts seen before the sync.
+- On CPU the engine's worker is bound to every core this process may run on
+  (`VLLM_CPU_OMP_THREADS_BIND`, unless you set it). vLLM's default ("auto") keeps one core per
+  worker for its scheduler process, which on a 2-core machine halves the cores that compute
+  (25M policy, 256 completions of 64 tokens: 808 tokens/s on one core, 1,326 on two); the
+  scheduler process is idle while the worker computes, so nothing is gained by reserving it.
 - The KV cache is sized explicitly (`kv_cache_gib`, vLLM's `kv_cache_memory_bytes`, the
   same setting as the legacy `VLLM_CPU_KVCACHE_SPACE`, which wins if it is set). On CPU an
   explicit size in eager mode also skips vLLM's warm-up pass.
@@ -32,8 +37,10 @@ shuts the engine core down, which stops its worker processes.
 """
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +68,36 @@ class Rollout:
     finish_reason: str  # "stop" (</s>) or "length" (max_tokens)
 
 
+@contextmanager
+def _cpu_binding() -> Iterator[None]:
+    """While the engine starts (its processes inherit the environment), bind its CPU worker to
+    all the cores this process may use, unless VLLM_CPU_OMP_THREADS_BIND is set already."""
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    if not current_platform.is_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(os.sched_getaffinity(0))
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+def cpu_list(cpus: set[int] | Sequence[int]) -> str:
+    """`{0, 1, 2, 5}` -> "0-2,5", the form VLLM_CPU_OMP_THREADS_BIND takes."""
+    ids, parts = sorted(cpus), []
+    start = prev = ids[0]
+    for i in [*ids[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(parts)
+
+
 class RolloutEngine:
     """A vLLM engine on a local HF model directory, with in-place weight updates."""
 
@@ -84,18 +121,19 @@ class RolloutEngine:
         self.transport = transport or SafetensorsFileTransport()
         self.llm: LLM | None = None
         try:
-            self.llm = LLM(
-                model=str(self.model_dir),
-                dtype=dtype,
-                seed=seed,
-                max_model_len=max_model_len,
-                kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * GiB),
-                enforce_eager=enforce_eager,
-                gpu_memory_utilization=gpu_memory_utilization,
-                max_num_seqs=max_num_seqs,
-                logprobs_mode="processed_logprobs",
-                worker_extension_cls=EXTENSION,
-            )
+            with _cpu_binding():
+                self.llm = LLM(
+                    model=str(self.model_dir),
+                    dtype=dtype,
+                    seed=seed,
+                    max_model_len=max_model_len,
+                    kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * GiB),
+                    enforce_eager=enforce_eager,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    max_num_seqs=max_num_seqs,
+                    logprobs_mode="processed_logprobs",
+                    worker_extension_cls=EXTENSION,
+                )
         except BaseException:
             self.transport.close()
             raise

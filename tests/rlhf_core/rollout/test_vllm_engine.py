@@ -7,6 +7,7 @@ trained for a few seconds on the demo's sums, so that greedy answers depend on t
 from __future__ import annotations
 
 import copy
+import os
 import random
 from dataclasses import dataclass
 
@@ -171,6 +172,18 @@ def test_n_samples_per_prompt_are_grouped_and_seeded_sampling_is_reproducible(en
     assert [r.response_token_ids for r in a] != [r.response_token_ids for r in c]
     m = engine.last_metrics
     print(f"\ngenerate: {m['rollout/gen_tokens']:.0f} tokens in {m['rollout/gen_s']:.3f} s = {m['rollout/tokens_per_s']:.0f} tokens/s")
+
+
+def test_engine_worker_computes_on_every_core_this_process_may_use(engine_env):
+    """vLLM's "auto" binding would keep one core for its idle scheduler (half the machine here)."""
+    engine, before = engine_env
+    allowed = os.sched_getaffinity(0)
+    workers = [p for p in map(psutil.Process, set(child_processes()) - set(before)) if "Worker" in p.name()]
+    assert workers, "no vLLM worker process found"
+    for worker in workers:  # vLLM pins each OpenMP thread to one core: look at all threads
+        cores = set().union(*(os.sched_getaffinity(t.id) for t in worker.threads()))
+        assert cores == allowed, f"{worker.name()} computes on cores {sorted(cores)} of {sorted(allowed)}"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ, "the binding leaked into this process"
 
 
 def test_close_stops_every_engine_process(engine_env):
