@@ -179,6 +179,21 @@ class CircuitBreakerConfig(_Strict):
     reward_window: int = Field(3, ge=1)  # steps averaged for the reward check
 
 
+class RolloutPipelineConfig(_Strict):
+    """Pipelined rollouts (`rlhf_core.rollout.pipeline`): the engine generates the next steps'
+    batches while the trainer updates on the current one, taking new weights in flight.
+
+    max_lag 0 is the synchronous loop (generate, then train, then sync). With max_lag k the
+    batch of step s may be sampled by a policy up to k updates older than the one it trains
+    (s - 1 - k instead of s - 1); each token's loss is then weighted by the truncated
+    importance ratio min(pi_old / mu, is_cap) of the trainer's policy to the sampler's.
+    """
+
+    max_lag: int = Field(0, ge=0, le=8)  # 0: synchronous
+    is_cap: float = Field(2.0, ge=1)  # truncation of the per-token importance weight
+    chunks: int = Field(2, ge=1)  # generate calls per batch: new weights are taken between them
+
+
 class PolicyConfig(_Strict):
     """Policy optimisation (PPO | GRPO) on Ray Train + DeepSpeed with vLLM rollouts.
 
@@ -223,6 +238,7 @@ class PolicyConfig(_Strict):
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
+    pipeline: RolloutPipelineConfig = RolloutPipelineConfig()
 
     @property
     def samples_per_prompt(self) -> int:
@@ -262,6 +278,16 @@ class PolicyConfig(_Strict):
             raise ValueError("adaptive_kl_target and adaptive_kl_horizon must be set together (or neither)")
         if self.reward_model_weight == 0 and self.verifiable_reward_weight == 0:
             raise ValueError("reward_model_weight and verifiable_reward_weight are both 0: there is no reward")
+        if self.pipeline.chunks > self.prompts_per_step:
+            raise ValueError(
+                f"pipeline.chunks ({self.pipeline.chunks}) must not exceed prompts_per_step ({self.prompts_per_step}): "
+                "each chunk generates whole prompt groups"
+            )
+        if self.pipeline.max_lag > 0 and self.top_p < 1:
+            raise ValueError(
+                f"pipeline.max_lag > 0 needs top_p = 1 (got {self.top_p}): the lag correction divides by the "
+                "sampler's probability of each token, which top-p renormalises over the nucleus"
+            )
         return self
 
 

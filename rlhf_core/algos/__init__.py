@@ -30,6 +30,7 @@ from rlhf_core.algos.losses import (
     logprobs_from_logits,
     loss_normalizer,
     ppo_policy_loss,
+    truncated_is_weights,
     value_loss,
 )
 from rlhf_core.algos.masked import Registry, masked_mean, masked_sum, masked_var, masked_whiten
@@ -62,6 +63,7 @@ __all__ = [
     "masked_whiten",
     "ppo_policy_loss",
     "register_advantage",
+    "truncated_is_weights",
     "value_loss",
     "whiten",
 ]

@@ -68,8 +68,10 @@ def _clipped_surrogate(
     mask: torch.Tensor,
     clip_range: float,
     clip_range_high: float | None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token PPO-clip loss (B, T) and its diagnostics (token means over valid tokens)."""
+    """Per-token PPO-clip loss (B, T) and its diagnostics (token means over valid tokens).
+    is_weights (B, T), if given, multiply each token's loss (constants: no gradient)."""
     mask = mask.bool()
     # Padding may hold anything (even inf); select it away before exp so neither the loss
     # nor the gradient of a masked token can be NaN.
@@ -80,6 +82,8 @@ def _clipped_surrogate(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * torch.where(mask, is_weights.detach(), 0.0)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask).item(),
@@ -98,6 +102,7 @@ def ppo_policy_loss(
     agg: str = "token-mean",
     normalizer: float | None = None,
     clip_range_high: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate, negated to be minimised.
 
@@ -109,6 +114,12 @@ def ppo_policy_loss(
 
     aggregated with `agg` (default "token-mean", as verl and CleanRL). clip_range_high
     defaults to clip_range; a larger value is DAPO's "clip-higher".
+
+    is_weights (B, T), optional: per-token importance weights w_t = pi_old / mu (truncated,
+    see `truncated_is_weights`) for samples drawn from a behaviour policy mu that lags the
+    "old" (proximal) policy; L_t becomes w_t * L_t. This is the decoupled PPO objective
+    (Hilton et al. 2022, "Batch size-invariance for policy optimization", eq. 4; AReaL): the
+    clip keeps the update near the proximal policy, the weight corrects for the lag.
     metrics: clipfrac = share of valid tokens where the clipped term is active (their
     gradient is 0; verl's pg_clipfrac, not CleanRL's |ratio - 1| > eps), approx_kl = k3 mean
     of KL(old || new) (CleanRL), ratio_mean.
@@ -117,7 +128,7 @@ def ppo_policy_loss(
     CleanRL `ppo.py`; verl `compute_policy_loss`.
     """
     per_token, metrics = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high
+        logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high, is_weights
     )
     return aggregate_loss(per_token, mask, agg, normalizer), metrics
 
@@ -134,6 +145,7 @@ def grpo_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO objective: the PPO clipped surrogate plus a per-token KL penalty to the reference
     inside the aggregation, sequence-mean by default.
@@ -146,11 +158,13 @@ def grpo_policy_loss(
     (DeepSeekMath eq. 3: 1/G sum_i 1/|o_i| sum_t). Pass agg="token-mean" for DAPO's
     token-level loss. The KL here is the loss-side penalty; do not also put it in the reward.
     Extra metric: "kl_loss" (token mean of the KL estimate; 0 when kl_coef is 0).
+    is_weights weigh the clipped surrogate as in `ppo_policy_loss`, not the KL penalty (it is
+    computed on the current policy's own tokens, as in the synchronous case).
 
     Source: Shao et al. 2024, "DeepSeekMath", eq. 3-4; verl `kl_loss` with `low_var_kl`.
     """
     per_token, metrics = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high
+        logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high, is_weights
     )
     metrics["kl_loss"] = 0.0
     if kl_coef:
@@ -163,6 +177,31 @@ def grpo_policy_loss(
         per_token = per_token + kl_coef * kl
         metrics["kl_loss"] = masked_mean(kl.detach(), valid).item()
     return aggregate_loss(per_token, mask, agg, normalizer), metrics
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token importance weights min(pi_old / mu, cap) for tokens sampled from mu.
+
+    old_logprobs: the trainer's logprobs before the update (the proximal policy);
+    behaviour_logprobs: the sampler's logprobs of the same tokens; mask (B, T). Truncation at
+    `cap` bounds the variance (IMPALA's rho-bar; "truncated importance sampling"). -> weights
+    (B, T), 0 on padding, and metrics: is_weight_mean, is_truncated_frac (share of valid tokens
+    at the cap), is_log_ratio_abs (mean |log pi_old - log mu|).
+    """
+    if cap < 1.0:
+        raise ValueError(f"importance-weight cap must be >= 1, got {cap}")
+    valid = mask.bool()
+    log_ratio = torch.where(valid, old_logprobs - behaviour_logprobs, 0.0)
+    raw = torch.exp(log_ratio)
+    weights = torch.where(valid, raw.clamp(max=cap), 0.0)
+    metrics = {
+        "is_weight_mean": masked_mean(weights, valid).item(),
+        "is_truncated_frac": masked_mean((raw > cap).to(raw.dtype), valid).item(),
+        "is_log_ratio_abs": masked_mean(log_ratio.abs(), valid).item(),
+    }
+    return weights, metrics
 
 
 POLICY_LOSSES = Registry("policy loss")

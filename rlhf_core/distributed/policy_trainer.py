@@ -19,6 +19,13 @@ checkpoint's actor weights. One RL step, every phase timed (`timing/<phase>`):
     sync       rank 0 gathers the actor (ZeRO-3: `GatheredParameters`) and pushes it into
                the engine in place (`RolloutEngine.sync_weights`)
 
+Pipelined mode (`cfg.pipeline.max_lag > 0`): rank 0's engine runs under a
+`RolloutPipeline` thread that generates the next steps' batches while the ranks update; the
+generate phase then only takes the ready batch, the sync phase hands the new weights over
+(the producer applies them between its chunks), and the update weighs each token's loss by
+min(pi_old / mu, is_cap), the trainer's probability over the sampler's
+(`pipeline/lag_*`, `pipeline/is_*` metrics).
+
 Held-out exact-match accuracy (greedy, through the engine) and the mean normalised reward-model
 score of those answers are measured before training, every `eval_every` steps and at the end.
 
@@ -42,7 +49,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +60,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from rlhf_core.algos import AdaptiveKLController, FixedKLController
+from rlhf_core.algos import AdaptiveKLController, FixedKLController, truncated_is_weights
 from rlhf_core.config import PolicyConfig
 from rlhf_core.distributed.cluster import (
     check_cluster, connect_ray, rng_state, seed_everything, set_rng_state, torch_trainer,
@@ -425,6 +432,8 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
                 state.evaluations.append(_evaluate(ctx_, engine, 0))
                 _emit(config, 0, {k: v for k, v in state.evaluations[-1].items() if k != "step"})
         ctx_.engine = engine
+        if rank == 0 and cfg.pipeline.max_lag > 0 and state.step < cfg.steps:
+            ctx_.pipeline = _start_pipeline(ctx_, first_step=state.step + 1)
         while state.step < cfg.steps and state.trip is None:
             _rl_step(ctx_, state)
         if state.trip is not None:  # every rank saw the same history: all stop here, nothing is saved
@@ -434,8 +443,12 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
             return None
         return _finish(ctx_, state, state_dict)
     finally:
-        if engine is not None:
-            engine.close()
+        try:
+            if ctx_.pipeline is not None:
+                ctx_.pipeline.close()
+        finally:
+            if engine is not None:
+                engine.close()
 
 
 @dataclass
@@ -456,6 +469,7 @@ class _Context:
     world: int
     use_gpu: bool
     engine: Any = None  # RolloutEngine on rank 0
+    pipeline: Any = None  # RolloutPipeline on rank 0 when cfg.pipeline.max_lag > 0
     meter: WorkerMeter = field(default_factory=WorkerMeter)
 
 
@@ -473,9 +487,14 @@ def _rl_step(c: _Context, state: _State) -> None:
     start = time.perf_counter()
     c.meter.start()
 
-    with _timed(timings, "generate"):
+    pipeline_metrics: dict[str, float] = {}
+    with _timed(timings, "generate"):  # pipelined: the time the trainer waited for the batch
         indices = prompt_indices(len(c.config["prompts"]), cfg.prompts_per_step, state.step, cfg.seed)
-        shards = _generate(c, indices, seed=cfg.seed * 1_000_003 + step) if rank == 0 else None
+        shards = None
+        if rank == 0 and c.pipeline is not None:
+            shards, pipeline_metrics = _take_pipelined(c, step)
+        elif rank == 0:
+            shards = _generate(c, indices, seed=cfg.seed * 1_000_003 + step)
         received: list[Any] = [None]
         dist.scatter_object_list(received, shards, src=0)
         samples: list[Sample] = received[0]
@@ -486,6 +505,11 @@ def _rl_step(c: _Context, state: _State) -> None:
             local = _score(c, samples, batch)
         with _timed(timings, "old_logprobs"):
             batch.old_logprobs = batched_logprobs(c.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
+            if cfg.pipeline.max_lag > 0:  # correct for the sampler's lag behind these weights
+                batch.is_weights, is_metrics = truncated_is_weights(
+                    batch.old_logprobs, batch.engine_logprobs, batch.response_mask, cfg.pipeline.is_cap
+                )
+                local |= is_metrics
         with _timed(timings, "ref_logprobs"):
             batch.ref_logprobs = batched_logprobs(c.reference, batch, cfg.temperature, cfg.micro_batch_size)
         with _timed(timings, "values"):
@@ -509,14 +533,19 @@ def _rl_step(c: _Context, state: _State) -> None:
             generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * c.world + rank),
         )
 
-    with _timed(timings, "sync"):
+    with _timed(timings, "sync"):  # pipelined: gather and hand over; the producer applies it
         state_dict = _actor_state_dict(c.actor, cfg.zero_stage, rank)
-        sync_s = c.engine.sync_weights(state_dict) if rank == 0 else 0.0
+        sync_s = 0.0
+        if rank == 0 and c.pipeline is not None:
+            c.pipeline.publish(step, state_dict, copy=False)  # _actor_state_dict made a private copy
+            sync_s = c.pipeline.take_sync_seconds()[0]  # applied on the producer thread since the last step
+        elif rank == 0:
+            sync_s = c.engine.sync_weights(state_dict)
 
     gathered: list[Any] = [None] * c.world
     dist.all_gather_object(gathered, (time.perf_counter() - start, local, update, int(batch.attention_mask.sum()),
                                       c.meter.figures(len(samples))))
-    metrics = _step_metrics(gathered, timings, kl_coef, sync_s)
+    metrics = _step_metrics(gathered, timings, kl_coef, sync_s) | pipeline_metrics
     c.kl_controller.update(metrics["policy/kl"], cfg.rollouts_per_step)
     metrics["policy/kl_coef_next"] = c.kl_controller.value
 
@@ -528,9 +557,11 @@ def _rl_step(c: _Context, state: _State) -> None:
     state.kl_controller = c.kl_controller.state_dict()
     if rank == 0:
         if c.config["check_sync"] and step in (1, cfg.steps):
-            c.config.setdefault("sync_checks", []).append(_sync_check(c, state_dict, step))
+            with _engine_at_newest(c):
+                c.config.setdefault("sync_checks", []).append(_sync_check(c, state_dict, step))
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            evaluation = _evaluate(c, c.engine, step)
+            with _engine_at_newest(c):
+                evaluation = _evaluate(c, c.engine, step)
             state.evaluations.append(evaluation)
             metrics |= {k: v for k, v in evaluation.items() if k != "step"}
     trip = should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound)
@@ -561,6 +592,51 @@ def _generate(c: _Context, indices: list[int], seed: int) -> list[list[Sample]]:
                for r in rollouts]
     per_rank = len(samples) // c.world  # prompts_per_step % world == 0: groups never straddle ranks
     return [samples[r * per_rank : (r + 1) * per_rank] for r in range(c.world)]
+
+
+def _start_pipeline(c: _Context, first_step: int):
+    """Rank 0, pipelined mode: a producer thread generating steps first_step.. ahead of training
+    (`rlhf_core.rollout.pipeline`), in `cfg.pipeline.chunks` engine calls of whole prompt groups
+    per step; the engine holds version first_step - 1 (the SFT policy, or the checkpoint's)."""
+    from rlhf_core.rollout.pipeline import RolloutPipeline  # noqa: PLC0415  (rank 0 only)
+
+    cfg = c.cfg
+
+    def plan(step: int) -> list[tuple[int, int, int, list[int]]]:
+        indices = prompt_indices(len(c.config["prompts"]), cfg.prompts_per_step, step - 1, cfg.seed)
+        parts = np.array_split(np.arange(len(indices)), cfg.pipeline.chunks)
+        return [(step, k, int(part[0]), [indices[i] for i in part]) for k, part in enumerate(parts) if len(part)]
+
+    def run_chunk(chunk: tuple[int, int, int, list[int]]) -> list[Sample]:
+        step, k, offset, indices = chunk
+        rollouts = c.engine.generate(
+            [c.config["prompts"][i] for i in indices], n=cfg.samples_per_prompt, temperature=cfg.temperature,
+            top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=(cfg.seed * 1_000_003 + step) * 1_000 + k,
+        )
+        return [Sample(offset + r.group, r.prompt, r.prompt_token_ids, r.response_token_ids, r.response_text,
+                       r.logprobs) for r in rollouts]
+
+    return RolloutPipeline(plan, run_chunk, c.engine.sync_weights, first_step=first_step, last_step=cfg.steps,
+                           max_lag=cfg.pipeline.max_lag)
+
+
+def _take_pipelined(c: _Context, step: int) -> tuple[list[list[Sample]], dict[str, float]]:
+    """Rank 0, pipelined mode: the step's batch from the producer, split per rank like
+    `_generate`, and how stale it is."""
+    batch = c.pipeline.take(step)
+    per_rank = len(batch.rollouts) // c.world
+    lags = batch.lags()
+    metrics = {
+        "pipeline/lag_mean": float(np.mean(lags)),
+        "pipeline/lag_max": float(max(lags)),
+        "pipeline/wait_s": batch.wait_s,
+    }
+    return [batch.rollouts[r * per_rank : (r + 1) * per_rank] for r in range(c.world)], metrics
+
+
+def _engine_at_newest(c: _Context):
+    """Rank 0: the engine to itself with the newest weights (pipelined), or as it is (sync)."""
+    return c.pipeline.exclusive() if c.pipeline is not None else nullcontext()
 
 
 def _score(c: _Context, samples: list[Sample], batch: PolicyBatch) -> dict[str, Any]:
@@ -609,6 +685,12 @@ def _step_metrics(gathered: list[Any], timings: dict[str, float], kl_coef: float
         "policy/grad_norm": update[0].get("grad_norm", math.nan),  # the global norm: the same on every rank
         "policy/nonfinite_skipped": update[0]["nonfinite_skipped"],  # a skip is collective
     }
+    if any("is_weight_mean" in m for m in local):  # pipelined mode
+        metrics |= {
+            "pipeline/is_weight_mean": mean_of("is_weight_mean", local),
+            "pipeline/is_truncated_frac": mean_of("is_truncated_frac", local),
+            "pipeline/is_log_ratio_abs": mean_of("is_log_ratio_abs", local),
+        }
     if "value_loss" in update[0]:
         metrics |= {
             "policy/value_loss": mean_of("value_loss", update),

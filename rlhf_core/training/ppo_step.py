@@ -130,6 +130,7 @@ class PolicyBatch:
     scores: torch.Tensor | None = None  # (B,) sequence reward
     advantages: torch.Tensor | None = None  # (B, T)
     returns: torch.Tensor | None = None  # (B, T) value targets
+    is_weights: torch.Tensor | None = None  # (B, T) importance weights for lagged samples (pipelined mode)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -331,7 +332,8 @@ def update_minibatches(
     `cfg.micro_batch_size` rows. The critic, if any, is updated on the same minibatches.
 
     batch needs old_logprobs, advantages (+ ref_logprobs for a KL in the loss, values and
-    returns for the critic). -> flat metrics without stage prefix: pg_loss, clipfrac,
+    returns for the critic; is_weights, if set, weigh each token's policy loss).
+    -> flat metrics without stage prefix: pg_loss, clipfrac,
     approx_kl, entropy, grad_norm, nonfinite_skipped (+ value_loss, vf_clipfrac,
     explained_variance, critic_grad_norm, critic_nonfinite_skipped with a critic).
     """
@@ -366,7 +368,7 @@ def _actor_micro_step(actor, micro, spec, cfg, step, normalizer, kl_kwargs, boun
         kl_kwargs = {**kl_kwargs, "ref_logprobs": micro.ref_logprobs}
     pg_loss, metrics = POLICY_LOSSES[spec.loss](
         logprobs, micro.old_logprobs, micro.advantages, mask,
-        clip_range=cfg.clip_range, agg=cfg.loss_agg, normalizer=normalizer, **kl_kwargs,
+        clip_range=cfg.clip_range, agg=cfg.loss_agg, normalizer=normalizer, is_weights=micro.is_weights, **kl_kwargs,
     )
     loss = pg_loss
     if cfg.entropy_coef:

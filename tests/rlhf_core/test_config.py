@@ -45,6 +45,16 @@ def test_cross_field_rules():
     assert "min_chars (10) must be <= max_chars (5)" in msg
 
 
+def test_pipelined_rollouts_rules():
+    (msg,) = problems_of({"policy": {"pipeline": {"max_lag": 1}, "top_p": 0.9}})
+    assert msg.startswith("policy: pipeline.max_lag > 0 needs top_p = 1 (got 0.9)")
+    (msg,) = problems_of({"policy": {"prompts_per_step": 4, "num_workers": 1, "minibatch_size": 32,
+                                     "micro_batch_size": 32, "pipeline": {"chunks": 5}}})
+    assert msg.startswith("policy: pipeline.chunks (5) must not exceed prompts_per_step (4)")
+    assert problems_of({"policy": {"pipeline": {"is_cap": 0.5}}}) == ["policy.pipeline.is_cap: must be >= 1, got 0.5"]
+    assert parse_config({"policy": {"pipeline": {"max_lag": 2}}}).policy.pipeline.max_lag == 2
+
+
 def test_overrides_parse_values_as_yaml_and_are_validated(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("sft:\n  epochs: 2\n")

@@ -15,6 +15,7 @@ from rlhf_core.algos.losses import (
     logprobs_from_logits,
     loss_normalizer,
     ppo_policy_loss,
+    truncated_is_weights,
     value_loss,
 )
 

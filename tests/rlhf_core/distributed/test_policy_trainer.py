@@ -16,7 +16,7 @@ import pytest
 import ray.cloudpickle
 import torch
 
-from rlhf_core.config import PipelineConfig, PolicyConfig
+from rlhf_core.config import PipelineConfig, PolicyConfig, RolloutPipelineConfig
 from rlhf_core.data.schema import read_table
 from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.distributed.policy_trainer import NanAtStep, deepspeed_config, train_policy
@@ -178,6 +178,31 @@ def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, de
     for phase in ("generate", "score", "old_logprobs", "ref_logprobs", "values", "advantages", "update", "sync"):
         assert f"timing/{phase}" in names
     assert "policy/step_time_s/worker_0" in names and "eval/accuracy" in names
+
+
+@pytest.mark.slow
+def test_pipelined_grpo_bounds_the_lag_and_weighs_lagged_tokens(ray_cluster, demo, tmp_path):
+    """max_lag 1, two chunks per batch: the engine samples the next batch while the ranks train."""
+    cfg = CFG.model_copy(update={"num_workers": 2,
+                                 "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2, is_cap=2.0)})
+    result = run(demo, tmp_path, cfg, _check_sync=True)
+    check_finite_run(result, cfg)
+    history = result.metrics_history
+    print("\n".join(f"step {m['step']}: lag {m['pipeline/lag_mean']:.2f} |log pi_old - log mu| "
+                     f"{m['pipeline/is_log_ratio_abs']:.2e} wait {m['pipeline/wait_s']:.2f}s" for m in history))
+    lags = [m["pipeline/lag_max"] for m in history]
+    assert max(lags) == 1 and min(lags) >= 0
+    assert history[0]["pipeline/lag_max"] == 0  # nothing older than the SFT policy exists
+    for m in history:
+        assert 0 < m["pipeline/is_weight_mean"] <= cfg.pipeline.is_cap
+        if m["pipeline/lag_max"] == 0:  # sampled by the weights being trained: ratios are 1 (fp32)
+            assert m["pipeline/is_log_ratio_abs"] < 1e-4, m
+        if m["pipeline/lag_mean"] == 1:  # sampled one update ago: the trainer's policy has moved
+            assert m["pipeline/is_log_ratio_abs"] > 1e-3, m
+    # evaluation and the sync check take the engine between chunks, with the newest weights
+    for check in result.sync_checks:
+        assert check["engine"] == check["hf"]
+    assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
 
 
 @pytest.mark.slow

@@ -1,0 +1,93 @@
+"""Pipelined rollouts (`policy.pipeline.max_lag` > 0) against the synchronous loop, on the demo.
+
+Both modes start from the same demo run's SFT policy and reward model (the newest
+`runs/demo-*`, or `--run-dir`), with configs/demo.yaml's policy settings, the same prompts and
+the same seeds; only `policy.pipeline` differs. Per run it reports the wall time of training
+(`fit_s`: engine start and evaluations included, the same work in both modes), RL steps per
+minute and samples per second over the step loop alone, and what was learned: held-out
+exact match before and after, the mean reward of the last 5 steps, the largest KL.
+
+    make demo                                   # once, for the SFT policy and reward model
+    .venv/bin/python bench/pipelined.py         # seeds 0 1, max_lag 1
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import save, table  # noqa: E402
+from rlhf_core.config import RolloutPipelineConfig, load_config  # noqa: E402
+from rlhf_core.data.schema import read_table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def newest_demo_run() -> Path:
+    runs = sorted(p for p in (REPO / "runs").glob("demo-*") if (p / "models" / "reward").is_dir())
+    if not runs:
+        raise SystemExit("no demo run with a reward model under runs/: run `make demo` first")
+    return runs[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", type=Path, default=None, help="a demo run (default: the newest)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--max-lag", type=int, default=1)
+    parser.add_argument("--chunks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the demo's)")
+    args = parser.parse_args()
+    from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415 (spawn: under __main__)
+
+    run_dir = args.run_dir or newest_demo_run()
+    cfg = load_config(REPO / "configs" / "demo.yaml").policy
+    if args.steps:
+        cfg = cfg.model_copy(update={"steps": args.steps, "eval_every": args.steps})
+    data = run_dir / "data"
+    prompts = list(dict.fromkeys(list(read_table(data / "sft.jsonl")["prompt"])
+                                 + list(read_table(data / "preferences.jsonl")["prompt"])))
+    evals = read_table(data / "eval.jsonl")
+    modes = {"sync": RolloutPipelineConfig(),
+             f"pipelined (max_lag {args.max_lag})": RolloutPipelineConfig(max_lag=args.max_lag, chunks=args.chunks)}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for mode, pipeline in modes.items():
+                run_cfg = cfg.model_copy(update={"seed": seed, "pipeline": pipeline})
+                name = f"{'pipe' if pipeline.max_lag else 'sync'}-{seed}"
+                r = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), run_dir / "models" / "sft",
+                                 run_dir / "models" / "reward", run_cfg, Path(tmp) / name, Path(tmp) / "ray",
+                                 run_name=name)
+                hist = r.metrics_history
+                loop_s = sum(max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in hist)
+                last = hist[-5:]
+                rows.append({
+                    "mode": mode, "seed": seed, "steps": r.steps, "fit_s": r.seconds,
+                    "loop_s": loop_s, "steps_per_min": 60 * r.steps / loop_s,
+                    "samples_per_s": r.steps * cfg.rollouts_per_step / loop_s,
+                    "generate_s": sum(m["timing/generate"] for m in hist) / len(hist),
+                    "update_s": sum(m["timing/update"] for m in hist) / len(hist),
+                    "lag_mean": sum(m.get("pipeline/lag_mean", 0.0) for m in hist) / len(hist),
+                    "accuracy_before": r.accuracy_before, "accuracy_after": r.accuracy_after,
+                    "reward_last5": sum(m["policy/reward_mean"] for m in last) / len(last),
+                    "kl_max": r.kl_max,
+                })
+                print(table(rows[-1:], list(rows[-1])), flush=True)
+    print(f"\nPipelined vs synchronous rollouts on the demo ({run_dir.name}), {cfg.steps} GRPO steps of "
+          f"{cfg.rollouts_per_step} samples:")
+    print(table(rows, ["mode", "seed", "fit_s", "samples_per_s", "generate_s", "update_s", "lag_mean",
+                       "accuracy_before", "accuracy_after", "reward_last5", "kl_max"]))
+    for seed in args.seeds:
+        sync, pipe = [r for r in rows if r["seed"] == seed]
+        print(f"seed {seed}: pipelined/sync samples/s {pipe['samples_per_s'] / sync['samples_per_s']:.2f}x, "
+              f"fit time {pipe['fit_s'] / sync['fit_s']:.2f}x, accuracy after {pipe['accuracy_after']:.3f} vs "
+              f"{sync['accuracy_after']:.3f}")
+    print(f"\nwritten {save('pipelined', {'run_dir': run_dir.name, 'max_lag': args.max_lag, 'chunks': args.chunks, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
