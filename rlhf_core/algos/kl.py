@@ -113,6 +113,7 @@ def kl_penalized_rewards(
     mask: torch.Tensor,
     kl_coef: float,
     estimator: str = "k1",
+    kl_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token rewards of RLHF: a KL penalty on every response token plus the reward-model
     score on the last one.
@@ -127,10 +128,18 @@ def kl_penalized_rewards(
     valid tokens, "kl_coef", "score_mean". k1 is the default, as in Ziegler et al. 2019,
     InstructGPT and TRL.
 
+    kl_weights (B, T), optional: importance weights pi / mu of tokens sampled from another
+    policy mu (pipelined rollouts); the penalty becomes kl_coef * w * kl, an estimate of the
+    same expectation under pi. Without them, a token mu liked and pi no longer does has an
+    unbounded k3 (exp(log ref - log pi)) that swamps the batch.
+
     Source: Ziegler et al. 2019; Stiennon et al. 2020 (eq. 2); TRL `compute_rewards`.
     """
     mask = mask.bool()
-    kl = torch.where(mask, KL_ESTIMATORS[estimator](logprobs, ref_logprobs), 0.0)  # (B, T)
+    kl = KL_ESTIMATORS[estimator](logprobs, ref_logprobs)
+    if kl_weights is not None:
+        kl = kl * kl_weights
+    kl = torch.where(mask, kl, 0.0)  # (B, T)
     rewards = -kl_coef * kl
     has_token = mask.any(dim=-1)  # (B,)
     last = last_token_index(mask)  # (B,)

@@ -158,14 +158,16 @@ def grpo_policy_loss(
     (DeepSeekMath eq. 3: 1/G sum_i 1/|o_i| sum_t). Pass agg="token-mean" for DAPO's
     token-level loss. The KL here is the loss-side penalty; do not also put it in the reward.
     Extra metric: "kl_loss" (token mean of the KL estimate; 0 when kl_coef is 0).
-    is_weights weigh the clipped surrogate as in `ppo_policy_loss`, not the KL penalty (it is
-    computed on the current policy's own tokens, as in the synchronous case).
+    is_weights weigh the whole per-token loss, the KL penalty included: the tokens were drawn
+    from the lagging sampler, and k3 of a token it liked but the policy no longer does
+    (exp(log ref - log pi), unbounded) would otherwise dominate the gradient.
 
     Source: Shao et al. 2024, "DeepSeekMath", eq. 3-4; verl `kl_loss` with `low_var_kl`.
     """
     per_token, metrics = _clipped_surrogate(
         logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high, is_weights
     )
+    weights = None if is_weights is None else torch.where(mask.bool(), is_weights.detach(), 0.0)
     metrics["kl_loss"] = 0.0
     if kl_coef:
         if ref_logprobs is None:
@@ -174,8 +176,8 @@ def grpo_policy_loss(
         kl = KL_ESTIMATORS[kl_estimator](
             torch.where(valid, logprobs, 0.0), torch.where(valid, ref_logprobs, 0.0)
         )
-        per_token = per_token + kl_coef * kl
-        metrics["kl_loss"] = masked_mean(kl.detach(), valid).item()
+        per_token = per_token + kl_coef * (kl if weights is None else weights * kl)
+        metrics["kl_loss"] = masked_mean(kl.detach() if weights is None else (weights * kl).detach(), valid).item()
     return aggregate_loss(per_token, mask, agg, normalizer), metrics
 
 

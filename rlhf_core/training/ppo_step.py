@@ -227,19 +227,26 @@ def _chunks(batch: PolicyBatch, size: int) -> Iterable[PolicyBatch]:
 # ----------------------------------------------------------------------------- rewards, advantages
 
 
-def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence KL(pi || ref) estimate: sum over response tokens of k3 (unbiased, >= 0). -> (B,)."""
-    return masked_sum(KL_ESTIMATORS["k3"](logprobs, ref_logprobs), mask, dim=-1)
+def sequence_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-sequence KL(pi || ref) estimate: sum over response tokens of k3 (unbiased, >= 0),
+    each weighted by `weights` (pi / mu) when the tokens were sampled from another policy mu.
+    -> (B,)."""
+    k3 = KL_ESTIMATORS["k3"](logprobs, ref_logprobs)
+    return masked_sum(k3 if weights is None else weights * k3, mask, dim=-1)
 
 
 def token_rewards(
     batch: PolicyBatch, spec: AlgorithmSpec, kl_coef: float, kl_estimator: str
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token rewards (B, T): the sequence score on the last token, minus beta * KL on every
-    token when the algorithm puts the KL in the reward (PPO; GRPO keeps it in the loss)."""
+    token when the algorithm puts the KL in the reward (PPO; GRPO keeps it in the loss),
+    importance-weighted when the batch has is_weights (pipelined rollouts)."""
     beta = kl_coef if spec.kl_in_reward else 0.0
     return kl_penalized_rewards(
-        batch.scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask, beta, kl_estimator
+        batch.scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask, beta, kl_estimator,
+        kl_weights=batch.is_weights,
     )
 
 
@@ -400,7 +407,7 @@ def rollout_metrics(batch: PolicyBatch) -> dict[str, float]:
     mask = batch.response_mask
     metrics = {
         "logprob_diff": masked_mean((batch.engine_logprobs - batch.old_logprobs).abs(), mask).item(),
-        "kl": sequence_kl(batch.old_logprobs, batch.ref_logprobs, mask).mean().item(),
+        "kl": sequence_kl(batch.old_logprobs, batch.ref_logprobs, mask, batch.is_weights).mean().item(),
         "response_length": mask.sum(-1).float().mean().item(),
     }
     if batch.values is not None and batch.returns is not None:

@@ -155,3 +155,20 @@ def test_kl_penalized_rewards_uses_the_estimator_and_sums_to_score_minus_kl(esti
     kl = KL_ESTIMATORS[estimator](logprobs, ref) * mask
     assert_close(rewards.sum(-1), scores - 0.2 * kl.sum(-1))
     assert (rewards[~mask] == 0).all()
+
+
+def test_kl_penalty_of_lagged_samples_is_importance_weighted():
+    # pipelined rollouts: token 1 was likely under the sampler but is e^-16 under pi now, so its
+    # k3 is ~e^16; weighted by pi / mu (~e^-16) it is back to O(1) instead of swamping the batch
+    logprobs = torch.tensor([[-0.5, -16.0]], dtype=DT)
+    ref = torch.tensor([[-0.7, -0.04]], dtype=DT)
+    weights = torch.tensor([[1.0, math.exp(-16.0)]], dtype=DT)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    rewards, metrics = kl_penalized_rewards(torch.tensor([1.0], dtype=DT), logprobs, ref, mask, kl_coef=0.1,
+                                            estimator="k3", kl_weights=weights)
+    k3 = torch.expm1(ref - logprobs) - (ref - logprobs)
+    assert k3[0, 1] > 8e6
+    assert_close(rewards, torch.tensor([[-0.1 * k3[0, 0], -0.1 * k3[0, 1] * math.exp(-16.0) + 1.0]], dtype=DT))
+    assert metrics["kl"] < 2
+    unweighted, _ = kl_penalized_rewards(torch.tensor([1.0], dtype=DT), logprobs, ref, mask, 0.1, "k3")
+    assert_close(rewards[0, 0], unweighted[0, 0])  # weight 1 changes nothing
