@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import torch, vllm, ray, deepspeed, prefect, mlflow, great_expectations; from transformers import LlamaConfig"
+	$(PY) -m rlhf_core.distributed build-ops  # DeepSpeed's CPU collectives op: ~35 s once, not in every stage
 	@touch $(STAMP)
 
 setup: $(STAMP)

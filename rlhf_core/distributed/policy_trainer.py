@@ -63,7 +63,7 @@ import torch.distributed as dist
 from rlhf_core.algos import AdaptiveKLController, FixedKLController, truncated_is_weights
 from rlhf_core.config import PolicyConfig
 from rlhf_core.distributed.cluster import (
-    check_cluster, connect_ray, rng_state, seed_everything, set_rng_state, torch_trainer,
+    check_cluster, connect_ray, import_deepspeed, rng_state, seed_everything, set_rng_state, torch_trainer,
 )
 from rlhf_core.distributed.reward_trainer import KillWorkerOnce
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
@@ -367,9 +367,7 @@ def _timed(timings: dict[str, float], phase: str):
 def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     cfg = PolicyConfig.model_validate(config["cfg"])
     use_gpu = config["use_gpu"]
-    if not use_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed  # noqa: PLC0415  (after DS_ACCELERATOR: DeepSpeed picks its accelerator on import)
+    deepspeed = import_deepspeed(use_gpu)
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     torch.set_num_threads(1)  # the cores are shared with the rollout engine's processes

@@ -59,7 +59,7 @@ from transformers import AutoModelForSequenceClassification
 from rlhf_core.algos.losses import bradley_terry_loss
 from rlhf_core.config import RewardConfig
 from rlhf_core.distributed.cluster import (
-    check_cluster, connect_ray, rng_state, seed_everything, set_rng_state, torch_trainer,
+    check_cluster, connect_ray, import_deepspeed, rng_state, seed_everything, set_rng_state, torch_trainer,
 )
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, rank_step_indices, steps_per_epoch, tokenize_pairs
@@ -267,9 +267,7 @@ class _Position:
 def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     cfg = RewardConfig.model_validate(config["cfg"])
     use_gpu = config["use_gpu"]
-    if not use_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed  # here, after DS_ACCELERATOR is set: DeepSpeed picks its accelerator on import
+    deepspeed = import_deepspeed(use_gpu)
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     ctx = ray.train.get_context()
