@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--max-lag", type=int, default=1)
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the demo's)")
+    parser.add_argument("--num-workers", type=int, default=None, help="Ray Train workers (default: the demo's)")
     args = parser.parse_args()
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415 (spawn: under __main__)
 
@@ -47,6 +48,8 @@ def main() -> None:
     cfg = load_config(REPO / "configs" / "demo.yaml").policy
     if args.steps:
         cfg = cfg.model_copy(update={"steps": args.steps, "eval_every": args.steps})
+    if args.num_workers:
+        cfg = cfg.model_copy(update={"num_workers": args.num_workers})
     data = run_dir / "data"
     prompts = list(dict.fromkeys(list(read_table(data / "sft.jsonl")["prompt"])
                                  + list(read_table(data / "preferences.jsonl")["prompt"])))
@@ -66,7 +69,7 @@ def main() -> None:
                 loop_s = sum(max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in hist)
                 last = hist[-5:]
                 rows.append({
-                    "mode": mode, "seed": seed, "steps": r.steps, "fit_s": r.seconds,
+                    "mode": mode, "seed": seed, "workers": cfg.num_workers, "steps": r.steps, "fit_s": r.seconds,
                     "loop_s": loop_s, "steps_per_min": 60 * r.steps / loop_s,
                     "samples_per_s": r.steps * cfg.rollouts_per_step / loop_s,
                     "generate_s": sum(m["timing/generate"] for m in hist) / len(hist),
@@ -79,14 +82,15 @@ def main() -> None:
                 print(table(rows[-1:], list(rows[-1])), flush=True)
     print(f"\nPipelined vs synchronous rollouts on the demo ({run_dir.name}), {cfg.steps} GRPO steps of "
           f"{cfg.rollouts_per_step} samples:")
-    print(table(rows, ["mode", "seed", "fit_s", "samples_per_s", "generate_s", "update_s", "lag_mean",
+    print(table(rows, ["mode", "seed", "workers", "fit_s", "samples_per_s", "generate_s", "update_s", "lag_mean",
                        "accuracy_before", "accuracy_after", "reward_last5", "kl_max"]))
     for seed in args.seeds:
         sync, pipe = [r for r in rows if r["seed"] == seed]
         print(f"seed {seed}: pipelined/sync samples/s {pipe['samples_per_s'] / sync['samples_per_s']:.2f}x, "
               f"fit time {pipe['fit_s'] / sync['fit_s']:.2f}x, accuracy after {pipe['accuracy_after']:.3f} vs "
               f"{sync['accuracy_after']:.3f}")
-    print(f"\nwritten {save('pipelined', {'run_dir': run_dir.name, 'max_lag': args.max_lag, 'chunks': args.chunks, 'rows': rows})}")
+    name = "pipelined" if cfg.num_workers == 2 else f"pipelined_{cfg.num_workers}w"
+    print(f"\nwritten {save(name, {'run_dir': run_dir.name, 'max_lag': args.max_lag, 'chunks': args.chunks, 'rows': rows})}")
 
 
 if __name__ == "__main__":

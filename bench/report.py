@@ -44,6 +44,18 @@ def main() -> None:
                     f"= {r['ratio']:.2f}×):", "",
                     _md(r["rows"], [("side", "side", ""), ("median_step_s", "median step s", ".2f"),
                                     ("samples_per_s", "samples/s", ".1f")]), ""]
+    for name in ("pipelined", "pipelined_1w"):
+        if (r := _load(name)) is None:
+            continue
+        machine = machine or r["machine"]
+        workers = r["rows"][0].get("workers", 2)
+        out += [f"**Pipelined vs synchronous rollouts, demo GRPO, {workers} Ray worker(s)** (max_lag {r['max_lag']}, "
+                f"{r['chunks']} chunks per batch; same SFT policy, reward model, prompts and seeds):", "",
+                _md(r["rows"], [("mode", "mode", ""), ("seed", "seed", ""), ("fit_s", "training s", ".0f"),
+                                ("samples_per_s", "samples/s", ".1f"), ("generate_s", "generate s/step", ".2f"),
+                                ("update_s", "update s/step", ".2f"), ("lag_mean", "mean lag", ".2f"),
+                                ("accuracy_before", "accuracy before", ".3f"), ("accuracy_after", "after", ".3f"),
+                                ("reward_last5", "reward, last 5 steps", ".3f"), ("kl_max", "max KL", ".2f")]), ""]
     if (r := _load("scaling")) is not None:
         machine = machine or r["machine"]
         out += [f"**Reward-model training, 1 → 2 Ray workers** (global batch {r['global_batch']} pairs):", "",
@@ -59,8 +71,10 @@ def main() -> None:
         out += [f"**Demo wall time** (overhead {r['overhead_share']:.0%} of {r['wall_s']:.0f} s):", "",
                 _md(rows, [("part", "part", ""), ("s", "seconds", ".1f"), ("share", "share", ".1%")]), ""]
     if machine:
-        out.insert(0, f"Measured {machine['when']} on {machine['cpu']}, {machine['cores']} cores, "
-                      f"{machine['ram_gib']} GiB (torch {machine['torch']}, vLLM {machine['vllm']}).\n")
+        whens = sorted(json.loads(f.read_text())["machine"]["when"] for f in RESULTS.glob("*.json"))
+        out.insert(0, f"Measured on {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB (torch "
+                      f"{machine['torch']}, vLLM {machine['vllm']}), each table by its script, idle machine, "
+                      f"between {whens[0]} and {whens[-1]}.\n")
     print("\n".join(out))
 
 

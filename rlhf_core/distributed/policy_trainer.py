@@ -22,9 +22,9 @@ checkpoint's actor weights. One RL step, every phase timed (`timing/<phase>`):
 Pipelined mode (`cfg.pipeline.max_lag > 0`): rank 0's engine runs under a
 `RolloutPipeline` thread that generates the next steps' batches while the ranks update; the
 generate phase then only takes the ready batch, the sync phase hands the new weights over
-(the producer applies them between its chunks), and the update weighs each token's loss by
-min(pi_old / mu, is_cap), the trainer's probability over the sampler's
-(`pipeline/lag_*`, `pipeline/is_*` metrics).
+(the producer applies them between its chunks), and each token's loss, KL penalty and KL
+metric are weighted by min(pi_old / mu, is_cap), the trainer's probability over the
+sampler's (`pipeline/lag_*`, `pipeline/is_*` metrics).
 
 Held-out exact-match accuracy (greedy, through the engine) and the mean normalised reward-model
 score of those answers are measured before training, every `eval_every` steps and at the end.
