@@ -1,9 +1,9 @@
 """How fast can any generator be here? fp32 matrix-multiply throughput of this CPU, and the
 tokens/s ceiling it puts on decoding a policy (about 2 x parameters FLOPs per token).
 
-At 25M parameters both vLLM and Hugging Face `generate` run close to this ceiling on two
-cores, which is why neither can be 1.5x the other there; at the demo size the ceiling is far
-away and per-step overheads decide.
+At 25M parameters both vLLM and Hugging Face `generate` reach about 40-45% of this ceiling
+on two cores (the rest goes to attention, norms, sampling and Python); at the demo size the
+ceiling is far away and per-step overheads decide.
 
     .venv/bin/python bench/compute_bound.py
 """

@@ -27,9 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def newest_demo_run() -> Path:
-    runs = sorted(p for p in (REPO / "runs").glob("demo-*") if (p / "models" / "reward").is_dir())
+    # a run whose SFT stage was cached has no models/sft of its own
+    runs = sorted(p for p in (REPO / "runs").glob("demo-*")
+                  if (p / "models" / "reward").is_dir() and (p / "models" / "sft" / "config.json").is_file())
     if not runs:
-        raise SystemExit("no demo run with a reward model under runs/: run `make demo` first")
+        raise SystemExit("no demo run with its own SFT policy and reward model under runs/: run `make demo` first")
     return runs[-1]
 
 
