@@ -67,8 +67,15 @@ def deployed(prefect_server):
     try:
         yield
     finally:
+        # SIGTERM first; a worker still retrying calls to a busy SQLite server may not stop
+        # in time (seen once in CI: "database is locked" on the server, the worker still up
+        # 60 s later), and the tests are over by then: kill its process group.
         os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(60)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(30)
 
 
 def flat(d: dict, prefix: str = "") -> dict:
