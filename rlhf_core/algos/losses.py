@@ -68,10 +68,8 @@ def _clipped_surrogate(
     mask: torch.Tensor,
     clip_range: float,
     clip_range_high: float | None,
-    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token PPO-clip loss (B, T) and its diagnostics (token means over valid tokens).
-    is_weights (B, T), if given, multiply each token's loss (constants: no gradient)."""
+    """Per-token PPO-clip loss (B, T) and its diagnostics (token means over valid tokens)."""
     mask = mask.bool()
     # Padding may hold anything (even inf); select it away before exp so neither the loss
     # nor the gradient of a masked token can be NaN.
@@ -82,8 +80,6 @@ def _clipped_surrogate(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
-    if is_weights is not None:
-        per_token = per_token * torch.where(mask, is_weights.detach(), 0.0)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask).item(),
@@ -128,9 +124,9 @@ def ppo_policy_loss(
     CleanRL `ppo.py`; verl `compute_policy_loss`.
     """
     per_token, metrics = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high, is_weights
+        logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high
     )
-    return aggregate_loss(per_token, mask, agg, normalizer), metrics
+    return aggregate_loss(_weighted(per_token, is_weights, mask), mask, agg, normalizer), metrics
 
 
 def grpo_policy_loss(
@@ -165,9 +161,8 @@ def grpo_policy_loss(
     Source: Shao et al. 2024, "DeepSeekMath", eq. 3-4; verl `kl_loss` with `low_var_kl`.
     """
     per_token, metrics = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high, is_weights
+        logprobs, old_logprobs, advantages, mask, clip_range, clip_range_high
     )
-    weights = None if is_weights is None else torch.where(mask.bool(), is_weights.detach(), 0.0)
     metrics["kl_loss"] = 0.0
     if kl_coef:
         if ref_logprobs is None:
@@ -176,9 +171,16 @@ def grpo_policy_loss(
         kl = KL_ESTIMATORS[kl_estimator](
             torch.where(valid, logprobs, 0.0), torch.where(valid, ref_logprobs, 0.0)
         )
-        per_token = per_token + kl_coef * (kl if weights is None else weights * kl)
-        metrics["kl_loss"] = masked_mean(kl.detach() if weights is None else (weights * kl).detach(), valid).item()
-    return aggregate_loss(per_token, mask, agg, normalizer), metrics
+        per_token = per_token + kl_coef * kl
+        metrics["kl_loss"] = masked_mean(_weighted(kl.detach(), is_weights, mask), valid).item()
+    return aggregate_loss(_weighted(per_token, is_weights, mask), mask, agg, normalizer), metrics
+
+
+def _weighted(per_token: torch.Tensor, is_weights: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """per_token * is_weights (constants: no gradient; padding, whatever it holds, weighs 0)."""
+    if is_weights is None:
+        return per_token
+    return per_token * torch.where(mask.bool(), is_weights.detach(), 0.0)
 
 
 def truncated_is_weights(

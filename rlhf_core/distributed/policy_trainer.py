@@ -582,14 +582,22 @@ def _rl_step(c: _Context, state: _State) -> None:
 
 def _generate(c: _Context, indices: list[int], seed: int) -> list[list[Sample]]:
     """Rank 0: the step's rollouts, split into one list per rank in whole prompt groups."""
+    return _per_rank(_sample(c, indices, seed), c.world)
+
+
+def _sample(c: _Context, indices: list[int], seed: int, group_offset: int = 0) -> list[Sample]:
+    """Rank 0: `samples_per_prompt` responses to each of the prompts `indices`, from the engine;
+    their groups numbered from `group_offset` (a chunk's place in its step's batch)."""
     cfg = c.cfg
-    prompts = [c.config["prompts"][i] for i in indices]
-    rollouts = c.engine.generate(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=seed)
-    samples = [Sample(r.group, r.prompt, r.prompt_token_ids, r.response_token_ids, r.response_text, r.logprobs)
-               for r in rollouts]
-    per_rank = len(samples) // c.world  # prompts_per_step % world == 0: groups never straddle ranks
-    return [samples[r * per_rank : (r + 1) * per_rank] for r in range(c.world)]
+    rollouts = c.engine.generate([c.config["prompts"][i] for i in indices], n=cfg.samples_per_prompt,
+                                 temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=seed)
+    return [Sample(group_offset + r.group, r.prompt, r.prompt_token_ids, r.response_token_ids, r.response_text,
+                   r.logprobs) for r in rollouts]
+
+
+def _per_rank(samples: list[Sample], world: int) -> list[list[Sample]]:
+    per_rank = len(samples) // world  # prompts_per_step % world == 0: groups never straddle ranks
+    return [samples[r * per_rank : (r + 1) * per_rank] for r in range(world)]
 
 
 def _start_pipeline(c: _Context, first_step: int):
@@ -607,12 +615,7 @@ def _start_pipeline(c: _Context, first_step: int):
 
     def run_chunk(chunk: tuple[int, int, int, list[int]]) -> list[Sample]:
         step, k, offset, indices = chunk
-        rollouts = c.engine.generate(
-            [c.config["prompts"][i] for i in indices], n=cfg.samples_per_prompt, temperature=cfg.temperature,
-            top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=(cfg.seed * 1_000_003 + step) * 1_000 + k,
-        )
-        return [Sample(offset + r.group, r.prompt, r.prompt_token_ids, r.response_token_ids, r.response_text,
-                       r.logprobs) for r in rollouts]
+        return _sample(c, indices, seed=(cfg.seed * 1_000_003 + step) * 1_000 + k, group_offset=offset)
 
     return RolloutPipeline(plan, run_chunk, c.engine.sync_weights, first_step=first_step, last_step=cfg.steps,
                            max_lag=cfg.pipeline.max_lag)
@@ -622,14 +625,13 @@ def _take_pipelined(c: _Context, step: int) -> tuple[list[list[Sample]], dict[st
     """Rank 0, pipelined mode: the step's batch from the producer, split per rank like
     `_generate`, and how stale it is."""
     batch = c.pipeline.take(step)
-    per_rank = len(batch.rollouts) // c.world
     lags = batch.lags()
     metrics = {
         "pipeline/lag_mean": float(np.mean(lags)),
         "pipeline/lag_max": float(max(lags)),
         "pipeline/wait_s": batch.wait_s,
     }
-    return [batch.rollouts[r * per_rank : (r + 1) * per_rank] for r in range(c.world)], metrics
+    return _per_rank(batch.rollouts, c.world), metrics
 
 
 def _engine_at_newest(c: _Context):
