@@ -18,6 +18,7 @@ from rlhf_core.algos.kl import (
     kl_k3,
     kl_penalized_rewards,
     last_token_index,
+    score_on_last_token,
 )
 from rlhf_core.algos.losses import (
     AGG_MODES,
@@ -63,6 +64,7 @@ __all__ = [
     "masked_whiten",
     "ppo_policy_loss",
     "register_advantage",
+    "score_on_last_token",
     "truncated_is_weights",
     "value_loss",
     "whiten",

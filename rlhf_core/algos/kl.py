@@ -105,6 +105,17 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), positions, 0).amax(dim=-1)
 
 
+def score_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards (B, T) that are 0 but for each row's sequence score on its last valid
+    token; a row with no valid token gets nothing. scores: (B,), mask: (B, T)."""
+    mask = mask.bool()
+    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    rewards = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    rewards[rows, last_token_index(mask)] = torch.where(mask.any(dim=-1), scores.to(rewards.dtype), 0.0)
+    return rewards
+
+
 @torch.no_grad()
 def kl_penalized_rewards(
     scores: torch.Tensor,
@@ -140,11 +151,7 @@ def kl_penalized_rewards(
     if kl_weights is not None:
         kl = kl * kl_weights
     kl = torch.where(mask, kl, 0.0)  # (B, T)
-    rewards = -kl_coef * kl
-    has_token = mask.any(dim=-1)  # (B,)
-    last = last_token_index(mask)  # (B,)
-    rows = torch.arange(rewards.shape[0], device=rewards.device)
-    rewards[rows, last] += torch.where(has_token, scores.to(rewards.dtype), 0.0)
+    rewards = -kl_coef * kl + score_on_last_token(scores, mask)
     metrics = {
         "kl": masked_sum(kl, mask, dim=-1).mean().item(),
         "kl_per_token": masked_mean(kl, mask).item(),

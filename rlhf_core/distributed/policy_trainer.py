@@ -83,6 +83,7 @@ from rlhf_core.training.ppo_step import (
     build_batch,
     compute_advantages,
     guard_nonfinite,
+    old_logprobs_from_update,
     prompt_indices,
     rollout_metrics,
     token_rewards,
@@ -501,8 +502,9 @@ def _rl_step(c: _Context, state: _State) -> None:
     with c.meter.compute():  # this worker's own forward passes, no collectives: its throughput
         with _timed(timings, "score"):
             local = _score(c, samples, batch)
-        with _timed(timings, "old_logprobs"):
-            batch.old_logprobs = batched_logprobs(c.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
+        with _timed(timings, "old_logprobs"):  # else the update's own forward gives them
+            if not old_logprobs_from_update(c.spec, cfg):
+                batch.old_logprobs = batched_logprobs(c.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
             if cfg.pipeline.max_lag > 0:  # correct for the sampler's lag behind these weights
                 batch.is_weights, is_metrics = truncated_is_weights(
                     batch.old_logprobs, batch.engine_logprobs, batch.response_mask, cfg.pipeline.is_cap
@@ -517,7 +519,6 @@ def _rl_step(c: _Context, state: _State) -> None:
     with _timed(timings, "advantages"):
         rewards, _ = token_rewards(batch, c.spec, kl_coef, cfg.kl_estimator)
         batch.advantages, batch.returns = compute_advantages(batch, rewards, c.spec, cfg)
-    local |= rollout_metrics(batch)
 
     with _timed(timings, "update"):
         actor_step = DeepSpeedBackwardAndStep(c.actor)
@@ -530,6 +531,7 @@ def _rl_step(c: _Context, state: _State) -> None:
             critic=c.critic, critic_step=DeepSpeedBackwardAndStep(c.critic) if c.critic is not None else None,
             generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * c.world + rank),
         )
+    local |= rollout_metrics(batch)  # the batch as sampled, before the update (old_logprobs are pi_old's)
 
     with _timed(timings, "sync"):  # pipelined: gather and hand over; the producer applies it
         state_dict = _actor_state_dict(c.actor, cfg.zero_stage, rank)

@@ -51,6 +51,7 @@ from rlhf_core.algos import (
     loss_normalizer,
     masked_mean,
     masked_sum,
+    score_on_last_token,
     value_loss,
     whiten,
 )
@@ -241,11 +242,13 @@ def token_rewards(
     batch: PolicyBatch, spec: AlgorithmSpec, kl_coef: float, kl_estimator: str
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token rewards (B, T): the sequence score on the last token, minus beta * KL on every
-    token when the algorithm puts the KL in the reward (PPO; GRPO keeps it in the loss),
-    importance-weighted when the batch has is_weights (pipelined rollouts)."""
-    beta = kl_coef if spec.kl_in_reward else 0.0
+    token when the algorithm puts the KL in the reward (PPO; GRPO keeps it in the loss, and
+    needs no logprobs here), importance-weighted when the batch has is_weights (pipelined
+    rollouts)."""
+    if not spec.kl_in_reward:
+        return score_on_last_token(batch.scores, batch.response_mask), {"score_mean": batch.scores.mean().item()}
     return kl_penalized_rewards(
-        batch.scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask, beta, kl_estimator,
+        batch.scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask, kl_coef, kl_estimator,
         kl_weights=batch.is_weights,
     )
 
@@ -321,6 +324,21 @@ class _Mean:
         return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
 
+def old_logprobs_from_update(spec: AlgorithmSpec, cfg: PolicyConfig) -> bool:
+    """Whether a step can take pi_old's logprobs from its update's own forward pass instead of
+    a forward pass of their own: when the rollouts get exactly one optimizer update (one epoch,
+    one minibatch), that update differentiates pi_old itself, and nothing needs pi_old before
+    it: no KL in the reward (PPO puts it there) and no lag correction (pipelined mode). The
+    ratio is then exp(logp - logp.detach()) = 1 with the policy gradient as its gradient, as in
+    TRL's GRPO with num_iterations=1. It saves one forward pass over the batch per step."""
+    return (
+        cfg.epochs_per_step == 1
+        and cfg.minibatch_size == cfg.rollouts_per_step
+        and not spec.kl_in_reward
+        and cfg.pipeline.max_lag == 0
+    )
+
+
 def update_minibatches(
     actor: torch.nn.Module,
     batch: PolicyBatch,
@@ -339,7 +357,10 @@ def update_minibatches(
     `cfg.micro_batch_size` rows. The critic, if any, is updated on the same minibatches.
 
     batch needs old_logprobs, advantages (+ ref_logprobs for a KL in the loss, values and
-    returns for the critic; is_weights, if set, weigh each token's policy loss).
+    returns for the critic; is_weights, if set, weigh each token's policy loss). Without
+    old_logprobs, the update must be a single pass in a single minibatch
+    (`old_logprobs_from_update`): they are then taken, detached, from its forward pass and
+    stored in batch.old_logprobs for the step's diagnostics.
     -> flat metrics without stage prefix: pg_loss, clipfrac,
     approx_kl, entropy, grad_norm, nonfinite_skipped (+ value_loss, vf_clipfrac,
     explained_variance, critic_grad_norm, critic_nonfinite_skipped with a critic).
@@ -352,29 +373,48 @@ def update_minibatches(
     kl_kwargs = (
         {} if spec.kl_in_reward else {"ref_logprobs": None, "kl_coef": kl_coef, "kl_estimator": cfg.kl_estimator}
     )
+    fill_old = batch.old_logprobs is None
+    if fill_old and (cfg.epochs_per_step != 1 or minibatch_size < len(batch)):
+        raise ValueError(
+            f"update_minibatches: batch has no old_logprobs, which only a single on-policy update may take from "
+            f"its own forward pass; this one makes {cfg.epochs_per_step} pass(es) in minibatches of "
+            f"{minibatch_size} over {len(batch)} rows"
+        )
+    old_logprobs = torch.zeros_like(batch.response_mask)
     means, counts = _Mean(), {"nonfinite_skipped": 0, "critic_nonfinite_skipped": 0}
     for _epoch in range(cfg.epochs_per_step):
         order = torch.randperm(len(batch), generator=generator)
         for mb_index in order.split(minibatch_size):
             minibatch = batch.select(mb_index)
             normalizer = loss_normalizer(minibatch.response_mask, cfg.loss_agg)
+            rows = mb_index.split(cfg.micro_batch_size)
             micro_batches = list(_chunks(minibatch, cfg.micro_batch_size))
             for i, micro in enumerate(micro_batches):
                 boundary = i == len(micro_batches) - 1
-                metrics = _actor_micro_step(actor, micro, spec, cfg, actor_step, normalizer, kl_kwargs, boundary, counts)
+                metrics, logprobs = _actor_micro_step(
+                    actor, micro, spec, cfg, actor_step, normalizer, kl_kwargs, boundary, counts
+                )
+                old_logprobs[rows[i]] = logprobs
                 if spec.uses_critic:
                     metrics |= _critic_micro_step(critic, micro, cfg, critic_step, normalizer, boundary, counts)
                 means.add(metrics)
+    if fill_old:
+        batch.old_logprobs = old_logprobs
     return {**means.means(), **{k: float(v) for k, v in counts.items()}}
 
 
-def _actor_micro_step(actor, micro, spec, cfg, step, normalizer, kl_kwargs, boundary, counts) -> dict[str, float]:
+def _actor_micro_step(
+    actor, micro, spec, cfg, step, normalizer, kl_kwargs, boundary, counts
+) -> tuple[dict[str, float], torch.Tensor]:
+    """One micro-batch's policy loss, backward and (at the boundary) optimizer step.
+    -> its metrics, and its logprobs before the step, detached."""
     mask = micro.response_mask
     logprobs, entropy = policy_logprobs(actor, micro, cfg.temperature, with_entropy=True)
+    old_logprobs = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
     if kl_kwargs:
         kl_kwargs = {**kl_kwargs, "ref_logprobs": micro.ref_logprobs}
     pg_loss, metrics = POLICY_LOSSES[spec.loss](
-        logprobs, micro.old_logprobs, micro.advantages, mask,
+        logprobs, old_logprobs, micro.advantages, mask,
         clip_range=cfg.clip_range, agg=cfg.loss_agg, normalizer=normalizer, is_weights=micro.is_weights, **kl_kwargs,
     )
     loss = pg_loss
@@ -385,7 +425,7 @@ def _actor_micro_step(actor, micro, spec, cfg, step, normalizer, kl_kwargs, boun
     if outcome is not None:
         counts["nonfinite_skipped"] += not outcome.applied
         metrics["grad_norm"] = outcome.grad_norm
-    return metrics
+    return metrics, logprobs.detach()
 
 
 def _critic_micro_step(critic, micro, cfg, step, normalizer, boundary, counts) -> dict[str, float]:

@@ -3,7 +3,7 @@ directions, no Ray, DeepSpeed or vLLM."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ from rlhf_core.training.ppo_step import (
     build_batch,
     compute_advantages,
     guard_nonfinite,
+    old_logprobs_from_update,
     policy_logprobs,
     prompt_indices,
     rollout_metrics,
@@ -291,6 +292,44 @@ def test_micro_batches_accumulate_to_the_full_minibatch_gradient(tok, model):
     update_minibatches(twin, batch, algorithm_spec(cfg4), cfg4, sgd_step(twin), minibatch_size=4, kl_coef=0.0)
     for name, w in weights(model).items():
         torch.testing.assert_close(weights(twin)[name], w, rtol=1e-5, atol=1e-6)
+
+
+def test_one_on_policy_update_takes_old_logprobs_from_its_own_forward(tok, model):
+    # One epoch in one minibatch: pi_old is the policy being differentiated, so the update may
+    # use its own forward's logprobs, detached, for pi_old. The step must equal the one that
+    # computes them in a separate forward pass, and leave them in the batch for the metrics.
+    cfg = grpo_cfg(kl_coef=0.1, micro_batch_size=2)  # 4 rows, minibatch 4: one optimizer step
+    assert old_logprobs_from_update(algorithm_spec(cfg), cfg)
+    batch = filled(model, tok, ["055", "05", "42", "4"], [0, 0, 1, 1], [1.0, 0.0, 0.0, 1.0], cfg)
+    batch.ref_logprobs = batch.old_logprobs - 0.2  # a KL term in the loss, so its gradient is checked too
+    separate = batch.old_logprobs.clone()
+    shortcut = replace(batch, old_logprobs=None)
+    twin, before = copy.deepcopy(model), weights(model)
+    kw = dict(minibatch_size=4, kl_coef=cfg.kl_coef)
+    m_sep = update_minibatches(model, batch, algorithm_spec(cfg), cfg, sgd_step(model), **kw,
+                               generator=torch.Generator().manual_seed(0))
+    m_own = update_minibatches(twin, shortcut, algorithm_spec(cfg), cfg, sgd_step(twin), **kw,
+                               generator=torch.Generator().manual_seed(0))
+    for name, w in weights(model).items():
+        torch.testing.assert_close(weights(twin)[name], w, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(before[k], w) for k, w in weights(twin).items())  # the step did move the weights
+    torch.testing.assert_close(shortcut.old_logprobs * batch.response_mask, separate * batch.response_mask,
+                               rtol=1e-5, atol=1e-6)  # in row order, though the update shuffled them
+    assert m_own["clipfrac"] == 0.0 and m_own["pg_loss"] == pytest.approx(m_sep["pg_loss"], abs=1e-5)
+
+
+def test_old_logprobs_come_from_a_separate_forward_when_the_update_is_not_one_on_policy_step(tok, model):
+    grpo = grpo_cfg()
+    assert old_logprobs_from_update(algorithm_spec(grpo), grpo)
+    for cfg in (grpo_cfg(epochs_per_step=2), grpo_cfg(minibatch_size=2),  # pi_old differs after the first step
+                ppo_cfg(),  # the KL in PPO's reward needs pi_old before the update
+                grpo_cfg(pipeline={"max_lag": 1})):  # the lag correction needs pi_old before the update
+        assert not old_logprobs_from_update(algorithm_spec(cfg), cfg)
+    cfg = grpo_cfg(epochs_per_step=2)
+    batch = replace(filled(model, tok, ["055", "05", "42", "4"], [0, 0, 1, 1], [1.0, 0.0, 0.0, 1.0], cfg),
+                    old_logprobs=None)
+    with pytest.raises(ValueError, match="no old_logprobs.*2 pass"):
+        update_minibatches(model, batch, algorithm_spec(cfg), cfg, sgd_step(model), minibatch_size=4, kl_coef=0.0)
 
 
 def test_step_outcome_reports_grad_norm_before_clipping(model):
