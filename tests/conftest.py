@@ -59,17 +59,19 @@ def prefect_server():
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local cluster on loopback with 4 logical CPUs (more than this machine's cores:
-    enough for 2 workers plus the too-many-workers check). The Ray Train controller polls
-    workers every 0.2 s instead of 2 s, so reports commit and dead workers are noticed
-    sooner (the variable reaches the controller because the cluster inherits this env)."""
+    enough for 2 workers plus the too-many-workers check), with the Ray Train settings the
+    pipeline gives the local clusters it starts (`LOCAL_CLUSTER_ENV`)."""
     import ray
 
-    saved = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
+    from rlhf_core.distributed.cluster import LOCAL_CLUSTER_ENV
+
+    saved = {key: os.environ.get(key) for key in LOCAL_CLUSTER_ENV}
+    os.environ.update(LOCAL_CLUSTER_ENV)
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield ray
     ray.shutdown()
-    if saved is None:
-        os.environ.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
-    else:
-        os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = saved
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key)
+        else:
+            os.environ[key] = value
