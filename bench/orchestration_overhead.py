@@ -5,10 +5,17 @@ back from MLflow. Model compute is what the stages spend in their training and e
 loops, from the metrics they log:
 
     sft       sft/seconds (the SFT loop and its held-out check)
-    reward    the sum over optimizer steps of the slowest worker's step time
-    policy    the sum over RL iterations of the slowest worker's step time (generation,
-              scoring, logprobs, update, weight sync), plus eval/seconds of each evaluation
+    reward    the sum over optimizer steps of the step time of the worker that waited least
+    policy    the sum over RL iterations of the step time of the worker that waited least
+              (generation, scoring, logprobs, update, weight sync), plus eval/seconds of
+              each evaluation
     gates     the evaluate stage's run (three policies answering the held-out prompts)
+
+Why the least, not the slowest: a worker's step time runs from its start of the step to the
+step's last collective. Rank 0 logs metrics, evaluates and checkpoints between steps while the
+others have already started the next one and wait for it there, so their step times hold
+rank 0's work between steps (evaluations would be counted twice). Data-parallel workers do
+the same work in a step, so the least-waiting worker's time is the step's compute.
 
 Everything else is overhead: Python and Prefect start-up (the temporary API server), MLflow
 bookkeeping, data generation and validation, Ray cluster and worker start-up, DeepSpeed
@@ -19,6 +26,7 @@ initialisation, vLLM engine start, checkpointing, and starting the serving proce
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -34,13 +42,13 @@ from bench.common import save, table  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _history_sum_of_max(client: MlflowClient, run_id: str, prefix: str) -> float:
-    """Sum over steps of max over workers of `<prefix>/worker_<r>`."""
+def _history_sum_of_min(client: MlflowClient, run_id: str, prefix: str) -> float:
+    """Sum over steps of min over workers of `<prefix>/worker_<r>`."""
     keys = [k for k in client.get_run(run_id).data.metrics if k.startswith(prefix)]
     per_step: dict[int, float] = {}
     for key in keys:
         for m in client.get_metric_history(run_id, key):
-            per_step[m.step] = max(per_step.get(m.step, 0.0), m.value)
+            per_step[m.step] = min(per_step.get(m.step, math.inf), m.value)
     return sum(per_step.values())
 
 
@@ -56,8 +64,8 @@ def analyse(tracking_uri: str, wall_s: float | None) -> dict:
     policy = stages["policy"].info.run_id
     compute = {
         "sft": stages["sft"].data.metrics["sft/seconds"],
-        "reward": _history_sum_of_max(client, stages["reward"].info.run_id, "reward/step_time_s/worker_"),
-        "policy_steps": _history_sum_of_max(client, policy, "policy/step_time_s/worker_"),
+        "reward": _history_sum_of_min(client, stages["reward"].info.run_id, "reward/step_time_s/worker_"),
+        "policy_steps": _history_sum_of_min(client, policy, "policy/step_time_s/worker_"),
         "policy_evals": sum(m.value for m in client.get_metric_history(policy, "eval/seconds")),
         "gates": (stages["evaluate"].info.end_time - stages["evaluate"].info.start_time) / 1000,
     }

@@ -44,6 +44,9 @@ def main() -> None:
                     f"= {r['ratio']:.2f}×):", "",
                     _md(r["rows"], [("side", "side", ""), ("median_step_s", "median step s", ".2f"),
                                     ("samples_per_s", "samples/s", ".1f")]), ""]
+            if phases := r["raw"]["ours"].get("phase_s"):
+                out += ["Where our step goes (median seconds, rank 0): "
+                        + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + ".", ""]
     for name in ("pipelined", "pipelined_1w"):
         if (r := _load(name)) is None:
             continue
@@ -70,6 +73,9 @@ def main() -> None:
             row["share"] = row["s"] / r["wall_s"]
         out += [f"**Demo wall time** (overhead {r['overhead_share']:.0%} of {r['wall_s']:.0f} s):", "",
                 _md(rows, [("part", "part", ""), ("s", "seconds", ".1f"), ("share", "share", ".1%")]), ""]
+        stages = [{"stage": k, "s": v} for k, v in r["stage_wall_s"].items()]
+        out += ["**Demo stages, wall time of each stage's MLflow run** (start-up, checkpoints and logging included):",
+                "", _md(stages, [("stage", "stage", ""), ("s", "seconds", ".1f")]), ""]
     if machine:
         whens = sorted(json.loads(f.read_text())["machine"]["when"] for f in RESULTS.glob("*.json"))
         out.insert(0, f"Measured on {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB (torch "

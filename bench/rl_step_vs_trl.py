@@ -63,8 +63,11 @@ def ours(model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path
     result = train_policy(prompts, eval_prompts, answers, model_dir, None, cfg, tmp / "policy", tmp / "ray",
                           on_metrics=sink, run_name="bench")
     rows = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
-    step_s = [max(v for k, v in r.items() if k.startswith("policy/step_time_s/worker_")) for r in rows if r["step"] > 0]
-    return {"step_s": step_s, "fit_s": result.seconds}
+    steps = [r for r in rows if r["step"] > 0]
+    step_s = [max(v for k, v in r.items() if k.startswith("policy/step_time_s/worker_")) for r in steps]
+    steady = steps[1:] or steps  # where a step's time goes, as the median step
+    phases = {k.removeprefix("timing/"): statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith("timing/")}
+    return {"step_s": step_s, "fit_s": result.seconds, "phase_s": phases}
 
 
 def trl(python: Path, model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path) -> dict:
@@ -104,6 +107,8 @@ def main() -> None:
           f"{PROMPTS_PER_STEP}x{GROUP} completions of <= {args.tokens} tokens, 1 update per step:")
     print(table(rows, ["side", "steps", "median_step_s", "samples_per_s"]))
     print(f"ours / TRL: {ratio:.2f}x")
+    print("ours, median seconds per phase of a step (rank 0): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in mine["phase_s"].items()))
     path = save(f"rl_step_vs_trl_{args.size}", {"size": args.size, "params": num_parameters(model), "rows": rows,
                                                  "ratio": ratio, "raw": {"trl": theirs, "ours": mine}})
     print(f"written {path}")
