@@ -63,7 +63,7 @@ def main() -> None:
             model = build_policy(cfg, tok, seed=0).eval()
             model_dir = save_pretrained_atomic(model, tok, Path(tmp) / size)
             engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=cfg.max_position_embeddings,
-                                   kv_cache_gib=1.0)
+                                   max_num_seqs=max(args.prompts) * GROUP)
             try:
                 for n in args.prompts:
                     prompts = prompts_all[:n]

@@ -57,7 +57,7 @@ def main() -> None:
             cfg = ModelConfig(**SIZES[size], max_position_embeddings=64)
             model = build_policy(cfg, tok, seed=0)
             model_dir = save_pretrained_atomic(model, tok, Path(tmp) / size)
-            engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64, kv_cache_gib=1.0)
+            engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64)
             try:
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 sync_s = median(timed(lambda: engine.sync_weights(state), args.repeats))

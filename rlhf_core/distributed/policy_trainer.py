@@ -423,8 +423,8 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         if rank == 0:
             from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415  (rank 0 only)
 
-            engine = RolloutEngine(sft_dir, dtype="float32", seed=cfg.seed,
-                                   max_model_len=actor.config.max_position_embeddings, kv_cache_gib=0.25)
+            engine = RolloutEngine(sft_dir, dtype="float32", seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step,
+                                   max_model_len=actor.config.max_position_embeddings)
             if resumed_from is not None:
                 engine.sync_weights(state_dict)
             if not state.evaluations:

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 POLICY = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2)
 MAX_NEW = 6  # three answer digits + </s>, with room to spare
 LOGPROB_ATOL = 1e-4  # mean |vLLM - HF| per token, both in fp32; seen ~2e-7
+MAX_SEQS = 128  # the engine's batch: its KV cache holds this many sequences of 64 tokens
 
 
 @dataclass
@@ -87,7 +88,7 @@ def engine_env(policy, tmp_path_factory):
 
     model_dir = save_pretrained_atomic(policy.model, policy.tokenizer, tmp_path_factory.mktemp("rollout") / "policy")
     before = child_processes()
-    engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64, kv_cache_gib=0.25)
+    engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64, max_num_seqs=MAX_SEQS)
     print(f"\nengine start: {engine.start_seconds:.1f} s")
     try:
         yield engine, before
@@ -122,6 +123,24 @@ def test_rollouts_carry_prompt_tokens_eos_and_one_logprob_per_token(engine, poli
         if r.finish_reason == "stop":
             assert r.response_token_ids[-1] == tok.eos_token_id
         assert r.response_text == tok.decode(r.response_token_ids, skip_special_tokens=True)
+
+
+def test_response_text_is_what_vllms_own_detokeniser_gives(engine, policy):
+    """The engine skips vLLM's per-step detokenising and decodes each response once at the end."""
+    from vllm import SamplingParams
+
+    prompts = policy.prompts[:16]
+    ours = engine.generate(prompts, n=4, temperature=1.0, max_tokens=MAX_NEW, seed=7)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=MAX_NEW, seed=7, logprobs=0)
+    theirs = [c for out in engine.llm.generate(prompts, params, use_tqdm=False) for c in sorted(out.outputs, key=lambda c: c.index)]
+    assert [r.response_token_ids for r in ours] == [list(c.token_ids) for c in theirs]
+    assert [r.response_text for r in ours] == [c.text for c in theirs]
+    assert len({r.response_text for r in ours}) > 8  # sampled: the texts differ, so the comparison means something
+
+
+def test_kv_cache_holds_max_num_seqs_sequences_of_max_model_len(engine):
+    """Blocks of 128 tokens: one per 64-token sequence, and the block vLLM keeps back."""
+    assert engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == MAX_SEQS + 1
 
 
 def test_sync_weights_updates_the_running_engine_in_place(engine, policy):
