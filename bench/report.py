@@ -43,7 +43,9 @@ def main() -> None:
             out += [f"**GRPO step throughput, {r['size']} policy** ({r['params']:,} parameters; ours / TRL "
                     f"= {r['ratio']:.2f}×):", "",
                     _md(r["rows"], [("side", "side", ""), ("median_step_s", "median step s", ".2f"),
-                                    ("samples_per_s", "samples/s", ".1f")]), ""]
+                                    ("samples_per_s", "samples/s", ".1f"), ("tokens_per_s", "tokens/s", ".0f"),
+                                    ("floor_s", "floor s (FLOPs at peak)", ".1f"), ("of_peak", "floor / step", ".0%")]),
+                    ""]
             if phases := r["raw"]["ours"].get("phase_s"):
                 out += ["Where our step goes (median seconds, rank 0): "
                         + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + ".", ""]

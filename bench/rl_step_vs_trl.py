@@ -28,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SIZES, save, table  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import RESULTS, SIZES, save, table  # noqa: E402
 from bench.rollout_generation import demo_tokenizer  # noqa: E402
 from bench.scaling import JsonlSink  # noqa: E402
 from rlhf_core.config import ModelConfig, PolicyConfig  # noqa: E402
@@ -67,7 +69,27 @@ def ours(model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path
     step_s = [max(v for k, v in r.items() if k.startswith("policy/step_time_s/worker_")) for r in steps]
     steady = steps[1:] or steps  # where a step's time goes, as the median step
     phases = {k.removeprefix("timing/"): statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith("timing/")}
-    return {"step_s": step_s, "fit_s": result.seconds, "phase_s": phases}
+    return {"step_s": step_s, "fit_s": result.seconds, "phase_s": phases,
+            "response_length": [r["policy/response_length"] for r in steps]}
+
+
+def matmul_parameters(model) -> int:
+    """Weights of the matrix multiplies a token goes through (every Linear, the LM head
+    included; not the embedding lookup or the norms)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def floor_seconds(model, prompt_tokens: float, response_tokens: float, peak_gflop_per_s: float) -> dict:
+    """The least time one GRPO step can take on this CPU: its matrix-multiply FLOPs at the peak
+    fp32 throughput `compute_bound.py` measured. 2 FLOPs per weight per token for each forward
+    pass, 6 for forward + backward. Per completion: generating its tokens, the reference
+    model's forward pass over prompt + completion, and the update's forward and backward (whose
+    forward also gives pi_old's logprobs). Attention's own FLOPs (under 3% at these lengths),
+    the optimizer and everything else are left out, so the true floor is higher."""
+    n, completions = matmul_parameters(model), PROMPTS_PER_STEP * GROUP
+    sequence = prompt_tokens + response_tokens
+    flops = completions * (2 * n * response_tokens + 2 * n * sequence + 6 * n * sequence)
+    return {"tflop": flops / 1e12, "floor_s": flops / (peak_gflop_per_s * 1e9)}
 
 
 def trl(python: Path, model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path) -> dict:
@@ -97,16 +119,31 @@ def main() -> None:
         theirs = trl(python, model_dir, prompts, args.steps, args.tokens, tmp)
         mine = ours(model_dir, prompts, args.steps, args.tokens, tmp)
     completions = PROMPTS_PER_STEP * GROUP
+    prompt_tokens = statistics.mean(len(tok(p)["input_ids"]) for p in prompts)
+    bound = json.loads((RESULTS / "compute_bound.json").read_text()) if (RESULTS / "compute_bound.json").exists() else None
     rows = []
     for name, res in (("TRL GRPOTrainer " + theirs["trl"], theirs), ("ours (Ray+DeepSpeed+vLLM)", mine)):
         steady = res["step_s"][1:] or res["step_s"]
-        rows.append({"side": name, "steps": len(res["step_s"]), "median_step_s": statistics.median(steady),
-                     "samples_per_s": completions / statistics.median(steady)})
+        step_s, length = statistics.median(steady), statistics.mean(res["response_length"])
+        row = {"side": name, "steps": len(res["step_s"]), "median_step_s": step_s,
+               "samples_per_s": completions / step_s, "tokens_per_s": completions * length / step_s,
+               "response_length": length}
+        if bound:
+            floor = floor_seconds(model, prompt_tokens, length, bound["peak_gflop_per_s"])
+            row |= {**floor, "of_peak": floor["floor_s"] / step_s}
+        rows.append(row)
     ratio = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
     print(f"\nGRPO step throughput, {args.size} policy ({num_parameters(model):,} parameters), "
           f"{PROMPTS_PER_STEP}x{GROUP} completions of <= {args.tokens} tokens, 1 update per step:")
-    print(table(rows, ["side", "steps", "median_step_s", "samples_per_s"]))
+    print(table(rows, ["side", "steps", "median_step_s", "samples_per_s", "tokens_per_s", "response_length",
+                       "tflop", "floor_s", "of_peak"]))
     print(f"ours / TRL: {ratio:.2f}x")
+    if bound:
+        print(f"floor_s: the step's matrix-multiply FLOPs (tflop) at this CPU's measured peak, "
+              f"{bound['peak_gflop_per_s']:.0f} GFLOP/s (compute_bound.py); of_peak = floor_s / step. "
+              f"1.5x TRL would be a {rows[0]['median_step_s'] / 1.5:.1f} s step.")
+    else:
+        print("run bench/compute_bound.py first for each side's floor at this CPU's peak")
     print("ours, median seconds per phase of a step (rank 0): "
           + ", ".join(f"{k} {v:.2f}" for k, v in mine["phase_s"].items()))
     path = save(f"rl_step_vs_trl_{args.size}", {"size": args.size, "params": num_parameters(model), "rows": rows,

@@ -53,7 +53,8 @@ def main() -> None:
                           train_dataset=data, callbacks=[times])
     trainer.train()
     steps = [b - a for a, b in zip(times.marks, times.marks[1:])]
-    print(json.dumps({"step_s": steps, "trl": __import__("trl").__version__,
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    print(json.dumps({"step_s": steps, "response_length": lengths, "trl": __import__("trl").__version__,
                       "transformers": __import__("transformers").__version__}))
 
 

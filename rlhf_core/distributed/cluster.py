@@ -1,17 +1,14 @@
 """What every Ray Train stage needs: a cluster to run on, its size checked before training,
-and reproducible RNG state to seed, checkpoint and restore."""
+and DeepSpeed imported the same way on every worker. (Seeding and RNG state: `rlhf_core.rng`.)"""
 from __future__ import annotations
 
 import os
-import random
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
-import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
@@ -122,24 +119,3 @@ def build_deepspeed_ops() -> float:
 
     build_shm_op()
     return time.perf_counter() - start
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -62,14 +62,13 @@ import torch.distributed as dist
 
 from rlhf_core.algos import AdaptiveKLController, FixedKLController, truncated_is_weights
 from rlhf_core.config import PolicyConfig
-from rlhf_core.distributed.cluster import (
-    check_cluster, connect_ray, import_deepspeed, rng_state, seed_everything, set_rng_state, torch_trainer,
-)
+from rlhf_core.distributed.cluster import check_cluster, connect_ray, import_deepspeed, torch_trainer
 from rlhf_core.distributed.reward_trainer import KillWorkerOnce
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.reward import load_reward_model, normalise, score
 from rlhf_core.models.value import value_model_from
+from rlhf_core.rng import rng_state, seed_everything, set_rng_state
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.training.base_policy import StageFailed

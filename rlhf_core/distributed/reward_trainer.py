@@ -59,12 +59,11 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.algos.losses import bradley_terry_loss
 from rlhf_core.config import RewardConfig
-from rlhf_core.distributed.cluster import (
-    check_cluster, connect_ray, import_deepspeed, rng_state, seed_everything, set_rng_state, torch_trainer,
-)
+from rlhf_core.distributed.cluster import check_cluster, connect_ray, import_deepspeed, torch_trainer
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, rank_step_indices, steps_per_epoch, tokenize_pairs
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_pairs
+from rlhf_core.rng import rng_state, seed_everything, set_rng_state
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.base_policy import StageFailed
 from rlhf_core.training.sft import MetricsCallback, warmup_cosine

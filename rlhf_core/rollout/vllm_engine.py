@@ -54,7 +54,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -62,11 +61,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from vllm import LLM, SamplingParams
 from vllm.platforms import current_platform
 
+from rlhf_core.rng import rng_state, set_rng_state
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransport
 
 EXTENSION = "rlhf_core.rollout.weight_sync.WeightSyncExtension"
@@ -103,7 +102,7 @@ def _cpu_engine_settings() -> Iterator[dict[str, Any]]:
     settings = {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(os.sched_getaffinity(0)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     settings = {k: v for k, v in settings.items() if k not in os.environ}
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0"
-    rng, threads = (random.getstate(), np.random.get_state(), torch.get_rng_state()), torch.get_num_threads()
+    rng, threads = rng_state(), torch.get_num_threads()
     os.environ.update(settings)
     try:
         # the worker still gets a process of its own: vLLM's CPU worker binds and pins the
@@ -112,9 +111,7 @@ def _cpu_engine_settings() -> Iterator[dict[str, Any]]:
     finally:
         for key in settings:
             os.environ.pop(key, None)
-        random.setstate(rng[0])
-        np.random.set_state(rng[1])
-        torch.set_rng_state(rng[2])
+        set_rng_state(rng)
         torch.set_num_threads(threads)
 
 

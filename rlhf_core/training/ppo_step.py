@@ -380,7 +380,7 @@ def update_minibatches(
             f"its own forward pass; this one makes {cfg.epochs_per_step} pass(es) in minibatches of "
             f"{minibatch_size} over {len(batch)} rows"
         )
-    old_logprobs = torch.zeros_like(batch.response_mask)
+    old_logprobs = torch.zeros_like(batch.response_mask) if fill_old else None
     means, counts = _Mean(), {"nonfinite_skipped": 0, "critic_nonfinite_skipped": 0}
     for _epoch in range(cfg.epochs_per_step):
         order = torch.randperm(len(batch), generator=generator)
@@ -394,7 +394,8 @@ def update_minibatches(
                 metrics, logprobs = _actor_micro_step(
                     actor, micro, spec, cfg, actor_step, normalizer, kl_kwargs, boundary, counts
                 )
-                old_logprobs[rows[i]] = logprobs
+                if fill_old:
+                    old_logprobs[rows[i]] = logprobs
                 if spec.uses_critic:
                     metrics |= _critic_micro_step(critic, micro, cfg, critic_step, normalizer, boundary, counts)
                 means.add(metrics)
