@@ -204,7 +204,7 @@ class PolicyConfig(_Strict):
     """
 
     algorithm: Literal["ppo", "grpo"] = "grpo"
-    seed: int = 0
+    seed: int = Field(0, ge=0)  # rollout seeds derive from it (SeedSequence: non-negative)
     num_workers: int = Field(2, ge=1)
     use_gpu: bool | None = None  # None: use GPUs when the cluster has them
     placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD"] = "SPREAD"  # workers over the Ray nodes

@@ -129,13 +129,26 @@ def test_response_text_is_what_vllms_own_detokeniser_gives(engine, policy):
     """The engine skips vLLM's per-step detokenising and decodes each response once at the end."""
     from vllm import SamplingParams
 
+    from rlhf_core.rollout.vllm_engine import prompt_seeds
+
     prompts = policy.prompts[:16]
     ours = engine.generate(prompts, n=4, temperature=1.0, max_tokens=MAX_NEW, seed=7)
-    params = SamplingParams(n=4, temperature=1.0, max_tokens=MAX_NEW, seed=7, logprobs=0)
+    params = [SamplingParams(n=4, temperature=1.0, max_tokens=MAX_NEW, seed=s, logprobs=0) for s in prompt_seeds(7, 16)]
     theirs = [c for out in engine.llm.generate(prompts, params, use_tqdm=False) for c in sorted(out.outputs, key=lambda c: c.index)]
     assert [r.response_token_ids for r in ours] == [list(c.token_ids) for c in theirs]
     assert [r.response_text for r in ours] == [c.text for c in theirs]
     assert len({r.response_text for r in ours}) > 8  # sampled: the texts differ, so the comparison means something
+
+
+def test_seeded_prompts_draw_random_numbers_of_their_own(engine, policy):
+    """One seed for a call: the same prompt twice still gets different samples (each prompt
+    its own seed), and the call repeats exactly."""
+    prompt = policy.prompts[0]
+    a = engine.generate([prompt, prompt], n=4, temperature=1.0, max_tokens=MAX_NEW, seed=5)
+    first, second = ([r.response_token_ids for r in a if r.group == g] for g in (0, 1))
+    assert first != second
+    b = engine.generate([prompt, prompt], n=4, temperature=1.0, max_tokens=MAX_NEW, seed=5)
+    assert [r.response_token_ids for r in a] == [r.response_token_ids for r in b]
 
 
 def test_kv_cache_holds_max_num_seqs_sequences_of_max_model_len(engine):
