@@ -218,6 +218,22 @@ def test_ppo_runs_end_to_end_on_two_workers(ray_cluster, demo, tmp_path):
 
 
 @pytest.mark.slow
+def test_pipelined_ppo_runs_end_to_end_with_its_critic_and_lag_correction(ray_cluster, demo, tmp_path):
+    """PPO with the KL in the reward and a value model, rollouts one update behind."""
+    cfg = CFG.model_copy(update={"algorithm": "ppo", "num_workers": 2, "prompts_per_step": 16,
+                                 "minibatch_size": 16, "micro_batch_size": 4,
+                                 "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2, is_cap=2.0)})
+    result = run(demo, tmp_path, cfg)
+    check_finite_run(result, cfg)
+    history = result.metrics_history
+    assert max(m["pipeline/lag_max"] for m in history) == 1
+    for m in history:
+        assert math.isfinite(m["policy/value_loss"]) and 0 < m["pipeline/is_weight_mean"] <= cfg.pipeline.is_cap, m
+        if m["pipeline/lag_mean"] == 1:
+            assert m["pipeline/is_log_ratio_abs"] > 1e-3, m
+
+
+@pytest.mark.slow
 def test_killed_worker_resumes_from_its_last_checkpoint(ray_cluster, demo, tmp_path):
     cfg = CFG.model_copy(update={"num_workers": 2, "steps": 5, "eval_every": 5})
     kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
