@@ -210,7 +210,7 @@ def train_policy(
             _train_loop, loop_config, num_workers=cfg.num_workers, use_gpu=use_gpu,
             placement_strategy=cfg.placement_strategy, run_name=run_name, storage_path=storage_path,
             max_failures=cfg.max_failures,
-            env={} if use_gpu else {"DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
+            env={} if use_gpu else {"DS_ACCELERATOR": "cpu"},
         )
         start = time.perf_counter()
         result = trainer.fit()
