@@ -37,6 +37,10 @@ def main() -> None:
                 "plus a train pass):", "",
                 _md(r["rows"], [("size", "policy", ""), ("params", "parameters", ","), ("MB", "MB", ".0f"),
                                 ("sync_s", "sync s", ".3f"), ("step_s", "step s", ".2f"), ("sync_share", "share", ".1%")]), ""]
+        if (real := r.get("real_demo")) is not None:
+            out += [f"The trainer's own demo GRPO step (`timing/sync` against the step's wall time, median of "
+                    f"{real['steps']} steps): sync {real['sync_s'] * 1e3:.0f} ms of {real['step_s']:.2f} s = "
+                    f"**{real['sync_share']:.1%}**.", ""]
     for name in ("rl_step_vs_trl_demo", "rl_step_vs_trl_25m"):
         if (r := _load(name)) is not None:
             machine = machine or r["machine"]
@@ -61,6 +65,14 @@ def main() -> None:
                                 ("update_s", "update s/step", ".2f"), ("lag_mean", "mean lag", ".2f"),
                                 ("accuracy_before", "accuracy before", ".3f"), ("accuracy_after", "after", ".3f"),
                                 ("reward_last5", "reward, last 5 steps", ".3f"), ("kl_max", "max KL", ".2f")]), ""]
+        if "summary" in r:
+            out += [f"Over {r['summary'][0]['seeds']} seeds, mean (sample sd):", "",
+                    _md([{**row, "accuracy": f"{row['accuracy_after']:.3f} ({row['accuracy_sd']:.3f})",
+                          "verifiable": f"{row['verifiable_last10']:.3f} ({row['verifiable_sd']:.3f})"}
+                         for row in r["summary"]],
+                        [("mode", "mode", ""), ("samples_per_s", "samples/s", ".1f"),
+                         ("accuracy", "held-out accuracy after", ""),
+                         ("verifiable", "exact match, last 10 steps' samples", "")]), ""]
     if (r := _load("scaling")) is not None:
         machine = machine or r["machine"]
         out += [f"**Reward-model training, 1 → 2 Ray workers** (global batch {r['global_batch']} pairs):", "",

@@ -5,6 +5,13 @@ state dict into it (the path the trainer takes every step: safetensors in /dev/s
 in place by the engine's worker). The step it is compared with is measured in the same run:
 the rollouts of one demo-shaped GRPO step (32 prompts x 8 samples of `--tokens` tokens)
 through the engine, plus one forward and backward pass of the trainer's policy over them.
+That step is a floor under the trainer's (which also scores, runs the reference and old
+policies and makes several optimizer updates), so its share is an upper bound.
+
+At the demo size the trainer's own step is measured too (`--real-steps`, given a demo run
+under runs/ from `make demo`): the demo's GRPO stage, from its SFT policy and reward model,
+on 2 Ray workers, reporting per step `timing/sync` (rank 0 gathering the actor and pushing it
+into the engine) against the step's wall time; the median over the steps is printed.
 
     .venv/bin/python bench/weight_sync.py                     # demo, 25M, 100M
 """
@@ -26,6 +33,8 @@ from rlhf_core.config import ModelConfig  # noqa: E402
 from rlhf_core.data.synthetic import prompt_for  # noqa: E402
 from rlhf_core.models.llama import build_policy, num_parameters, save_pretrained_atomic  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def train_pass(model, rollouts, micro: int = 64) -> None:
     """One forward + backward over the step's sequences, in micro-batches (the trainer's work)."""
@@ -45,6 +54,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="completion length (the demo's max_new_tokens)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--real-steps", type=int, default=10,
+                        help="demo GRPO steps of the trainer itself to time (0: none)")
     args = parser.parse_args()
     from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415
 
@@ -78,7 +89,40 @@ def main() -> None:
     print(f"\nWeight sync (median of {args.repeats}) and its share of one step "
           f"({args.prompts} prompts x {GROUP} samples x {args.tokens} tokens + a train pass):")
     print(table(rows, ["size", "params", "MB", "sync_s", "step_s", "sync_share"]))
-    print(f"\nwritten {save('weight_sync', {'tokens': args.tokens, 'prompts': args.prompts, 'rows': rows})}")
+    real = real_demo_steps(args.real_steps) if args.real_steps else None
+    if real is not None:
+        print(f"\nThe trainer's own demo GRPO step ({real['steps']} steps, {real['run_dir']}), median: sync "
+              f"{real['sync_s'] * 1e3:.0f} ms of {real['step_s']:.2f} s = {real['sync_share']:.1%}")
+    print(f"\nwritten {save('weight_sync', {'tokens': args.tokens, 'prompts': args.prompts, 'rows': rows, 'real_demo': real})}")
+
+
+def real_demo_steps(steps: int) -> dict | None:
+    """The demo GRPO stage's own steps, from the newest demo run's SFT policy and reward model:
+    the median over steps of `timing/sync` and of the step's wall time (the slowest worker's),
+    and the median of their ratio. None when there is no demo run."""
+    from bench.pipelined import newest_demo_run  # noqa: PLC0415
+    from rlhf_core.config import load_config  # noqa: PLC0415
+    from rlhf_core.data.schema import read_table  # noqa: PLC0415
+    from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+
+    try:
+        run_dir = newest_demo_run()
+    except SystemExit as exc:
+        print(f"\nno real-step figure: {exc}")
+        return None
+    cfg = load_config(REPO / "configs" / "demo.yaml").policy
+    cfg = cfg.model_copy(update={"steps": steps, "eval_every": steps, "min_accuracy_gain": -1.0})
+    data = run_dir / "data"
+    prompts = list(dict.fromkeys(list(read_table(data / "sft.jsonl")["prompt"])
+                                 + list(read_table(data / "preferences.jsonl")["prompt"])))
+    evals = read_table(data / "eval.jsonl")
+    with tempfile.TemporaryDirectory() as tmp:
+        r = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), run_dir / "models" / "sft",
+                         run_dir / "models" / "reward", cfg, Path(tmp) / "policy", Path(tmp) / "ray", run_name="sync")
+    sync = [m["timing/sync"] for m in r.metrics_history]
+    step = [max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in r.metrics_history]
+    return {"run_dir": run_dir.name, "steps": len(step), "sync_s": median(sync), "step_s": median(step),
+            "sync_share": median([a / b for a, b in zip(sync, step, strict=True)])}
 
 
 if __name__ == "__main__":
