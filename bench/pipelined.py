@@ -38,6 +38,17 @@ def newest_demo_run() -> Path:
     return runs[-1]
 
 
+def demo_policy_inputs(run_dir: Path) -> tuple[list[str], list[str], list[str]]:
+    """The policy stage's inputs from a demo run, as the pipeline passes them: the training
+    prompts (SFT and preference prompts, deduplicated in order) and the held-out prompts and
+    answers."""
+    data = run_dir / "data"
+    prompts = list(dict.fromkeys(list(read_table(data / "sft.jsonl")["prompt"])
+                                 + list(read_table(data / "preferences.jsonl")["prompt"])))
+    evals = read_table(data / "eval.jsonl")
+    return prompts, list(evals["prompt"]), list(evals["answer"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", type=Path, default=None, help="a demo run (default: the newest)")
@@ -55,10 +66,7 @@ def main() -> None:
         cfg = cfg.model_copy(update={"steps": args.steps, "eval_every": args.steps})
     if args.num_workers:
         cfg = cfg.model_copy(update={"num_workers": args.num_workers})
-    data = run_dir / "data"
-    prompts = list(dict.fromkeys(list(read_table(data / "sft.jsonl")["prompt"])
-                                 + list(read_table(data / "preferences.jsonl")["prompt"])))
-    evals = read_table(data / "eval.jsonl")
+    prompts, eval_prompts, eval_answers = demo_policy_inputs(run_dir)
     modes = {"sync": RolloutPipelineConfig(),
              f"pipelined (max_lag {args.max_lag})": RolloutPipelineConfig(max_lag=args.max_lag, chunks=args.chunks)}
     rows = []
@@ -67,7 +75,7 @@ def main() -> None:
             for mode, pipeline in modes.items():
                 run_cfg = cfg.model_copy(update={"seed": seed, "pipeline": pipeline})
                 name = f"{'pipe' if pipeline.max_lag else 'sync'}-{seed}"
-                r = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), run_dir / "models" / "sft",
+                r = train_policy(prompts, eval_prompts, eval_answers, run_dir / "models" / "sft",
                                  run_dir / "models" / "reward", run_cfg, Path(tmp) / name, Path(tmp) / "ray",
                                  run_name=name)
                 hist = r.metrics_history

@@ -100,9 +100,8 @@ def real_demo_steps(steps: int) -> dict | None:
     """The demo GRPO stage's own steps, from the newest demo run's SFT policy and reward model:
     the median over steps of `timing/sync` and of the step's wall time (the slowest worker's),
     and the median of their ratio. None when there is no demo run."""
-    from bench.pipelined import newest_demo_run  # noqa: PLC0415
+    from bench.pipelined import demo_policy_inputs, newest_demo_run  # noqa: PLC0415
     from rlhf_core.config import load_config  # noqa: PLC0415
-    from rlhf_core.data.schema import read_table  # noqa: PLC0415
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
 
     try:
@@ -112,12 +111,9 @@ def real_demo_steps(steps: int) -> dict | None:
         return None
     cfg = load_config(REPO / "configs" / "demo.yaml").policy
     cfg = cfg.model_copy(update={"steps": steps, "eval_every": steps, "min_accuracy_gain": -1.0})
-    data = run_dir / "data"
-    prompts = list(dict.fromkeys(list(read_table(data / "sft.jsonl")["prompt"])
-                                 + list(read_table(data / "preferences.jsonl")["prompt"])))
-    evals = read_table(data / "eval.jsonl")
+    prompts, eval_prompts, eval_answers = demo_policy_inputs(run_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        r = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), run_dir / "models" / "sft",
+        r = train_policy(prompts, eval_prompts, eval_answers, run_dir / "models" / "sft",
                          run_dir / "models" / "reward", cfg, Path(tmp) / "policy", Path(tmp) / "ray", run_name="sync")
     sync = [m["timing/sync"] for m in r.metrics_history]
     step = [max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in r.metrics_history]
