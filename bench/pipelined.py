@@ -10,6 +10,7 @@ the last 10 steps' samples, the largest KL. Then, per mode, the mean and spread 
 
     make demo                                   # once, for the SFT policy and reward model
     .venv/bin/python bench/pipelined.py         # seeds 0-3, max_lag 1
+    .venv/bin/python bench/pipelined.py --learning-rate 2e-4    # the default until 2026-11-22
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the demo's)")
     parser.add_argument("--num-workers", type=int, default=None, help="Ray Train workers (default: the demo's)")
+    parser.add_argument("--learning-rate", type=float, default=None, help="policy learning rate (default: the demo's)")
     args = parser.parse_args()
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415 (spawn: under __main__)
 
@@ -66,6 +68,8 @@ def main() -> None:
         cfg = cfg.model_copy(update={"steps": args.steps, "eval_every": args.steps})
     if args.num_workers:
         cfg = cfg.model_copy(update={"num_workers": args.num_workers})
+    if args.learning_rate:
+        cfg = cfg.model_copy(update={"learning_rate": args.learning_rate})
     prompts, eval_prompts, eval_answers = demo_policy_inputs(run_dir)
     modes = {"sync": RolloutPipelineConfig(),
              f"pipelined (max_lag {args.max_lag})": RolloutPipelineConfig(max_lag=args.max_lag, chunks=args.chunks)}
@@ -97,7 +101,7 @@ def main() -> None:
                 })
                 print(table(rows[-1:], list(rows[-1])), flush=True)
     print(f"\nPipelined vs synchronous rollouts on the demo ({run_dir.name}), {cfg.steps} GRPO steps of "
-          f"{cfg.rollouts_per_step} samples:")
+          f"{cfg.rollouts_per_step} samples, learning rate {cfg.learning_rate:g}:")
     print(table(rows, ["mode", "seed", "workers", "fit_s", "samples_per_s", "generate_s", "update_s", "lag_mean",
                        "accuracy_before", "accuracy_after", "reward_last5", "verifiable_last10", "kl_max"]))
     for seed in args.seeds:
@@ -108,8 +112,8 @@ def main() -> None:
     summary = summarise(rows)
     print("\nOver the seeds (mean, sample standard deviation):")
     print(table(summary, list(summary[0])))
-    name = "pipelined" if cfg.num_workers == 2 else f"pipelined_{cfg.num_workers}w"
-    print(f"\nwritten {save(name, {'run_dir': run_dir.name, 'max_lag': args.max_lag, 'chunks': args.chunks, 'rows': rows, 'summary': summary})}")
+    name = "pipelined" + ("" if cfg.num_workers == 2 else f"_{cfg.num_workers}w") + (f"_lr{args.learning_rate:g}" if args.learning_rate else "")
+    print(f"\nwritten {save(name, {'run_dir': run_dir.name, 'max_lag': args.max_lag, 'chunks': args.chunks, 'learning_rate': cfg.learning_rate, 'rows': rows, 'summary': summary})}")
 
 
 def summarise(rows: list[dict]) -> list[dict]:

@@ -53,13 +53,14 @@ def main() -> None:
             if phases := r["raw"]["ours"].get("phase_s"):
                 out += ["Where our step goes (median seconds, rank 0): "
                         + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + ".", ""]
-    for name in ("pipelined", "pipelined_1w"):
+    for name in ("pipelined", "pipelined_lr0.0002", "pipelined_1w"):
         if (r := _load(name)) is None:
             continue
         machine = machine or r["machine"]
         workers = r["rows"][0].get("workers", 2)
+        lr = f", learning rate {r['learning_rate']:g}" if "learning_rate" in r else ""
         out += [f"**Pipelined vs synchronous rollouts, demo GRPO, {workers} Ray worker(s)** (max_lag {r['max_lag']}, "
-                f"{r['chunks']} chunks per batch; same SFT policy, reward model, prompts and seeds):", "",
+                f"{r['chunks']} chunks per batch{lr}; same SFT policy, reward model, prompts and seeds):", "",
                 _md(r["rows"], [("mode", "mode", ""), ("seed", "seed", ""), ("fit_s", "training s", ".0f"),
                                 ("samples_per_s", "samples/s", ".1f"), ("generate_s", "generate s/step", ".2f"),
                                 ("update_s", "update s/step", ".2f"), ("lag_mean", "mean lag", ".2f"),
