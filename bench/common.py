@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+NO_DEMO_RUN = "no demo run with its own SFT policy and reward model under runs/: run `make demo` first"
 
 # The two sizes the targets are stated at: the demo policy (fixed overheads dominate) and a
 # Llama of about 25M parameters (compute dominates); "100m" for the weight-sync curve.
@@ -34,6 +36,27 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem, 1), "python": platform.python_version(),
             "torch": torch.__version__, "vllm": vllm.__version__,
             "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def newest_demo_run() -> Path | None:
+    """The newest `runs/demo-*` with its own SFT policy and reward model (a run whose SFT stage
+    was cached has no models/sft of its own), or None."""
+    runs = sorted(p for p in (REPO / "runs").glob("demo-*")
+                  if (p / "models" / "reward").is_dir() and (p / "models" / "sft" / "config.json").is_file())
+    return runs[-1] if runs else None
+
+
+def demo_policy_inputs(run_dir: Path) -> tuple[list[str], list[str], list[str]]:
+    """The policy stage's inputs from a demo run, as the pipeline passes them: the training
+    prompts (SFT and preference prompts, deduplicated in order) and the held-out prompts and
+    answers."""
+    from rlhf_core.data.schema import read_table  # noqa: PLC0415
+
+    data = run_dir / "data"
+    prompts = list(dict.fromkeys(list(read_table(data / "sft.jsonl")["prompt"])
+                                 + list(read_table(data / "preferences.jsonl")["prompt"])))
+    evals = read_table(data / "eval.jsonl")
+    return prompts, list(evals["prompt"]), list(evals["answer"])
 
 
 def timed(fn, repeats: int, warmup: int = 1) -> list[float]:

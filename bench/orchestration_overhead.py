@@ -37,9 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from bench.common import save, table  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO, save, table  # noqa: E402
 
 
 def _history_sum_of_min(client: MlflowClient, run_id: str, prefix: str) -> float:

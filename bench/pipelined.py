@@ -23,31 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import save, table  # noqa: E402
+from bench.common import NO_DEMO_RUN, REPO, demo_policy_inputs, newest_demo_run, save, table  # noqa: E402
 from rlhf_core.config import RolloutPipelineConfig, load_config  # noqa: E402
-from rlhf_core.data.schema import read_table  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def newest_demo_run() -> Path:
-    # a run whose SFT stage was cached has no models/sft of its own
-    runs = sorted(p for p in (REPO / "runs").glob("demo-*")
-                  if (p / "models" / "reward").is_dir() and (p / "models" / "sft" / "config.json").is_file())
-    if not runs:
-        raise SystemExit("no demo run with its own SFT policy and reward model under runs/: run `make demo` first")
-    return runs[-1]
-
-
-def demo_policy_inputs(run_dir: Path) -> tuple[list[str], list[str], list[str]]:
-    """The policy stage's inputs from a demo run, as the pipeline passes them: the training
-    prompts (SFT and preference prompts, deduplicated in order) and the held-out prompts and
-    answers."""
-    data = run_dir / "data"
-    prompts = list(dict.fromkeys(list(read_table(data / "sft.jsonl")["prompt"])
-                                 + list(read_table(data / "preferences.jsonl")["prompt"])))
-    evals = read_table(data / "eval.jsonl")
-    return prompts, list(evals["prompt"]), list(evals["answer"])
 
 
 def main() -> None:
@@ -63,6 +40,8 @@ def main() -> None:
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415 (spawn: under __main__)
 
     run_dir = args.run_dir or newest_demo_run()
+    if run_dir is None:
+        raise SystemExit(NO_DEMO_RUN)
     cfg = load_config(REPO / "configs" / "demo.yaml").policy
     if args.steps:
         cfg = cfg.model_copy(update={"steps": args.steps, "eval_every": args.steps})

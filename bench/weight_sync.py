@@ -27,13 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import SIZES, median, save, table, timed  # noqa: E402
+from bench.common import NO_DEMO_RUN, REPO, SIZES, demo_policy_inputs, median, newest_demo_run, save, table, timed  # noqa: E402
 from bench.rollout_generation import GROUP, demo_tokenizer  # noqa: E402
 from rlhf_core.config import ModelConfig  # noqa: E402
 from rlhf_core.data.synthetic import prompt_for  # noqa: E402
 from rlhf_core.models.llama import build_policy, num_parameters, save_pretrained_atomic  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def train_pass(model, rollouts, micro: int = 64) -> None:
@@ -100,14 +98,12 @@ def real_demo_steps(steps: int) -> dict | None:
     """The demo GRPO stage's own steps, from the newest demo run's SFT policy and reward model:
     the median over steps of `timing/sync` and of the step's wall time (the slowest worker's),
     and the median of their ratio. None when there is no demo run."""
-    from bench.pipelined import demo_policy_inputs, newest_demo_run  # noqa: PLC0415
     from rlhf_core.config import load_config  # noqa: PLC0415
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
 
-    try:
-        run_dir = newest_demo_run()
-    except SystemExit as exc:
-        print(f"\nno real-step figure: {exc}")
+    run_dir = newest_demo_run()
+    if run_dir is None:
+        print(f"\nno real-step figure: {NO_DEMO_RUN}")
         return None
     cfg = load_config(REPO / "configs" / "demo.yaml").policy
     cfg = cfg.model_copy(update={"steps": steps, "eval_every": steps, "min_accuracy_gain": -1.0})
