@@ -38,14 +38,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(what: str, check, timeout: float, every: float = 0.5):
+def wait_for(what: str, check, timeout: float, every: float = 0.5, diagnose=None):
+    """Poll `check` until it returns something truthy; on timeout fail, saying what was
+    awaited and, if given, what `diagnose()` reports of the state at that moment."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    detail = ""
+    if diagnose:
+        try:
+            detail = f"; {diagnose()}"
+        except Exception as exc:  # noqa: BLE001 - the timeout is the failure; say why there is no detail
+            detail = f"; (no diagnosis: {exc!r})"
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
 
 
 def short_rules(text: str) -> str:
@@ -118,6 +126,15 @@ class Stack:
         r = httpx.get(f"http://127.0.0.1:{self.prom_port}/api/v1/query", params={"query": expr}, timeout=5,
                       trust_env=False)
         return r.json()["data"]["result"]
+
+    def series(self, expr: str) -> dict[str, str]:
+        """{label set: latest value} of an instant query, for failure messages."""
+        return {",".join(f"{k}={v}" for k, v in sorted(r["metric"].items()) if k != "__name__"): r["value"][1]
+                for r in self.query(expr)}
+
+    def scrape_health(self) -> list[str]:
+        r = httpx.get(f"http://127.0.0.1:{self.prom_port}/api/v1/targets", timeout=5, trust_env=False)
+        return [f"{t['scrapeUrl']} {t['health']} {t['lastError']!r}".strip() for t in r.json()["data"]["activeTargets"]]
 
     def firing(self, name: str) -> list[dict]:
         return [a for a in self.alerts() if a["labels"]["alertname"] == name and a["state"] == "firing"]
@@ -318,7 +335,13 @@ def test_a_throttled_worker_fires_the_imbalance_alert_and_nothing_is_rolled_back
         pin(pids["1"], {0})
         neighbours.extend(noisy_neighbours(cpu=0))
         alert = wait_for("TrainingWorkerImbalance to fire",
-                         lambda: stack.firing("TrainingWorkerImbalance") or (not trainer.is_alive() and ["done"]), 240)
+                         lambda: stack.firing("TrainingWorkerImbalance") or (not trainer.is_alive() and ["done"]), 240,
+                         diagnose=lambda: (
+                             f"trainer alive {trainer.is_alive()}, pinned pids {pids}, "
+                             f"imbalance ratio {stack.series('run_stage:rlhf_worker_samples_per_second:imbalance_ratio1m')}, "
+                             f"samples/s {stack.series('rlhf_worker_samples_per_second')}, "
+                             f"affinity {({r: sorted(os.sched_getaffinity(int(p))) for r, p in pids.items()})}, "
+                             f"targets {stack.scrape_health()}"))
         ratio = stack.query("run_stage:rlhf_worker_samples_per_second:imbalance_ratio1m")
         assert alert != ["done"], f"training ended before the imbalance alert fired (ratio {ratio})"
         assert alert[0]["labels"]["action"] == "notify" and alert[0]["labels"]["run"] == "imbalance-run"
