@@ -288,6 +288,24 @@ def pin(pid: int, cpus: set[int]) -> None:
         os.sched_setaffinity(thread.id, cpus)
 
 
+def busiest_processes(n: int = 6) -> list[str]:
+    """The `n` processes that used the most CPU over the next second, for failure messages."""
+    procs = list(psutil.process_iter(["pid", "name", "cmdline"]))
+    for proc in procs:
+        try:
+            proc.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(1)
+    usage = []
+    for proc in procs:
+        try:
+            usage.append((proc.cpu_percent(None), proc.info["pid"], " ".join(proc.info["cmdline"] or [proc.info["name"]])[:80]))
+        except psutil.Error:
+            pass
+    return [f"{pct:.0f}% {pid} {cmd}" for pct, pid, cmd in sorted(usage, reverse=True)[:n]]
+
+
 def noisy_neighbours(cpu: int, n: int = 3) -> list[subprocess.Popen]:
     """`n` busy loops pinned to `cpu`: a worker pinned there gets about 1/(n+1) of it, as on
     an oversubscribed node. SIGSTOP duty cycles would not do: they land between the short
@@ -341,7 +359,7 @@ def test_a_throttled_worker_fires_the_imbalance_alert_and_nothing_is_rolled_back
                              f"imbalance ratio {stack.series('run_stage:rlhf_worker_samples_per_second:imbalance_ratio1m')}, "
                              f"samples/s {stack.series('rlhf_worker_samples_per_second')}, "
                              f"affinity {({r: sorted(os.sched_getaffinity(int(p))) for r, p in pids.items()})}, "
-                             f"targets {stack.scrape_health()}"))
+                             f"targets {stack.scrape_health()}, busiest processes {busiest_processes()}"))
         ratio = stack.query("run_stage:rlhf_worker_samples_per_second:imbalance_ratio1m")
         assert alert != ["done"], f"training ended before the imbalance alert fired (ratio {ratio})"
         assert alert[0]["labels"]["action"] == "notify" and alert[0]["labels"]["run"] == "imbalance-run"
