@@ -66,7 +66,7 @@ def main() -> None:
                                 ("update_s", "update s/step", ".2f"), ("lag_mean", "mean lag", ".2f"),
                                 ("accuracy_before", "accuracy before", ".3f"), ("accuracy_after", "after", ".3f"),
                                 ("reward_last5", "reward, last 5 steps", ".3f"), ("kl_max", "max KL", ".2f")]), ""]
-        if "summary" in r:
+        if "summary" in r and r["summary"][0]["seeds"] > 1:  # one seed: the table above says it all
             out += [f"Over {r['summary'][0]['seeds']} seeds, mean (sample sd):", "",
                     _md([{**row, "accuracy": f"{row['accuracy_after']:.3f} ({row['accuracy_sd']:.3f})",
                           "verifiable": f"{row['verifiable_last10']:.3f} ({row['verifiable_sd']:.3f})"}
