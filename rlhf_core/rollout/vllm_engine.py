@@ -42,6 +42,13 @@ Where this departs from a plain `LLM(...)`:
   pass in eager mode. vLLM's legacy `VLLM_CPU_KVCACHE_SPACE` (GiB) replaces a `kv_cache_gib`
   size if it is set; the block count of the default sizing stays (checked: 257 blocks for
   256 sequences with the variable at 1 and without it).
+- On CPU a request's prompt is never split across scheduler steps (chunked prefill off; a
+  step takes whole prompts up to `CPU_PREFILL_TOKENS` tokens, or one of `max_model_len`).
+  vLLM's CPU backend cannot sample a seeded request whose prefill was split: it winds the
+  request's generator back, and CPU generators have no offset ("CPU Generator does not use
+  offset"; vLLM 0.32). With chunked prefill, 32 prompts of 34 tokens x 8 samples (8,704
+  prompt tokens against vLLM's 4,096 a step) crashed the engine; the demo's 7-token prompts
+  stayed under the budget.
 - The engine returns token ids and the trainer's tokenizer decodes each response once, after
   generation (`skip_special_tokens`, as vLLM would). vLLM's incremental detokeniser works
   on every token of every sequence at every decode step; at 25M, 256 completions of 64 tokens,
@@ -74,6 +81,7 @@ from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransp
 EXTENSION = "rlhf_core.rollout.weight_sync.WeightSyncExtension"
 GiB = 1 << 30
 CPU_BLOCK_SIZE = 128  # vLLM's CPU default, stated so the block count below uses the same size
+CPU_PREFILL_TOKENS = 4096  # vLLM's CPU default token budget of a scheduler step
 
 
 @dataclass(frozen=True)
@@ -139,12 +147,28 @@ def cpu_kv_cache(model_dir: Path, max_num_seqs: int, max_model_len: int | None) 
     CPU_BLOCK_SIZE tokens. The block count is what vLLM allocates; the byte size only marks
     the cache as sized, which skips vLLM's warm-up pass in eager mode."""
     config = json.loads((model_dir / "config.json").read_text())
-    tokens = max_model_len or config["max_position_embeddings"]
+    tokens = context_length(model_dir, max_model_len)
     blocks = max_num_seqs * math.ceil(tokens / CPU_BLOCK_SIZE) + 1  # + the block vLLM keeps back
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     block_bytes = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4 * CPU_BLOCK_SIZE  # K and V
     return {"block_size": CPU_BLOCK_SIZE, "num_gpu_blocks_override": blocks, "kv_cache_memory_bytes": blocks * block_bytes}
+
+
+def cpu_prefill(model_dir: Path, max_num_seqs: int, max_model_len: int | None) -> dict[str, Any]:
+    """`LLM(...)` arguments that keep a CPU engine from splitting a prompt across scheduler
+    steps (see the module docstring): chunked prefill off, and a step budget of vLLM's CPU
+    default (CPU_PREFILL_TOKENS), at most what `max_num_seqs` sequences hold (vLLM warns above
+    that) and at least one prompt of the context length and one token per sequence (vLLM
+    refuses less without chunked prefill)."""
+    tokens = context_length(model_dir, max_model_len)
+    budget = max(tokens, max_num_seqs, min(CPU_PREFILL_TOKENS, max_num_seqs * tokens))
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
+
+
+def context_length(model_dir: Path, max_model_len: int | None) -> int:
+    """`max_model_len`, or the model's own context length when it is None."""
+    return max_model_len or json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
 
 
 def cpu_list(cpus: set[int] | Sequence[int]) -> str:
@@ -191,6 +215,8 @@ class RolloutEngine:
                     extra["kv_cache_memory_bytes"] = int(kv_cache_gib * GiB)
                 elif current_platform.is_cpu():
                     extra.update(cpu_kv_cache(self.model_dir, max_num_seqs, max_model_len))
+                if current_platform.is_cpu():
+                    extra.update(cpu_prefill(self.model_dir, max_num_seqs, max_model_len))
                 self.llm = LLM(
                     model=str(self.model_dir),
                     dtype=dtype,

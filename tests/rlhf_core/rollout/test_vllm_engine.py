@@ -206,6 +206,26 @@ def test_n_samples_per_prompt_are_grouped_and_seeded_sampling_is_reproducible(en
     print(f"\ngenerate: {m['rollout/gen_tokens']:.0f} tokens in {m['rollout/gen_s']:.3f} s = {m['rollout/tokens_per_s']:.0f} tokens/s")
 
 
+def test_seeded_prompts_hold_more_tokens_than_a_scheduler_step(engine, policy):
+    """16 prompts of 43 tokens x 8 samples: 5,504 prompt tokens, more than vLLM's CPU step
+    takes (4,096). With chunked prefill vLLM split one of them across two steps, and sampling
+    a seeded request whose prefill was split crashed the CPU engine ("CPU Generator does not
+    use offset")."""
+    from rlhf_core.rollout.vllm_engine import CPU_PREFILL_TOKENS
+
+    def worked_examples(j: int) -> str:  # four solved sums, then one to solve
+        rows = range(5 * j, 5 * j + 5)
+        return "".join(policy.prompts[i] + answer_for(sum(policy.pairs[i]), 2) for i in rows[:4]) + policy.prompts[rows[4]]
+
+    prompts = [worked_examples(j) for j in range(16)]
+    lengths = [len(policy.tokenizer(p)["input_ids"]) for p in prompts]
+    assert max(lengths) + MAX_NEW <= 64 and 8 * sum(lengths) > CPU_PREFILL_TOKENS, lengths
+    a = engine.generate(prompts, n=8, temperature=1.0, max_tokens=MAX_NEW, seed=7)
+    b = engine.generate(prompts, n=8, temperature=1.0, max_tokens=MAX_NEW, seed=7)
+    assert len(a) == 16 * 8 and all(r.response_token_ids for r in a)
+    assert [r.response_token_ids for r in a] == [r.response_token_ids for r in b]
+
+
 def test_engine_worker_computes_on_every_core_this_process_may_use(engine_env):
     """vLLM's "auto" binding would keep one core for its idle scheduler (half the machine here)."""
     engine, before = engine_env
