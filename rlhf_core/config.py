@@ -325,6 +325,7 @@ class ServingConfig(_Strict):
     dtype: str = "float32"  # vLLM --dtype ("auto" / "bfloat16" on GPU)
     max_model_len: int | None = Field(None, ge=8)  # None: the model's max_position_embeddings
     kv_cache_gib: float = Field(0.5, gt=0)  # CPU backend KV cache (VLLM_CPU_KVCACHE_SPACE)
+    chunked_prefill: bool = False  # vLLM on CPU crashes on seeded requests it splits; on for GPU
     startup_timeout_s: float = Field(300.0, gt=0)  # until /health answers 200
     smoke_prompt: str = "Hello"  # completed once before the new server takes traffic
     smoke_max_tokens: int = Field(8, ge=1)

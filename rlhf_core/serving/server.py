@@ -42,6 +42,14 @@ Telemetry is off (`VLLM_NO_USAGE_STATS`, `VLLM_DO_NOT_TRACK`, `DO_NOT_TRACK`). T
 is sized with `--kv-cache-memory-bytes` from `cfg.kv_cache_gib` (fractions of a GiB allowed)
 and `VLLM_CPU_KVCACHE_SPACE` is removed from the server's environment: that legacy variable
 takes whole GiB only and, if set, silently overrides the flag on the CPU backend.
+
+Unless `cfg.chunked_prefill`, the server never splits a prompt across scheduler steps
+(`--no-enable-chunked-prefill`; a step takes whole prompts up to `SERVER_PREFILL_TOKENS`
+tokens, or one of `max_model_len`). vLLM's CPU backend cannot sample a seeded request whose
+prefill was split ("CPU Generator does not use offset", vLLM 0.32): four completion requests
+at once, each for 64 seeded samples (`n`, `seed`) of a 43-token prompt, against the CPU
+server's 2,048 tokens a step, killed the engine, and every later request got 500. On GPU,
+turn it on.
 """
 from __future__ import annotations
 
@@ -73,6 +81,7 @@ log = logging.getLogger(__name__)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 GiB = 1 << 30
+SERVER_PREFILL_TOKENS = 2048  # vLLM's default token budget of a step for its server on CPU
 LOG_TAIL_LINES = 20
 HEALTH_POLL_S = 1.0
 KILL_GRACE_S = 30.0
@@ -322,13 +331,10 @@ class RequireApiKey:
         await send({"type": "http.response.body", "body": body})
 
 
-# --- internals -------------------------------------------------------------------------
-
-
-def _launch(
-    model_dir: Path, name: str, port: int, max_model_len: int, cfg: ServingConfig, api_key: str, log_path: Path
-) -> subprocess.Popen:
-    cmd = [
+def server_command(model_dir: Path, name: str, port: int, max_model_len: int, cfg: ServingConfig) -> list[str]:
+    """The command line of vLLM's OpenAI-compatible server for `model_dir` (no key: that goes
+    through the environment)."""
+    return [
         sys.executable, "-m", SERVER_MODULE,
         "--model", str(model_dir),
         "--served-model-name", name,
@@ -339,8 +345,19 @@ def _launch(
         "--enforce-eager",
         "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * GiB)),
         "--middleware", f"{__name__}.{RequireApiKey.__name__}",
+        *([] if cfg.chunked_prefill else [
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, SERVER_PREFILL_TOKENS))]),
         *cfg.extra_args,
     ]
+
+
+# --- internals -------------------------------------------------------------------------
+
+
+def _launch(
+    model_dir: Path, name: str, port: int, max_model_len: int, cfg: ServingConfig, api_key: str, log_path: Path
+) -> subprocess.Popen:
+    cmd = server_command(model_dir, name, port, max_model_len, cfg)
     env = dict(os.environ)
     env.pop(cfg.api_key_env, None)  # the server needs only VLLM_API_KEY
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes

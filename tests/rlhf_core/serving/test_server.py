@@ -34,6 +34,7 @@ from rlhf_core.data.synthetic import answer_for, prompt_for
 from rlhf_core.models.llama import build_policy, save_pretrained_atomic
 from rlhf_core.serving.server import (
     SERVER_MODULE,
+    SERVER_PREFILL_TOKENS,
     Endpoint,
     RequireApiKey,
     ServingError,
@@ -44,6 +45,7 @@ from rlhf_core.serving.server import (
     list_models,
     next_port,
     resolve_api_key,
+    server_command,
     state_dir_for,
     stop,
     stop_process_group,
@@ -175,6 +177,18 @@ def test_deploy_needs_a_max_model_len(tmp_path):
     cfg = ServingConfig(ports=free_ports(2), api_key_env=KEY_ENV)
     with pytest.raises(ServingError, match="max_position_embeddings"):
         deploy(tmp_path / "model", "1", cfg, tmp_path / "s")
+
+
+@pytest.mark.parametrize(("chunked", "max_model_len", "expected"), [
+    (False, 64, ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]),
+    (False, 8192, ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]),  # one whole prompt a step
+    (True, 64, []),  # vLLM on GPU: its own scheduling
+])
+def test_the_server_splits_no_prompt_unless_chunked_prefill_is_on(chunked, max_model_len, expected):
+    cfg = ServingConfig(chunked_prefill=chunked, extra_args=["--seed", "1"])
+    cmd = server_command(Path("/m"), "policy-v1", 8100, max_model_len, cfg)
+    between = cmd[cmd.index(f"{RequireApiKey.__module__}.RequireApiKey") + 1:cmd.index("--seed")]
+    assert between == expected and SERVER_PREFILL_TOKENS == 2048
 
 
 def test_stop_without_a_server_is_a_no_op(tmp_path):
@@ -332,6 +346,34 @@ def test_v1_answers_with_the_key(serving, v1):
     assert complete(url, serving.key, "policy-v1", "12+34=", max_tokens=4) == complete(
         url, serving.key, "policy-v1", "12+34=", max_tokens=4
     )  # greedy
+
+
+@pytest.mark.slow
+def test_v1_answers_seeded_requests_for_more_prompt_tokens_than_a_step_takes(serving, v1):
+    """4 requests at once of 64 seeded samples of a 43-token prompt: far more prompt tokens
+    than vLLM's CPU server takes in a step (2,048). With chunked prefill vLLM split a sample's
+    prompt across two steps, and sampling that seeded request killed the engine ("CPU
+    Generator does not use offset"): 500 for these and every later request."""
+    from transformers import PreTrainedTokenizerFast
+
+    prompt = "".join(prompt_for(a, b, 2) + answer_for(a + b, 2) for a, b in [(12, 34), (56, 78), (90, 11), (23, 45)])
+    prompt += prompt_for(67, 89, 2)
+    tokens = len(PreTrainedTokenizerFast.from_pretrained(serving.model_dir)(prompt)["input_ids"])
+    assert 64 * tokens > SERVER_PREFILL_TOKENS and tokens + 2 <= POLICY.max_position_embeddings, tokens
+
+    async def seeded(client: httpx.AsyncClient, seed: int) -> httpx.Response:
+        body = {"model": "policy-v1", "prompt": prompt, "max_tokens": 2, "n": 64, "temperature": 1.0, "seed": seed}
+        return await client.post(f"{v1.endpoint.url}/v1/completions", json=body)
+
+    async def at_once() -> list[httpx.Response]:
+        headers = {"Authorization": f"Bearer {serving.key}"}
+        async with httpx.AsyncClient(headers=headers, timeout=120) as client:
+            return await asyncio.gather(*(seeded(client, seed) for seed in range(4)))
+
+    responses = asyncio.run(at_once())
+    assert [r.status_code for r in responses] == [200] * 4, responses[0].text
+    assert all(len(r.json()["choices"]) == 64 for r in responses)
+    assert health(v1.endpoint.url)
 
 
 @pytest.mark.slow
