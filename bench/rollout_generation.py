@@ -55,7 +55,7 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     tok = demo_tokenizer()
-    prompts_all = [prompt_for(a, (a * 37) % 100, 2) for a in range(100)]
+    prompts_all = [prompt_for(i % 100, (i * 37 + i // 100) % 100, 2) for i in range(max(args.prompts))]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
