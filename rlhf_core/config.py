@@ -91,6 +91,10 @@ class ModelConfig(_Strict):
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(4, ge=1)
     max_position_embeddings: int = Field(64, ge=16)
+    # Std of the initial weights (Hugging Face's `initializer_range`). At 0.02 the tiny demo
+    # model's attention starts near uniform and escapes that saddle late, at a step that varies
+    # with the seed and the CPU's kernels; a larger scale escapes it early for every seed.
+    initializer_range: float = Field(0.02, gt=0, le=1)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":

@@ -31,6 +31,7 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
+        initializer_range=cfg.initializer_range,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)

@@ -40,3 +40,13 @@ def test_atomic_save_replaces_a_previous_version_and_leaves_no_temp_dirs(tmp_pat
     save_pretrained_atomic(build_policy(TINY, tok, seed=0), tok, tmp_path / "p")
     save_pretrained_atomic(build_policy(TINY, tok, seed=1), tok, tmp_path / "p")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
+
+
+def test_initializer_range_sets_the_std_of_the_initial_weights():
+    tok = tokenizer()
+    cfg = ModelConfig(hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4, num_kv_heads=4)
+    for std in (0.02, 0.1):
+        model = build_policy(cfg.model_copy(update={"initializer_range": std}), tok, seed=0)
+        weight = model.model.layers[0].self_attn.q_proj.weight  # 16,384 draws of N(0, std^2)
+        assert abs(weight.std().item() / std - 1) < 0.03
+        assert model.config.initializer_range == std
