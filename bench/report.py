@@ -1,103 +1,304 @@
-"""Print the latest benchmark results (bench/results/*.json) as the README's markdown tables."""
+"""Write the latest benchmark tables (bench/results/*.json) into docs/benchmarks.md.
+
+The page's prose is its own; each table lives between a pair of marker comments,
+
+    <!-- report:NAME -->
+    ...
+    <!-- /report:NAME -->
+
+and this script replaces what is between them with NAME's rendering of the result files,
+each table with the machine it was measured on. A result file that does not exist yet is
+rendered as a line saying how to produce it, so a new benchmark can be documented before its
+first run. A marker with no renderer, or a renderer with no marker, is an error: the page and
+this script must name the same sections.
+
+    python bench/report.py           # rewrite the tables in docs/benchmarks.md
+    python bench/report.py --check   # exit 1 when the page is not what the results say
+    python bench/report.py --print   # print the tables, touch nothing
+"""
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS  # noqa: E402
+from bench.common import REPO, RESULTS  # noqa: E402
+
+PAGE = REPO / "docs" / "benchmarks.md"
+MARKED = re.compile(r"(<!-- report:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.DOTALL)
+
+Columns = list[tuple[str, str, str]]  # (key in the row, column title, format spec; "" = str())
 
 
-def _load(name: str) -> dict | None:
-    path = RESULTS / f"{name}.json"
+class ReportError(RuntimeError):
+    """The page and the renderers disagree on the sections."""
+
+
+def load(name: str, results: Path = RESULTS) -> dict | None:
+    path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _md(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+def md_table(rows: list[dict], columns: Columns) -> str:
     lines = ["| " + " | ".join(title for _, title, _ in columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(format(r[key], fmt) if fmt else str(r[key]) for key, _, fmt in columns) + " |")
+    lines += ["| " + " | ".join(_cell(r.get(key), fmt) for key, _, fmt in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def main() -> None:
-    machine = None
-    out = []
-    if (r := _load("rollout_generation")) is not None:
-        machine = r["machine"]
-        out += [f"**Rollout generation** ({r['group']} samples per prompt, {r['tokens']} tokens each, tokens/s):", "",
-                _md(r["rows"], [("size", "policy", ""), ("params", "parameters", ","), ("completions", "completions", ""),
-                                ("hf_tokens_per_s", "HF generate", ",.0f"), ("ours_tokens_per_s", "our engine", ",.0f"),
-                                ("speedup", "ours / HF", ".2f")]), ""]
-    if (r := _load("weight_sync")) is not None:
-        machine = machine or r["machine"]
-        out += [f"**Weight sync** (share of one step of {r['prompts']} prompts × 8 samples × {r['tokens']} tokens "
-                "plus a train pass):", "",
-                _md(r["rows"], [("size", "policy", ""), ("params", "parameters", ","), ("MB", "MB", ".0f"),
-                                ("sync_s", "sync s", ".3f"), ("step_s", "step s", ".2f"), ("sync_share", "share", ".1%")]), ""]
-        if (real := r.get("real_demo")) is not None:
-            out += [f"The trainer's own demo GRPO step (`timing/sync` against the step's wall time, median of "
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "–"
+    text = format(value, fmt) if fmt else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")  # a free-text cell must not break the table
+
+
+def measured_on(result: dict, name: str) -> str:
+    """Where a result file was measured, without its date (the file has it; history is git's)."""
+    m = result.get("machine") or {}
+    parts = [m.get("cpu", "an unknown CPU")]
+    if m.get("cores"):
+        parts.append(f"{m['cores']} cores")
+    if m.get("ram_gib"):
+        parts.append(f"{m['ram_gib']} GiB")
+    parts += [f"{label} {m[key]}" for key, label in (("python", "Python"), ("torch", "torch"), ("vllm", "vLLM"))
+              if m.get(key)]
+    return f"Measured on {', '.join(parts)} (`bench/results/{name}.json`)."
+
+
+def not_run(name: str, script: str) -> list[str]:
+    return [f"No results yet (`bench/results/{name}.json`): run `.venv/bin/python bench/{script}`."]
+
+
+# -- one renderer per section: the lines between its markers ---------------------------------
+
+
+def rollout_generation(results: Path) -> list[str]:
+    if (r := load("rollout_generation", results)) is None:
+        return not_run("rollout_generation", "rollout_generation.py")
+    return [measured_on(r, "rollout_generation"), "",
+            f"{r['group']} samples per prompt, {r['tokens']} tokens each; tokens/s:", "",
+            md_table(r["rows"], [("size", "policy", ""), ("params", "parameters", ","),
+                                 ("completions", "completions", ""), ("hf_tokens_per_s", "HF generate", ",.0f"),
+                                 ("ours_tokens_per_s", "our engine", ",.0f"), ("speedup", "ours / HF", ".2f")])]
+
+
+def compute_bound(results: Path) -> list[str]:
+    if (r := load("compute_bound", results)) is None:
+        return not_run("compute_bound", "compute_bound.py")
+    ceiling = r["tokens_per_s_ceiling"]
+    return [measured_on(r, "compute_bound"), "",
+            md_table(r["rows"], [("tokens", "tokens (rows)", ""), ("k", "in", ""), ("n", "out", ""),
+                                 ("gflop_per_s", "fp32 GFLOP/s", ".0f")]), "",
+            f"Best: {r['peak_gflop_per_s']:.0f} GFLOP/s, a decode ceiling of {ceiling['25m']:,.0f} tokens/s "
+            f"for the 25M policy and {ceiling['demo']:,.0f} for the demo policy."]
+
+
+def weight_sync(results: Path) -> list[str]:
+    if (r := load("weight_sync", results)) is None:
+        return not_run("weight_sync", "weight_sync.py")
+    out = [measured_on(r, "weight_sync"), "",
+           f"Sync against one stand-in step of {r['prompts']} prompts × 8 samples × {r['tokens']} tokens plus a "
+           "train pass:", "",
+           md_table(r["rows"], [("size", "policy", ""), ("params", "parameters", ","), ("MB", "MB", ".0f"),
+                                ("sync_s", "sync s", ".3f"), ("step_s", "step s", ".2f"),
+                                ("sync_share", "share", ".1%")])]
+    if (real := r.get("real_demo")) is not None:
+        out += ["", f"The trainer's own demo GRPO step (`timing/sync` against the step's wall time, median of "
                     f"{real['steps']} steps): sync {real['sync_s'] * 1e3:.0f} ms of {real['step_s']:.2f} s = "
-                    f"**{real['sync_share']:.1%}**.", ""]
+                    f"**{real['sync_share']:.1%}**."]
+    return out
+
+
+def rl_step_vs_trl(results: Path) -> list[str]:
+    out: list[str] = []
     for name in ("rl_step_vs_trl_demo", "rl_step_vs_trl_25m"):
-        if (r := _load(name)) is not None:
-            machine = machine or r["machine"]
-            out += [f"**GRPO step throughput, {r['size']} policy** ({r['params']:,} parameters; ours / TRL "
-                    f"= {r['ratio']:.2f}×):", "",
-                    _md(r["rows"], [("side", "side", ""), ("median_step_s", "median step s", ".2f"),
-                                    ("samples_per_s", "samples/s", ".1f"), ("tokens_per_s", "tokens/s", ".0f"),
-                                    ("floor_s", "floor s (FLOPs at peak)", ".1f"), ("of_peak", "floor / step", ".0%")]),
-                    ""]
-            if phases := r["raw"]["ours"].get("phase_s"):
-                out += ["Where our step goes (median seconds, rank 0): "
-                        + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + ".", ""]
-    for name in ("pipelined", "pipelined_lr0.0002", "pipelined_1w"):
-        if (r := _load(name)) is None:
+        if (r := load(name, results)) is None:
             continue
-        machine = machine or r["machine"]
-        workers = r["rows"][0].get("workers", 2)
-        lr = f", learning rate {r['learning_rate']:g}" if "learning_rate" in r else ""
-        out += [f"**Pipelined vs synchronous rollouts, demo GRPO, {workers} Ray worker(s)** (max_lag {r['max_lag']}, "
-                f"{r['chunks']} chunks per batch{lr}; same SFT policy, reward model, prompts and seeds):", "",
-                _md(r["rows"], [("mode", "mode", ""), ("seed", "seed", ""), ("fit_s", "training s", ".0f"),
-                                ("samples_per_s", "samples/s", ".1f"), ("generate_s", "generate s/step", ".2f"),
-                                ("update_s", "update s/step", ".2f"), ("lag_mean", "mean lag", ".2f"),
-                                ("accuracy_before", "accuracy before", ".3f"), ("accuracy_after", "after", ".3f"),
-                                ("reward_last5", "reward, last 5 steps", ".3f"), ("kl_max", "max KL", ".2f")]), ""]
-        if "summary" in r and r["summary"][0]["seeds"] > 1:  # one seed: the table above says it all
-            out += [f"Over {r['summary'][0]['seeds']} seeds, mean (sample sd):", "",
-                    _md([{**row, "accuracy": f"{row['accuracy_after']:.3f} ({row['accuracy_sd']:.3f})",
-                          "verifiable": f"{row['verifiable_last10']:.3f} ({row['verifiable_sd']:.3f})"}
-                         for row in r["summary"]],
-                        [("mode", "mode", ""), ("samples_per_s", "samples/s", ".1f"),
-                         ("accuracy", "held-out accuracy after", ""),
-                         ("verifiable", "exact match, last 10 steps' samples", "")]), ""]
-    if (r := _load("scaling")) is not None:
-        machine = machine or r["machine"]
-        out += [f"**Reward-model training, 1 → 2 Ray workers** (global batch {r['global_batch']} pairs):", "",
-                _md(r["rows"], [("workers", "workers", ""), ("pairs_per_s", "pairs/s", ".0f"),
-                                ("speedup", "speedup", ".2f")]), ""]
-    if (r := _load("orchestration_overhead")) is not None:
-        machine = machine or r["machine"]
-        rows = [{"part": k, "s": v} for k, v in r["compute_s"].items()]
-        rows += [{"part": "**model compute**", "s": r["model_compute_s"]}, {"part": "**overhead**", "s": r["overhead_s"]},
-                 {"part": "wall", "s": r["wall_s"]}]
-        for row in rows:
-            row["share"] = row["s"] / r["wall_s"]
-        out += [f"**Demo wall time** (overhead {r['overhead_share']:.0%} of {r['wall_s']:.0f} s):", "",
-                _md(rows, [("part", "part", ""), ("s", "seconds", ".1f"), ("share", "share", ".1%")]), ""]
-        stages = [{"stage": k, "s": v} for k, v in r["stage_wall_s"].items()]
-        out += ["**Demo stages, wall time of each stage's MLflow run** (start-up, checkpoints and logging included):",
-                "", _md(stages, [("stage", "stage", ""), ("s", "seconds", ".1f")]), ""]
-    if machine:
-        whens = sorted(json.loads(f.read_text())["machine"]["when"] for f in RESULTS.glob("*.json"))
-        out.insert(0, f"Measured on {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB (torch "
-                      f"{machine['torch']}, vLLM {machine['vllm']}), each table by its script, idle machine, "
-                      f"between {whens[0]} and {whens[-1]}.\n")
-    print("\n".join(out))
+        out += [f"**{r['size']} policy** ({r['params']:,} parameters; ours / TRL = {r['ratio']:.2f}×). "
+                + measured_on(r, name), "",
+                md_table(r["rows"], [("side", "side", ""), ("median_step_s", "median step s", ".2f"),
+                                     ("samples_per_s", "samples/s", ".1f"), ("tokens_per_s", "tokens/s", ".0f"),
+                                     ("floor_s", "floor s (FLOPs at peak)", ".1f"),
+                                     ("of_peak", "floor / step", ".0%")]), ""]
+        if phases := r["raw"]["ours"].get("phase_s"):
+            out += ["Where our step goes (median seconds, rank 0): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + ".", ""]
+    return out[:-1] if out else not_run("rl_step_vs_trl_25m", "rl_step_vs_trl.py --size 25m")
+
+
+PIPELINED_ROWS: Columns = [
+    ("mode", "mode", ""), ("seed", "seed", ""), ("fit_s", "training s", ".0f"),
+    ("samples_per_s", "samples/s", ".1f"), ("generate_s", "generate s/step", ".2f"),
+    ("update_s", "update s/step", ".2f"), ("lag_mean", "mean lag", ".2f"),
+    ("accuracy_before", "accuracy before", ".3f"), ("accuracy_after", "after", ".3f"),
+    ("reward_last5", "reward, last 5 steps", ".3f"), ("kl_max", "max KL", ".2f"),
+]
+
+
+def pipelined(results: Path) -> list[str]:
+    out: list[str] = []
+    for name in ("pipelined", "pipelined_lr0.0002", "pipelined_1w"):
+        if (r := load(name, results)) is not None:
+            out += _pipelined_run(r, name) + [""]
+    return out[:-1] if out else not_run("pipelined", "pipelined.py")
+
+
+def _pipelined_run(r: dict, name: str) -> list[str]:
+    workers = r["rows"][0].get("workers", 2)
+    lr = f", learning rate {r['learning_rate']:g}" if "learning_rate" in r else ""
+    out = [f"**{workers} Ray worker(s)**, max_lag {r['max_lag']}, {r['chunks']} chunks per batch{lr}. "
+           + measured_on(r, name), "", md_table(r["rows"], PIPELINED_ROWS), ""]
+    if "summary" in r and r["summary"][0]["seeds"] > 1:  # one seed: the table above says it all
+        rows = [{**row, "accuracy": f"{row['accuracy_after']:.3f} ({row['accuracy_sd']:.3f})",
+                 "verifiable": f"{row['verifiable_last10']:.3f} ({row['verifiable_sd']:.3f})"}
+                for row in r["summary"]]
+        out += [f"Over {r['summary'][0]['seeds']} seeds, mean (sample sd):", "",
+                md_table(rows, [("mode", "mode", ""), ("samples_per_s", "samples/s", ".1f"),
+                                ("accuracy", "held-out accuracy after", ""),
+                                ("verifiable", "exact match, last 10 steps' samples", "")]), ""]
+    return out[:-1]
+
+
+def scaling(results: Path) -> list[str]:
+    if (r := load("scaling", results)) is None:
+        return not_run("scaling", "scaling.py")
+    return [measured_on(r, "scaling"), "", f"Global batch {r['global_batch']} pairs:", "",
+            md_table(r["rows"], [("workers", "workers", ""), ("pairs_per_s", "pairs/s", ".0f"),
+                                 ("speedup", "speedup", ".2f")])]
+
+
+def orchestration_overhead(results: Path) -> list[str]:
+    if (r := load("orchestration_overhead", results)) is None:
+        return not_run("orchestration_overhead", "orchestration_overhead.py")
+    rows = [{"part": k, "s": v} for k, v in r["compute_s"].items()]
+    rows += [{"part": "**model compute**", "s": r["model_compute_s"]}, {"part": "**overhead**", "s": r["overhead_s"]},
+             {"part": "wall", "s": r["wall_s"]}]
+    for row in rows:
+        row["share"] = row["s"] / r["wall_s"]
+    stages = [{"stage": k, "s": v} for k, v in r["stage_wall_s"].items()]
+    return [measured_on(r, "orchestration_overhead"), "",
+            f"Overhead {r['overhead_share']:.0%} of {r['wall_s']:.0f} s:", "",
+            md_table(rows, [("part", "part", ""), ("s", "seconds", ".1f"), ("share", "share", ".1%")]), "",
+            "Wall time of each stage's MLflow run (start-up, checkpoints and logging included):", "",
+            md_table(stages, [("stage", "stage", ""), ("s", "seconds", ".1f")])]
+
+
+SEED_SPREAD_ROWS: Columns = [
+    ("seed", "seed", ""), ("threads", "threads", ""), ("sft_steps", "SFT steps", ""),
+    ("sft_plateau_step", "plateau step", ""), ("sft_plateau_share", "plateau share", ".0%"),
+    ("base_accuracy", "base accuracy", ".3f"), ("final_accuracy", "final accuracy", ".3f"),
+    ("gain", "gain", "+.3f"), ("sft_s", "SFT s", ".0f"), ("reward_s", "reward s", ".0f"),
+    ("policy_s", "policy s", ".0f"), ("wall_s", "wall s", ".0f"), ("met", "met the bars", ""),
+    ("failure", "failure", ""),
+]
+
+
+def seed_spread(results: Path) -> list[str]:
+    if (r := load("seed_spread", results)) is None:
+        return not_run("seed_spread", "seed_spread.py")
+    rows = [{**row, "met": "yes" if row["success"] else "**no**"} for row in r["rows"]]
+    succeeded = sum(bool(row["success"]) for row in r["rows"])
+    return [measured_on(r, "seed_spread") + f" Config `{r.get('config', 'configs/demo.yaml')}`.", "",
+            md_table(rows, SEED_SPREAD_ROWS), "",
+            f"**{succeeded} of {len(rows)}** runs met the demo's bars."]
+
+
+def targets(results: Path) -> list[str]:
+    rows = [row for make in (_rollout_target, _sync_target, _trl_target, _demo_targets) for row in make(results)]
+    if not rows:
+        return ["No results yet: run the benchmarks below."]
+    return ["From the result files below, each with the machine it was measured on.", "",
+            md_table(rows, [("target", "target", ""), ("measured", "measured", ""), ("met", "met", "")])]
+
+
+def _rollout_target(results: Path) -> list[dict]:
+    if (r := load("rollout_generation", results)) is None:
+        return []
+    big = [row for row in r["rows"] if row["size"] == "25m"]
+    met = [str(row["completions"]) for row in big if row["speedup"] >= 1.5]
+    return [{"target": "rollouts ≥ 1.5× HF `generate` (25M policy)",
+             "measured": ", ".join(f"{row['speedup']:.2f}× at {row['completions']}" for row in big),
+             "met": f"at {', '.join(met)} completions" if met else "no"}]
+
+
+def _sync_target(results: Path) -> list[dict]:
+    if (r := load("weight_sync", results)) is None:
+        return []
+    shares = [(row["size"], row["sync_share"]) for row in r["rows"]]
+    if (real := r.get("real_demo")) is not None:
+        shares.append(("the trainer's demo step", real["sync_share"]))
+    return [{"target": "weight sync < 5% of an RL step", "measured": ", ".join(f"{s:.1%} ({n})" for n, s in shares),
+             "met": ", ".join(n for n, s in shares if s < 0.05) or "no"}]
+
+
+def _trl_target(results: Path) -> list[dict]:
+    if (r := load("rl_step_vs_trl_25m", results)) is None:
+        return []
+    return [{"target": "GRPO step ≥ 1.5× TRL's (25M policy)", "measured": f"{r['ratio']:.2f}×",
+             "met": "yes" if r["ratio"] >= 1.5 else "no"}]
+
+
+def _demo_targets(results: Path) -> list[dict]:
+    if (r := load("orchestration_overhead", results)) is None:
+        return []
+    return [{"target": "demo < 10 minutes after set-up", "measured": f"{r['wall_s']:.0f} s",
+             "met": "yes" if r["wall_s"] < 600 else "no"},
+            {"target": "orchestration overhead < 15% of the demo", "measured": f"{r['overhead_share']:.0%}",
+             "met": "yes" if r["overhead_share"] < 0.15 else "no"}]
+
+
+SECTIONS: dict[str, Callable[[Path], list[str]]] = {
+    "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
+    "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
+    "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
+}
+
+
+def render(results: Path = RESULTS) -> dict[str, str]:
+    return {name: "\n".join(make(results)) + "\n" for name, make in SECTIONS.items()}
+
+
+def fill(page: str, blocks: dict[str, str], where: str = "docs/benchmarks.md") -> str:
+    """`page` with the text between each pair of markers replaced by its block."""
+    found = [m["name"] for m in MARKED.finditer(page)]
+    if unknown := sorted(set(found) - set(blocks)):
+        raise ReportError(f"{where}: no renderer in bench/report.py for the marker(s) {', '.join(unknown)}")
+    if missing := sorted(set(blocks) - set(found)):
+        raise ReportError(f"{where}: no `<!-- report:NAME -->` … `<!-- /report:NAME -->` markers for "
+                          f"{', '.join(missing)}")
+    return MARKED.sub(lambda m: m[1] + "\n" + blocks[m["name"]] + "\n" + m[4], page)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md is out of date")
+    mode.add_argument("--print", dest="print_only", action="store_true", help="print the tables, write nothing")
+    args = parser.parse_args(argv)
+    blocks = render()
+    if args.print_only:
+        print("\n".join(f"<!-- {name} -->\n{text}" for name, text in blocks.items()))
+        return 0
+    page = PAGE.read_text()
+    try:
+        updated = fill(page, blocks)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        if updated != page:
+            print("docs/benchmarks.md is not what bench/results/ says: run `python bench/report.py`", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(updated)
+    print(f"wrote {len(blocks)} sections into {PAGE.relative_to(REPO)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,67 +1,23 @@
 """Alertmanager webhook receiver: turns alerts into a rollback flow run or a log line.
 
-Run it next to Alertmanager (infra/alertmanager/alertmanager.yml posts to it):
+How to run it, what it answers and how to read its records: docs/operations.md ("The alert
+receiver"). The shape of the code, and why:
 
-    .venv/bin/python -m monitoring.receiver --host 127.0.0.1 --port 8900 \\
-        --token-file /etc/rlhf/receiver-token --state-dir /var/lib/rlhf-receiver \\
-        [--deployment rollback/rollback] [--config configs/demo.yaml]
-
-Endpoints
-    POST /alerts   an Alertmanager webhook notification (below). Needs the bearer token.
-    GET  /healthz  200 `{"status": "ok"}`; no token, touches nothing.
-
-Auth
-    `Authorization: Bearer <token>`, compared in constant time. The token is read once at
-    start from `--token-file` (the file Alertmanager's `credentials_file` reads; surrounding
-    whitespace is stripped) or else from `$RLHF_RECEIVER_TOKEN`. The receiver refuses to
-    start without one, or with one under 16 characters. After rotating the file, restart
-    the receiver. No or a wrong token: 401 with `WWW-Authenticate: Bearer`, and nothing is
-    recorded or triggered.
-
-Payload (webhook version "4")
-    A JSON object of at most 1 MiB (else 413) with `version: "4"`, `receiver` and
-    `groupKey` strings and `alerts`: a non-empty list of objects, each with `status`
-    (`firing` | `resolved`), `labels` (strings, with a non-empty `alertname`), `fingerprint`
-    and `startsAt` (RFC 3339). Anything else: 400 with what is wrong and where (e.g.
-    `alerts[2].labels.alertname: missing`), and nothing is recorded or triggered.
-
-Action mapping (`decide`, one alert at a time)
-    firing,   label action=rollback        -> rollback: start the Prefect deployment
-                                              `rollback/rollback` (flows/serving.py)
-    firing,   label action=notify          -> notify: recorded and logged (with the
-                                              runbook link); a person acts
-    firing,   action missing or unknown    -> notify, and the log says why
-    firing,   action=none or ignore        -> ignore: recorded only
-    resolved, any action                   -> resolved: recorded only, never acts
-    The incident id of an alert is `<alertname>-<fingerprint>-<startsAt as YYYYmmddTHHMMSSZ>`
-    (characters outside `[A-Za-z0-9_.-:]` become `_`, at most 120 characters): stable for
-    one occurrence of one alert, new when the alert fires again after resolving. A rollback
-    alert that names a training run (label `run`) has the incident `run-<run>-<stage>`
-    instead: however many alerts one unstable run raises, in however many notifications,
-    `champion` moves back once for it.
-    The rollback is started with incident, reason (the alert's `summary`) and
-    requested_by `alertmanager:<receiver>`, and the Prefect idempotency key
-    `alertmanager:<incident>`.
-
-Deduplication (SQLite, `<state-dir>/receiver.db`, table `incidents`)
-    One row per (incident, action), claimed with a UNIQUE key inside an IMMEDIATE
-    transaction, so an alert occurrence acts at most once however often it arrives:
-    Alertmanager's repeat_interval re-sends, the same alert in several groups, replays,
-    two identical requests at once, a restarted receiver. A rollback row goes
-    `pending` -> `done` (flow run id recorded) or `failed` ("error: ..."). A failed one is
-    retried by the next delivery (the receiver answers 500 on failure, so Alertmanager
-    retries); a `pending` one older than 5 minutes (the receiver died mid-call) is retried
-    too, and Prefect's idempotency key makes that return the flow run if it had been
-    created. A `done` one never triggers again. Several rollback alerts new in one
-    notification (Alertmanager groups them per run and stage) start one rollback: the
-    first one's incident; the others are recorded as covered by it.
-    Table `notifications_seen` counts deliveries per (groupKey, fingerprint, startsAt,
-    status), so the log says whether a notification is a replay (`"replay": true`).
-
-Logged (logger `rlhf.receiver`, and appended to `<state-dir>/receiver-decisions.jsonl`)
-    One JSON line per alert decision, `event` = accepted (acted or recorded), deduplicated,
-    failed (the trigger raised; 500), and one per rejected request (`rejected`: 401, 400,
-    404, 411, 413) with the client address. Tokens and headers are never logged.
+- `decide` is pure: one alert in, a `Decision` (rollback | notify | resolved | ignore, its
+  incident id, a reason) out. A missing or unknown `action` label falls back to notify, so a
+  mislabelled rule can never roll anything back. The incident of a rollback alert that names
+  a training run is `run-<run>-<stage>`: one unstable run moves `champion` back once, however
+  many alerts it trips in however many notifications.
+- Nothing is recorded or triggered before the bearer token (compared in constant time) and
+  the whole payload have been checked: `parse_payload` says what is wrong and where.
+- `Store` claims each (incident, action) with a UNIQUE key inside `BEGIN IMMEDIATE`, so an
+  occurrence acts at most once across Alertmanager's re-sends, replays, concurrent requests
+  and receiver restarts. A failed trigger answers 500 so that Alertmanager retries; a claim
+  left `pending` past `DEFAULT_CLAIM_TTL_S` (the receiver died mid-call) may be claimed again,
+  and the Prefect idempotency key `alertmanager:<incident>` makes that retry return the flow
+  run already created rather than start a second one.
+- `PrefectRollbackTrigger` starts the deployment without waiting for it: the on-call path must
+  not hold an HTTP request open for a whole rollback.
 """
 from __future__ import annotations
 
