@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlhf_core.training.verifiable import check_verifiable_reward
 
 
 class ConfigError(ValueError):
@@ -237,6 +239,13 @@ class PolicyConfig(_Strict):
     # (0.37 -> ~0.9); the RM term stays, small, as the RLHF signal a real task would weight up.
     reward_model_weight: float = Field(0.25, ge=0)
     verifiable_reward_weight: float = Field(1.0, ge=0)  # needs prompts the verifier can parse
+    verifiable_reward: str | None = Field(
+        "addition_exact_match",
+        description="The verifiable reward: a name registered in rlhf_core.training.verifiable."
+        "VERIFIABLE_REWARDS (the demo's is addition_exact_match) or module:function, a function "
+        "(prompts, responses) -> tensor of 0/1 per response; null for none (then "
+        "verifiable_reward_weight must be 0).",
+    )
     eval_every: int = Field(10, ge=1)  # RL steps between held-out evaluations
     checkpoint_every: int = Field(10, ge=1)  # RL steps between checkpoints
     max_failures: int = Field(2, ge=0)
@@ -293,6 +302,21 @@ class PolicyConfig(_Strict):
             raise ValueError(
                 f"pipeline.max_lag > 0 needs top_p = 1 (got {self.top_p}): the lag correction divides by the "
                 "sampler's probability of each token, which top-p renormalises over the nucleus"
+            )
+        return self
+
+    @field_validator("verifiable_reward")
+    @classmethod
+    def _verifiable_reward_resolves(cls, name: str | None) -> str | None:
+        check_verifiable_reward(name)  # raises ValueError naming the registered ones
+        return name
+
+    @model_validator(mode="after")
+    def _verifiable_weight_has_a_reward(self) -> "PolicyConfig":
+        if self.verifiable_reward is None and self.verifiable_reward_weight > 0:
+            raise ValueError(
+                f"verifiable_reward is null but verifiable_reward_weight is {self.verifiable_reward_weight}: "
+                "name a verifiable reward or set its weight to 0"
             )
         return self
 

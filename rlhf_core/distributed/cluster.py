@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -65,16 +66,15 @@ def check_cluster(stage: str, num_workers: int, use_gpu: bool | None) -> bool:
 
 
 def torch_trainer(
-    train_loop, loop_config: dict[str, Any], *, num_workers: int, use_gpu: bool, placement_strategy: str,
+    train_fn: Callable[[], Any], *, num_workers: int, use_gpu: bool, placement_strategy: str,
     run_name: str, storage_path, max_failures: int, env: dict[str, str],
 ) -> TorchTrainer:
-    """The Ray Train set-up every stage shares: `num_workers` workers placed by
-    `placement_strategy`, runs and checkpoints under `storage_path/run_name` (the last two
-    checkpoints kept), `max_failures` restarts from the last checkpoint, and `env` in every
-    worker's environment."""
+    """The Ray Train set-up every stage shares: `train_fn()` (its settings bound to it, not in
+    Ray Train's config dict) on `num_workers` workers placed by `placement_strategy`, runs and
+    checkpoints under `storage_path/run_name` (the last two checkpoints kept), `max_failures`
+    restarts from the last checkpoint, and `env` in every worker's environment."""
     return TorchTrainer(
-        train_loop_per_worker=train_loop,
-        train_loop_config=loop_config,
+        train_loop_per_worker=train_fn,
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, placement_strategy=placement_strategy),
         run_config=RunConfig(
             name=run_name,

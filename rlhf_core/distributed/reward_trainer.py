@@ -3,7 +3,6 @@
 Driver, `train_reward_model`: checks the input (empty sets, overlength pairs under "reject",
 fewer pairs than one global batch, more workers than the Ray cluster has CPUs/GPUs) before
 anything starts, puts the tokenized pairs in the object store and runs a `TorchTrainer`.
-Ray Train's process group (gloo on CPU, NCCL on GPU) is reused by DeepSpeed.
 
 Worker, `_train_loop`: every optimizer step reads only this rank's part of the epoch's
 shuffled order (`rlhf_core.data.pairs.rank_step_indices`), runs `grad_accum_steps`
@@ -16,71 +15,43 @@ exactly the next batch. At the end all ranks gather the full fp32
 parameters, and rank 0 scores the held-out pairs, computes the normalisation stats and
 saves the model in HF format.
 
-A checkpoint is one directory, the files of all ranks merged by Ray Train:
-
-    engine/             DeepSpeed `save_checkpoint(tag="engine")`: module + ZeRO optimizer
-                        shards of every rank (zero_pp_rank_<r>_...), lr scheduler
-    latest, zero_to_fp32.py, zero_to_torch.py   written by DeepSpeed (rank 0)
-    rng_rank_<r>.pt      python / numpy / torch RNG state of rank r
-    trainer_state.json   (rank 0) next data position, per-step consumed pair indices and
-                        metrics history of every committed step, world size
-
-Ray Train V2 (the default in Ray 2.60) is assumed: `ray.train.report` is a barrier every
-rank must reach, the training function's rank-0 return value comes back as
-`Result.return_value`, and a second `fit()` with the same `storage_path` / `name`
-resumes that run from its latest checkpoint instead of starting over. V2's controller takes
-one report per worker per health-check poll (`RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`: 2 s by
-default, 0.25 s on the local cluster the pipeline starts, `cluster.LOCAL_CLUSTER_ENV`) and
-`report` blocks until the previous one is taken, so reporting every step would cap training
-at one step per poll: only checkpoint steps are reported to Ray (each waits up to one poll
-for its commit), per-step metrics go through `on_metrics`.
+A checkpoint (`rlhf_core.distributed.checkpoint`) holds the engine under the tag `engine`
+and, in trainer_state.json, the next data position and the per-step consumed pair indices and
+metrics history of every committed step. The Ray Train and DeepSpeed plumbing this stage shares
+with policy optimisation is in `rlhf_core.distributed.stage`, `.checkpoint` and
+`.deepspeed_engine`.
 """
 from __future__ import annotations
 
-import json
-import logging
 import math
-import os
-import signal
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
-import ray.train
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.algos.losses import bradley_terry_loss
 from rlhf_core.config import RewardConfig
-from rlhf_core.distributed.cluster import check_cluster, connect_ray, import_deepspeed, torch_trainer
-from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, rank_step_indices, steps_per_epoch, tokenize_pairs
+from rlhf_core.distributed import deepspeed_engine
+from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
+from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters
+from rlhf_core.distributed.fault_injection import KillWorkerOnce, kill_if_due
+from rlhf_core.distributed.stage import StageRuntime, record_attempt, run_stage, start_worker
+from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_pairs
-from rlhf_core.rng import rng_state, seed_everything, set_rng_state
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.base_policy import StageFailed
 from rlhf_core.training.sft import MetricsCallback, warmup_cosine
 
 ENGINE_TAG = "engine"
-STATE_FILE = "trainer_state.json"
-ATTEMPTS_FILE = "reward_attempts.jsonl"
-
-
-@dataclass(frozen=True)
-class KillWorkerOnce:
-    """Test hook: the worker of `rank` SIGKILLs itself right after optimizer step `at_step`,
-    unless `marker` exists (it creates it first, so the retried worker lives)."""
-
-    rank: int
-    at_step: int
-    marker: Path
 
 
 @dataclass(frozen=True)
@@ -102,32 +73,15 @@ class RewardTrainResult:
 
 
 def deepspeed_config(cfg: RewardConfig, use_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed config of a reward run: ZeRO `cfg.zero_stage`, AdamW, clipping;
-    bf16 on GPU, fp32 on CPU (with torch's AdamW: DeepSpeed's fused Adam is CUDA only).
+    """The DeepSpeed config of a reward run: one optimizer step per global batch, ZeRO
+    `cfg.zero_stage`, AdamW with `cfg.weight_decay`, clipping; bf16 on GPU, fp32 on CPU.
 
     The learning-rate schedule is passed to `deepspeed.initialize` as a callable instead
     (`_lr_schedule`): DeepSpeed's WarmupLR / WarmupCosineLR give the first step lr 0.
     """
-    return {
-        "train_batch_size": cfg.global_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
-        "gradient_clipping": cfg.max_grad_norm,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": cfg.learning_rate,
-                "betas": [0.9, 0.999],
-                "eps": 1e-8,
-                "weight_decay": cfg.weight_decay,
-                "torch_adam": not use_gpu,
-            },
-        },
-        "bf16": {"enabled": use_gpu},
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
+    return deepspeed_engine.deepspeed_config(cfg, train_batch_size=cfg.global_batch_size,
+                                             learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                             use_gpu=use_gpu)
 
 
 def _lr_schedule(optimizer: torch.optim.Optimizer, total: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -174,40 +128,13 @@ def train_reward_model(
             f"grad_accum_steps {cfg.grad_accum_steps})"
         )
 
-    started_ray = connect_ray()
-    try:
-        use_gpu = check_cluster("reward", cfg.num_workers, cfg.use_gpu)
-        run_dir = Path(storage_path).resolve() / run_name
-        run_dir.mkdir(parents=True, exist_ok=True)
-        loop_config = {
-            "cfg": cfg.model_dump(mode="json"),
-            "use_gpu": use_gpu,
-            "base_dir": str(Path(base_dir).resolve()),
-            "out_dir": str(Path(out_dir).resolve()),
-            "train": ray.put(train),
-            "eval": ray.put(evals),
-            "on_metrics": on_metrics,
-            "attempts_file": str(run_dir / ATTEMPTS_FILE),
-            "kill_once": _kill_once,
-        }
-        trainer = torch_trainer(
-            _train_loop, loop_config, num_workers=cfg.num_workers, use_gpu=use_gpu,
-            placement_strategy=cfg.placement_strategy, run_name=run_name, storage_path=storage_path,
-            max_failures=cfg.max_failures,
-            # DeepSpeed picks its accelerator when first imported; without GPUs it must be "cpu".
-            env={} if use_gpu else {"DS_ACCELERATOR": "cpu"},
-        )
-        start = time.perf_counter()
-        result = trainer.fit()
-        seconds = time.perf_counter() - start
-    finally:
-        if started_ray:
-            ray.shutdown()
-
-    summary = getattr(result, "return_value", None)
-    if summary is None:
-        raise RuntimeError("reward: rank 0 returned no summary (Ray Train V2 is required: RAY_TRAIN_V2_ENABLED=1)")
-    attempts = [json.loads(line) for line in (run_dir / ATTEMPTS_FILE).read_text().splitlines() if line.strip()]
+    run = run_stage(
+        "reward", partial(_loop, cfg=cfg, base_dir=base_dir, out_dir=out_dir, train=train, evals=evals), _train_loop,
+        on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+        placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures, storage_path=storage_path,
+        run_name=run_name,
+    )
+    summary = run.summary
     out = RewardTrainResult(
         path=Path(out_dir),
         eval_accuracy=summary["eval_accuracy"],
@@ -217,10 +144,10 @@ def train_reward_model(
         steps=summary["steps"],
         final_loss=summary["final_loss"],
         truncated=train.truncated,
-        seconds=seconds,
-        attempts=len(attempts),
-        resumed_from_step=attempts[-1]["resumed_from_step"] if attempts else None,
-        checkpoint_path=result.checkpoint.path if result.checkpoint is not None else None,
+        seconds=run.seconds,
+        attempts=run.attempts,
+        resumed_from_step=run.resumed_from_step,
+        checkpoint_path=run.checkpoint_path,
         consumed=summary["consumed"],
         metrics_history=summary["history"],
     )
@@ -238,9 +165,22 @@ def _tokenize(which: str, rows, tokenizer, cfg: RewardConfig) -> TokenizedPairs:
         raise type(exc)(f"reward ({which} pairs): {exc}") from None
 
 
+@dataclass(frozen=True)
+class RewardLoop:
+    """What every worker of a reward run is given (it crosses the Ray boundary: it pickles)."""
+
+    runtime: StageRuntime
+    cfg: RewardConfig
+    base_dir: str  # the SFT policy the reward model starts from
+    out_dir: str
+    train: ray.ObjectRef  # TokenizedPairs, in the object store
+    evals: ray.ObjectRef  # TokenizedPairs, in the object store
 
 
-
+def _loop(runtime: StageRuntime, *, cfg, base_dir, out_dir, train, evals) -> RewardLoop:
+    """Called once the cluster is joined: the pairs go to its object store."""
+    return RewardLoop(runtime, cfg, str(Path(base_dir).resolve()), str(Path(out_dir).resolve()),
+                      ray.put(train), ray.put(evals))
 
 # ----------------------------------------------------------------------------- worker
 
@@ -264,43 +204,29 @@ class _Position:
         self.history.append({"step": self.global_step, **metrics})
 
 
-def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
-    cfg = RewardConfig.model_validate(config["cfg"])
-    use_gpu = config["use_gpu"]
-    deepspeed = import_deepspeed(use_gpu)
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")  # wraps Ray Train's process group
-    train: TokenizedPairs = ray.get(config["train"])
+def _train_loop(loop: RewardLoop) -> dict[str, Any] | None:
+    cfg, runtime = loop.cfg, loop.runtime
+    worker = start_worker(runtime, cfg.seed)
+    rank, world = worker.rank, worker.world
+    train: TokenizedPairs = ray.get(loop.train)
 
     per_rank_batch = cfg.micro_batch_size * cfg.grad_accum_steps
     steps_epoch = steps_per_epoch(len(train), cfg.global_batch_size)
     total_steps = steps_epoch * cfg.epochs
-    seed_everything(cfg.seed)
-    model = reward_model_from_base(config["base_dir"], seed=cfg.seed)
-    engine, *_ = deepspeed.initialize(
+    model = reward_model_from_base(loop.base_dir, seed=cfg.seed)
+    engine, *_ = worker.deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=deepspeed_config(cfg, use_gpu),
+        config=deepspeed_config(cfg, runtime.use_gpu),
         lr_scheduler=partial(_lr_schedule, total=total_steps, warmup=cfg.warmup_steps),
     )
 
-    pos, resumed_from = _Position(), None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as ckpt_dir:
-            pos = _load_checkpoint(engine, Path(ckpt_dir), rank, world)
-        resumed_from = pos.global_step
-    if rank == 0:
-        with open(config["attempts_file"], "a") as f:
-            f.write(json.dumps({"resumed_from_step": resumed_from, "unix_time": time.time()}) + "\n")
+    saved = resume_latest("reward", {ENGINE_TAG: engine}, rank, world)
+    pos = _Position(**saved) if saved is not None else _Position()
+    record_attempt(runtime, rank, pos.global_step if saved is not None else None)
 
-    on_metrics: MetricsCallback | None = config["on_metrics"]
-    kill: KillWorkerOnce | None = config["kill_once"]
     plan, plan_epoch = [], None
-    meter = WorkerMeter(use_gpu)
+    meter = WorkerMeter(runtime.use_gpu)
     while pos.global_step < total_steps:
         if plan_epoch != pos.epoch:
             plan, plan_epoch = rank_step_indices(len(train), cfg.seed, pos.epoch, rank, world, per_rank_batch), pos.epoch
@@ -311,20 +237,17 @@ def _train_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         dist.all_gather_object(gathered, (step_time, indices, local, meter.figures(len(indices))))
         metrics = _step_metrics(gathered, engine, cfg, train.truncated)
         pos.advance(steps_epoch, [i for _, idx, _, _ in gathered for i in idx], metrics)
-        if rank == 0 and on_metrics is not None:
-            on_metrics(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
-        if kill is not None and kill.rank == rank and kill.at_step == pos.global_step and not kill.marker.exists():
-            kill.marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0:
+            runtime.emit(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
+        kill_if_due(runtime.kill_once, rank, pos.global_step)
         if pos.global_step % cfg.checkpoint_every == 0 or pos.global_step == total_steps:
-            _report_checkpoint(engine, pos, metrics, rank, world)  # the only ray.train.report: see module doc
+            # the only ray.train.report: see rlhf_core.distributed.stage
+            report_checkpoint("reward", {ENGINE_TAG: engine}, asdict(pos), metrics, rank, world)
 
-    state_dict = _full_fp32_state_dict(engine, rank)
+    state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:
         return None
-    return _evaluate_and_save(state_dict, engine.module.config, config, cfg, pos)
-
-
+    return _evaluate_and_save(state_dict, engine.module.config, loop, pos)
 
 
 def _optimizer_step(
@@ -386,74 +309,20 @@ def _step_metrics(gathered: list[Any], engine, cfg: RewardConfig, truncated: int
 
 
 
-def _report_checkpoint(engine, pos: _Position, metrics: dict[str, float], rank: int, world: int) -> None:
-    """Every rank saves its part into its own temp dir; Ray Train merges them into one checkpoint.
-
-    Returns once the controller has committed it: a reported checkpoint sits in a queue until
-    the controller's next poll, and a worker dying before that would lose it silently.
-    """
-    with tempfile.TemporaryDirectory(prefix="reward-ckpt-") as tmp:
-        engine.save_checkpoint(tmp, tag=ENGINE_TAG)
-        torch.save(rng_state(), Path(tmp) / f"rng_rank_{rank}.pt")
-        if rank == 0:
-            state = {
-                "world_size": world,
-                "epoch": pos.epoch,
-                "step_in_epoch": pos.step_in_epoch,
-                "global_step": pos.global_step,
-                "consumed": pos.consumed,
-                "history": pos.history,
-            }
-            (Path(tmp) / STATE_FILE).write_text(json.dumps(state))
-        ray.train.report(
-            metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), delete_local_checkpoint_after_upload=False
-        )
-    if rank == 0:
-        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-
-
-def _load_checkpoint(engine, ckpt_dir: Path, rank: int, world: int) -> _Position:
-    state = json.loads((ckpt_dir / STATE_FILE).read_text())
-    if state["world_size"] != world:
-        raise ValueError(
-            f"reward: checkpoint {ckpt_dir} was written by {state['world_size']} workers, this run has {world}; "
-            "ZeRO shards cannot be re-split"
-        )
-    load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=ENGINE_TAG)
-    if load_path is None:
-        raise RuntimeError(f"reward: DeepSpeed found no engine checkpoint in {ckpt_dir}")
-    set_rng_state(torch.load(ckpt_dir / f"rng_rank_{rank}.pt", weights_only=False))
-    return _Position(state["epoch"], state["step_in_epoch"], state["global_step"], state["consumed"], state["history"])
-
-
-def _full_fp32_state_dict(engine, rank: int) -> dict[str, torch.Tensor] | None:
-    """The full fp32 parameters on rank 0 (None elsewhere). Every rank must call it: under
-    ZeRO each parameter is assembled from the optimizer's fp32 partitions by a collective."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    out = {}
-    for name, param in engine.module.named_parameters():
-        full = safe_get_full_fp32_param(param)  # None without ZeRO: the module holds it whole
-        if full is None:
-            full = param.detach()
-        if rank == 0:
-            out[name] = full.detach().float().cpu().clone()
-    return out if rank == 0 else None
-
-
 def _evaluate_and_save(
-    state_dict: dict[str, torch.Tensor], model_config, config: dict[str, Any], cfg: RewardConfig, pos: _Position
+    state_dict: dict[str, torch.Tensor], model_config, loop: RewardLoop, pos: _Position
 ) -> dict[str, Any]:
     """Rank 0: held-out accuracy and loss, normalisation stats, HF save. -> the run summary."""
     model = AutoModelForSequenceClassification.from_config(model_config, dtype=torch.float32)
     model.load_state_dict(state_dict, strict=True)
-    evals: TokenizedPairs = ray.get(config["eval"])
+    cfg = loop.cfg
+    evals: TokenizedPairs = ray.get(loop.evals)
     r_chosen, r_rejected = score_pairs(model, evals)
     eval_loss, eval_metrics = bradley_terry_loss(r_chosen, r_rejected)
     stats = reward_stats(torch.cat([r_chosen, r_rejected]))
     final_loss = pos.history[-1]["reward/loss"] if pos.history else math.nan
     meta = {
-        "base_model": config["base_dir"],
+        "base_model": loop.base_dir,
         "eval_accuracy": eval_metrics["accuracy"],
         "eval_loss": eval_loss.item(),
         "eval_pairs": len(evals),
@@ -463,7 +332,7 @@ def _evaluate_and_save(
         "num_workers": cfg.num_workers,
         "max_length": cfg.max_length,
     }
-    save_reward_model(model, load_tokenizer(config["base_dir"]), Path(config["out_dir"]), stats, extra=meta)
+    save_reward_model(model, load_tokenizer(loop.base_dir), Path(loop.out_dir), stats, extra=meta)
     return {
         **meta,
         "reward_mean": stats.mean,

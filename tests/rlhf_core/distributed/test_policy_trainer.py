@@ -19,8 +19,9 @@ import torch
 from rlhf_core.config import PipelineConfig, PolicyConfig, RolloutPipelineConfig
 from rlhf_core.data.schema import read_table
 from rlhf_core.data.synthetic import generate_demo_data
-from rlhf_core.distributed.policy_trainer import NanAtStep, deepspeed_config, train_policy
-from rlhf_core.distributed.reward_trainer import KillWorkerOnce
+from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
+from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
+from rlhf_core.distributed.policy_worker import deepspeed_config
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.base_policy import make_base_policy
@@ -135,9 +136,31 @@ def test_bad_input_fails_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match=r"head size is 24 .* vLLM's CPU backend supports \[32, 64"):
         train_policy(*args, tmp_path / "o", tmp_path / "ray")
     (sft / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
-    with pytest.raises(ValueError, match="verifiable_reward_weight > 0 but the prompts are not all"):
+    with pytest.raises(ValueError, match="not every training prompt is one addition_exact_match can score"):
         train_policy(["hello"] * 8, *args[1:], tmp_path / "o", tmp_path / "ray")
     assert not (tmp_path / "ray").exists()
+
+
+def test_the_verifiable_reward_comes_from_the_config_not_the_trainer(tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
+    args = (["hello"] * 8, ["03+04="], ["007"], sft, None)
+    none = PolicyConfig.model_validate(CFG.model_dump() | {"verifiable_reward": None, "verifiable_reward_weight": 0.0})
+    assert _check_inputs(*args[:4], tmp_path / "rm", none) is False  # nothing to score: any prompt will do
+    own = PolicyConfig.model_validate(CFG.model_dump() | {"reward_model_weight": 0.0,
+                                                         "verifiable_reward": f"{__name__}:says_hello"})
+    assert _check_inputs(*args, own) is True
+    demo = CFG.model_copy(update={"reward_model_weight": 0.0})
+    with pytest.raises(ValueError, match="not every training prompt is one addition_exact_match can score"):
+        _check_inputs(*args, demo)
+
+
+def says_hello(prompts, responses):
+    """A verifiable reward of a test's own: it parses only `hello`."""
+    if any(p != "hello" for p in prompts):
+        raise ValueError("not a hello prompt")
+    return torch.tensor([float(r == "hi") for r in responses])
 
 
 # ----------------------------------------------------------------------------- slow

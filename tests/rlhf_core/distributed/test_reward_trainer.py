@@ -18,7 +18,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf_core.config import RewardConfig
 from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
-from rlhf_core.distributed.reward_trainer import KillWorkerOnce, deepspeed_config, train_reward_model
+from rlhf_core.distributed.fault_injection import KillWorkerOnce
+from rlhf_core.distributed.reward_trainer import deepspeed_config, train_reward_model
 from rlhf_core.models.reward import read_reward_meta, score
 
 from .conftest import arithmetic_pairs

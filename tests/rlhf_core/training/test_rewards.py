@@ -1,9 +1,12 @@
 import pytest
 import torch
 
+from rlhf_core.config import ConfigError, PolicyConfig, parse_config
+from rlhf_core.data.demo_task import addition_exact_match, addition_target
 from rlhf_core.data.synthetic import answer_for, prompt_for
 from rlhf_core.models.reward import RewardStats
-from rlhf_core.training.rewards import VERIFIABLE_REWARDS, addition_target, combine_rewards
+from rlhf_core.training.rewards import combine_rewards
+from rlhf_core.training.verifiable import VERIFIABLE_REWARDS, resolve_verifiable_reward
 
 
 def test_addition_target_is_the_demo_answer_for_every_width():
@@ -14,7 +17,8 @@ def test_addition_target_is_the_demo_answer_for_every_width():
 
 
 def test_exact_match_reward_is_one_only_for_the_padded_sum():
-    reward = VERIFIABLE_REWARDS["addition_exact_match"]
+    reward = resolve_verifiable_reward("addition_exact_match")
+    assert reward is addition_exact_match
     prompts = ["07+48=", "07+48=", "07+48=", "07+48=", "19+01="]
     responses = ["055", " 055\n", "55", "045", "020"]
     assert reward(prompts, responses).tolist() == [1.0, 1.0, 0.0, 0.0, 1.0]
@@ -23,8 +27,41 @@ def test_exact_match_reward_is_one_only_for_the_padded_sum():
 
 
 def test_unknown_verifiable_reward_names_the_known_ones():
-    with pytest.raises(KeyError, match="addition_exact_match"):
-        VERIFIABLE_REWARDS["regex"]
+    with pytest.raises(ValueError, match="unknown verifiable reward 'regex'; registered: addition_exact_match"):
+        resolve_verifiable_reward("regex")
+
+
+def test_verifiable_reward_resolves_a_registered_name_a_module_function_and_none():
+    assert set(VERIFIABLE_REWARDS) == {"addition_exact_match"}
+    assert resolve_verifiable_reward("rlhf_core.data.demo_task:addition_exact_match") is addition_exact_match
+    assert resolve_verifiable_reward(None) is None
+    with pytest.raises(ValueError, match="'rlhf_core.data.demo_task:nothing' cannot be imported"):
+        resolve_verifiable_reward("rlhf_core.data.demo_task:nothing")
+    with pytest.raises(ValueError, match="'no_such_module_xyz:f' cannot be imported"):
+        resolve_verifiable_reward("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="'rlhf_core.data.demo_task:_ADDITION' is not a function"):
+        resolve_verifiable_reward("rlhf_core.data.demo_task:_ADDITION")
+    with pytest.raises(ValueError, match="expected module:function"):
+        resolve_verifiable_reward(":addition_exact_match")
+
+
+def _policy_config_problems(policy: dict) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"policy": policy})
+    return exc.value.problems
+
+
+def test_policy_config_names_its_verifiable_reward():
+    assert PolicyConfig().verifiable_reward == "addition_exact_match"  # the demo's
+    assert PolicyConfig(verifiable_reward="rlhf_core.data.demo_task:addition_exact_match").verifiable_reward
+    assert PolicyConfig(verifiable_reward=None, verifiable_reward_weight=0.0).verifiable_reward is None
+    [problem] = _policy_config_problems({"verifiable_reward": "regex"})
+    assert problem.startswith("policy.verifiable_reward: unknown verifiable reward 'regex'; registered: "
+                              "addition_exact_match"), problem
+    [problem] = _policy_config_problems({"verifiable_reward": "no_such_module_xyz:f"})
+    assert problem.startswith("policy.verifiable_reward: verifiable reward 'no_such_module_xyz:f' cannot be imported")
+    [problem] = _policy_config_problems({"verifiable_reward": None})  # the default weight is 1.0
+    assert problem.startswith("policy: verifiable_reward is null but verifiable_reward_weight is 1.0"), problem
 
 
 def test_combine_normalises_the_reward_model_and_weights_both_terms():

@@ -1,0 +1,33 @@
+"""The demo task's verifiable reward: exact match of the zero-padded sum. It lives with the
+task's generator (`rlhf_core.data.synthetic`), whose answers it checks, and is registered
+as `addition_exact_match` in `rlhf_core.training.verifiable.VERIFIABLE_REWARDS`."""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+
+from rlhf_core.data.synthetic import answer_for
+
+_ADDITION = re.compile(r"^\s*(\d+)\+(\d+)=\s*$")
+
+
+def addition_target(prompt: str) -> str:
+    """The demo task's answer to `a+b=`: the sum zero-padded to one more digit than the
+    operands (`07+48=` -> `055`, `answer_for`). Raises ValueError for a prompt that is not a
+    demo addition."""
+    match = _ADDITION.match(prompt)
+    if match is None:
+        raise ValueError(f"not an addition prompt of the demo task: {prompt!r}")
+    a, b = match.groups()
+    return answer_for(int(a) + int(b), max(len(a), len(b)))
+
+
+def addition_exact_match(prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+    """1.0 where the response (white space stripped) is exactly the padded sum, else 0.0. -> (B,)."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    return torch.tensor(
+        [float(r.strip() == addition_target(p)) for p, r in zip(prompts, responses)], dtype=torch.float32
+    )

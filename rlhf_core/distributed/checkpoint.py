@@ -1,0 +1,75 @@
+"""A training stage's checkpoint on Ray Train: DeepSpeed engines, every rank's RNG state and
+rank 0's trainer state, saved by every rank into its own directory and merged by Ray Train
+into one:
+
+    <tag>/               DeepSpeed `save_checkpoint(tag=...)` per engine: module + ZeRO
+                         optimizer shards of every rank (zero_pp_rank_<r>_...), lr scheduler
+    latest, zero_to_fp32.py, zero_to_torch.py   written by DeepSpeed (rank 0)
+    rng_rank_<r>.pt      python / numpy / torch RNG state of rank r
+    trainer_state.json   (rank 0) the stage's own state and the world size that wrote it
+
+Only checkpoint steps call `ray.train.report` (see `rlhf_core.distributed.stage`).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch
+
+from rlhf_core.rng import rng_state, set_rng_state
+
+STATE_FILE = "trainer_state.json"
+
+
+def report_checkpoint(
+    stage: str, engines: Mapping[str, Any], state: Mapping[str, Any] | None, metrics: dict[str, float],
+    rank: int, world: int,
+) -> None:
+    """Save this rank's part (`engines` by tag, None engines skipped; `state` on rank 0) and
+    report it with `metrics`. Returns once the controller has committed it: a reported
+    checkpoint sits in a queue until the controller's next poll, and a worker dying before
+    that would lose it silently."""
+    with tempfile.TemporaryDirectory(prefix=f"{stage}-ckpt-") as tmp:
+        for tag, engine in engines.items():
+            if engine is not None:
+                engine.save_checkpoint(tmp, tag=tag)
+        torch.save(rng_state(), Path(tmp) / f"rng_rank_{rank}.pt")
+        if rank == 0:
+            (Path(tmp) / STATE_FILE).write_text(json.dumps({"world_size": world, **state}))
+        ray.train.report(
+            metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), delete_local_checkpoint_after_upload=False
+        )
+    if rank == 0:
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+
+def resume_latest(stage: str, engines: Mapping[str, Any], rank: int, world: int) -> dict[str, Any] | None:
+    """Load Ray Train's latest committed checkpoint, if the run has one, into `engines` and
+    this rank's RNGs; -> the stage's state as saved (None: a fresh start)."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as ckpt_dir:
+        return _load(stage, engines, Path(ckpt_dir), rank, world)
+
+
+def _load(stage: str, engines: Mapping[str, Any], ckpt_dir: Path, rank: int, world: int) -> dict[str, Any]:
+    state = json.loads((ckpt_dir / STATE_FILE).read_text())
+    written_by = state.pop("world_size")
+    if written_by != world:
+        raise ValueError(
+            f"{stage}: checkpoint {ckpt_dir} was written by {written_by} workers, this run has {world}; "
+            "ZeRO shards cannot be re-split"
+        )
+    for tag, engine in engines.items():
+        if engine is not None:
+            load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+            if load_path is None:
+                raise RuntimeError(f"{stage}: DeepSpeed found no {tag} checkpoint in {ckpt_dir}")
+    set_rng_state(torch.load(ckpt_dir / f"rng_rank_{rank}.pt", weights_only=False))
+    return state

@@ -1,0 +1,98 @@
+"""What the trainers do with a DeepSpeed engine: its config, one backward-and-step of a
+pre-normalised loss, and the full weights gathered from the ranks."""
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+
+from rlhf_core.training.ppo_step import StepOutcome, guard_nonfinite
+
+
+class EngineBatching(Protocol):
+    """The config keys DeepSpeed's batching and ZeRO settings come from (reward and policy configs)."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    max_grad_norm: float
+    zero_stage: int
+
+
+def deepspeed_config(
+    cfg: EngineBatching, *, train_batch_size: int, learning_rate: float, weight_decay: float, use_gpu: bool
+) -> dict[str, Any]:
+    """One optimizer step per `train_batch_size` sequences (all ranks and micro-batches
+    together), ZeRO `cfg.zero_stage`, AdamW at `learning_rate`, clipping at `cfg.max_grad_norm`;
+    bf16 on GPU, fp32 on CPU with torch's AdamW (DeepSpeed's fused Adam is CUDA only)."""
+    return {
+        "train_batch_size": train_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": learning_rate, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": weight_decay,
+                       "torch_adam": not use_gpu},
+        },
+        "bf16": {"enabled": use_gpu},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedBackwardAndStep:
+    """`BackwardAndStep` (`rlhf_core.training.ppo_step`) for a DeepSpeed engine. The loss
+    arrives normalised by the whole minibatch (micro-batch losses sum to it), so DeepSpeed must
+    not divide it again by the accumulation steps. A non-finite loss is poisoned to NaN
+    gradients, which ZeRO's invalid-gradient-norm check turns into a skipped step on every
+    rank (`skipped_steps`)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, loss: torch.Tensor, boundary: bool) -> StepOutcome | None:
+        engine = self.engine
+        engine.backward(guard_nonfinite(loss), scale_wrt_gas=False)
+        if boundary != engine.is_gradient_accumulation_boundary():
+            raise RuntimeError("micro-batches out of step with DeepSpeed's gradient accumulation")
+        skipped = engine.skipped_steps
+        engine.step()
+        if not boundary:
+            return None
+        norm = engine.get_global_grad_norm()
+        return StepOutcome(engine.skipped_steps == skipped, float(norm) if norm is not None else math.nan)
+
+
+def gathered_module_state(engine, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
+    """The module's full state dict (fp32, on CPU) on rank 0, None elsewhere. Every rank must
+    call it: under ZeRO-3 the parameters are gathered by a collective. Under ZeRO-1/2 every
+    rank holds the full parameters already."""
+    module = engine.module
+    if zero_stage == 3:
+        import deepspeed  # noqa: PLC0415
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return _cpu_copy(module.state_dict()) if rank == 0 else None
+    return _cpu_copy(module.state_dict()) if rank == 0 else None
+
+
+def _cpu_copy(state_dict) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().cpu().clone() for k, v in state_dict.items()}
+
+
+def full_fp32_parameters(engine, rank: int) -> dict[str, torch.Tensor] | None:
+    """The optimizer's full fp32 parameters on rank 0 (None elsewhere). Every rank must call
+    it: under ZeRO each parameter is assembled from the optimizer's fp32 partitions by a
+    collective."""
+    from deepspeed.utils import safe_get_full_fp32_param  # noqa: PLC0415
+
+    out = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)  # None without ZeRO: the module holds it whole
+        if full is None:
+            full = param.detach()
+        if rank == 0:
+            out[name] = full.detach().float().cpu().clone()
+    return out if rank == 0 else None

@@ -1,0 +1,53 @@
+"""Faults the tests inject into a training run: a worker that dies once, a loss that turns NaN
+once. The trainers take them as keyword-only `_`-prefixed arguments; a production run passes
+None and none of this code acts."""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class KillWorkerOnce:
+    """The worker of `rank` SIGKILLs itself right after optimizer step `at_step`, unless
+    `marker` exists (it creates it first, so the retried worker lives)."""
+
+    rank: int
+    at_step: int
+    marker: Path
+
+
+def kill_if_due(kill: KillWorkerOnce | None, rank: int, step: int) -> None:
+    """Die here if `kill` names this rank and step and has not fired yet."""
+    if kill is not None and kill.rank == rank and kill.at_step == step and not kill.marker.exists():
+        kill.marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class NanAtStep:
+    """Rank `rank` adds NaN to its first micro-batch loss of RL step `step`."""
+
+    rank: int
+    step: int
+
+
+class NanOnce:
+    """Wraps a BackwardAndStep to add NaN to the next loss it sees, once."""
+
+    def __init__(self, inner):
+        self.inner, self.armed = inner, True
+
+    def __call__(self, loss, boundary):
+        if self.armed:
+            self.armed, loss = False, loss + float("nan")
+        return self.inner(loss, boundary)
+
+
+def nan_if_due(backward_and_step, nan_at: NanAtStep | None, rank: int, step: int):
+    """`backward_and_step`, poisoned once if `nan_at` names this rank and step."""
+    if nan_at is not None and nan_at.rank == rank and nan_at.step == step:
+        return NanOnce(backward_and_step)
+    return backward_and_step

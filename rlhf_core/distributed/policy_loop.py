@@ -1,0 +1,61 @@
+"""What a policy-optimisation worker is given (`PolicyLoop`, built by the driver, crosses the
+Ray boundary) and what one attempt of it holds for the whole run (`PolicyWorker`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf_core.config import PolicyConfig
+from rlhf_core.distributed.fault_injection import NanAtStep
+from rlhf_core.distributed.stage import StageRuntime
+from rlhf_core.distributed.worker_meter import WorkerMeter
+
+
+@dataclass(frozen=True)
+class PolicyLoop:
+    """The settings and inputs of every worker of a policy run; it pickles."""
+
+    runtime: StageRuntime
+    cfg: PolicyConfig
+    sft_dir: str  # the SFT policy: actor, reference, critic backbone and the engine's first weights
+    reward_dir: str | None  # the reward model; None: verifiable reward only
+    out_dir: str
+    prompts: tuple[str, ...]
+    eval_prompts: tuple[str, ...]
+    eval_answers: tuple[str, ...]
+    score_verifiable: bool  # every prompt parses for cfg.verifiable_reward
+    nan_at: NanAtStep | None = None  # fault injection (tests)
+    check_sync: bool = False  # compare the engine's greedy answers with the trainer's (tests)
+
+
+@dataclass
+class PolicyWorker:
+    """What one attempt of one worker holds for the whole run."""
+
+    loop: PolicyLoop
+    spec: Any  # rlhf_core.training.ppo_step.AlgorithmSpec
+    tokenizer: Any
+    actor: Any  # DeepSpeed engine
+    critic: Any  # DeepSpeed engine or None
+    reference: torch.nn.Module
+    reward_model: torch.nn.Module | None
+    rm_stats: Any
+    verifiable: Any  # fn(prompts, responses) -> (B,) tensor, or None
+    kl_controller: Any
+    rank: int
+    world: int
+    engine: Any = None  # RolloutEngine on rank 0
+    pipeline: Any = None  # RolloutPipeline on rank 0 when cfg.pipeline.max_lag > 0
+    meter: WorkerMeter = field(default_factory=WorkerMeter)
+    sync_checks: list[dict[str, Any]] = field(default_factory=list)  # rank 0, with loop.check_sync
+
+    @property
+    def cfg(self) -> PolicyConfig:
+        return self.loop.cfg
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence the reward model scores: the policy's context."""
+        return self.reference.config.max_position_embeddings

@@ -1,0 +1,56 @@
+"""The flat metrics of one RL step, from what every rank gathered."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
+
+
+def step_metrics(gathered: list[Any], timings: dict[str, float], kl_coef: float, sync_s: float) -> dict[str, float]:
+    """Flat metrics of one step from every rank's (step seconds, rollout metrics, update
+    metrics, tokens, worker figures)."""
+    times = [g[0] for g in gathered]
+    local = [g[1] for g in gathered]
+    update = [g[2] for g in gathered]
+    scores = [s for m in local for s in m["scores"]]
+    mean_of = lambda key, rows: _mean([r[key] for r in rows if key in r])  # noqa: E731
+    metrics = {
+        "policy/reward_mean": _mean(scores),
+        "policy/reward_std": float(np.std(scores)),
+        "policy/rm_score_mean": _mean([s for m in local for s in m["rm"]]),
+        "policy/verifiable_reward_mean": _mean([s for m in local for s in m["verifiable"]]),
+        "policy/kl": mean_of("kl", local),
+        "policy/response_length": mean_of("response_length", local),
+        "rollout/logprob_diff": mean_of("logprob_diff", local),
+        "policy/kl_coef": kl_coef,
+        "policy/tokens_per_s": sum(g[3] for g in gathered) / max(times),
+        "rollout/sync_s": sync_s,
+        "policy/entropy": mean_of("entropy", update),
+        "policy/clipfrac": mean_of("clipfrac", update),
+        "policy/approx_kl": mean_of("approx_kl", update),
+        "policy/pg_loss": mean_of("pg_loss", update),
+        "policy/grad_norm": update[0].get("grad_norm", math.nan),  # the global norm: the same on every rank
+        "policy/nonfinite_skipped": update[0]["nonfinite_skipped"],  # a skip is collective
+    }
+    if any("is_weight_mean" in m for m in local):  # pipelined mode
+        metrics |= {
+            "pipeline/is_weight_mean": mean_of("is_weight_mean", local),
+            "pipeline/is_truncated_frac": mean_of("is_truncated_frac", local),
+            "pipeline/is_log_ratio_abs": mean_of("is_log_ratio_abs", local),
+        }
+    if "value_loss" in update[0]:
+        metrics |= {
+            "policy/value_loss": mean_of("value_loss", update),
+            "policy/vf_clipfrac": mean_of("vf_clipfrac", update),
+            "policy/explained_variance": mean_of("explained_variance", local),
+            "policy/critic_grad_norm": update[0].get("critic_grad_norm", math.nan),
+            "policy/critic_nonfinite_skipped": update[0]["critic_nonfinite_skipped"],
+        }
+    metrics |= timings
+    metrics |= {f"policy/step_time_s/worker_{r}": t for r, t in enumerate(times)}
+    return {k: float(v) for k, v in metrics.items()}

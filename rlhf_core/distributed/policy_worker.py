@@ -1,0 +1,284 @@
+"""One policy-optimisation worker (every rank): a DeepSpeed engine for the actor (and the
+critic for PPO), a frozen reference policy and a frozen reward model (plain torch, eval mode;
+small enough to replicate at this scale). Rank 0 also owns the `RolloutEngine` (vLLM), started
+once per attempt from the SFT directory and, after a resume, immediately synced to the
+checkpoint's actor weights (`policy_rollouts`). One RL step, every phase timed
+(`timing/<phase>`):
+
+    generate   rank 0: the step's prompts (`prompt_indices`: a function of the step alone)
+               x n samples; scattered to the ranks in whole prompt groups
+    score      reward model + verifiable reward, combined (`rlhf_core.training.rewards`)
+    old_logprobs, ref_logprobs, values, advantages        (`rlhf_core.training.ppo_step`)
+    update     K epochs of minibatches through DeepSpeed (`update_minibatches`)
+    sync       rank 0 gathers the actor (ZeRO-3: `GatheredParameters`) and pushes it into
+               the engine in place (`RolloutEngine.sync_weights`)
+
+Pipelined mode (`cfg.pipeline.max_lag > 0`): the generate phase only takes the batch the
+producer thread made ready, the sync phase hands the new weights over (the producer applies
+them between its chunks), and each token's loss, KL penalty and KL metric are weighted by
+min(pi_old / mu, is_cap), the trainer's probability over the sampler's.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf_core.algos import AdaptiveKLController, FixedKLController, truncated_is_weights
+from rlhf_core.config import PolicyConfig
+from rlhf_core.distributed import deepspeed_engine
+from rlhf_core.distributed import policy_rollouts as rollouts
+from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, gathered_module_state
+from rlhf_core.distributed.fault_injection import kill_if_due, nan_if_due
+from rlhf_core.distributed.policy_loop import PolicyLoop, PolicyWorker
+from rlhf_core.distributed.policy_metrics import step_metrics
+from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
+from rlhf_core.distributed.stage import record_attempt, start_worker
+from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
+from rlhf_core.models.llama import load_policy, save_pretrained_atomic
+from rlhf_core.models.reward import load_reward_model, normalise, score
+from rlhf_core.models.value import value_model_from
+from rlhf_core.rng import derive_seed
+from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.circuit_breaker import should_trip
+from rlhf_core.training.ppo_step import (
+    PolicyBatch,
+    algorithm_spec,
+    batched_logprobs,
+    batched_values,
+    build_batch,
+    compute_advantages,
+    old_logprobs_from_update,
+    prompt_indices,
+    rollout_metrics,
+    token_rewards,
+    update_minibatches,
+)
+from rlhf_core.training.rewards import combine_rewards
+from rlhf_core.training.verifiable import resolve_verifiable_reward
+
+
+def train_loop(loop: PolicyLoop) -> dict[str, Any] | None:
+    """The worker function of a policy run; rank 0 returns the run summary."""
+    w = _build_worker(loop)
+    saved = resume(w)
+    record_attempt(loop.runtime, w.rank, saved.step if saved is not None else None)
+    state = saved if saved is not None else PolicyState()
+    w.meter = WorkerMeter(loop.runtime.use_gpu)
+    if saved is not None:  # every rank: under ZeRO-3 this is a collective
+        state_dict = gathered_module_state(w.actor, w.cfg.zero_stage, w.rank)
+    try:
+        if w.rank == 0:
+            w.engine = rollouts.start_engine(w, w.actor.module.config.max_position_embeddings)
+            if saved is not None:
+                w.engine.sync_weights(state_dict)
+            if not state.evaluations:
+                state.evaluations.append(rollouts.evaluate(w, 0))
+                loop.runtime.emit(0, {k: v for k, v in state.evaluations[-1].items() if k != "step"})
+        if w.rank == 0 and w.cfg.pipeline.max_lag > 0 and state.step < w.cfg.steps:
+            w.pipeline = rollouts.start_pipeline(w, first_step=state.step + 1)
+        while state.step < w.cfg.steps and state.trip is None:
+            _rl_step(w, state)
+        if state.trip is not None:  # every rank saw the same history: all stop here, nothing is saved
+            return {**asdict(state), "sync_checks": []} if w.rank == 0 else None
+        state_dict = gathered_module_state(w.actor, w.cfg.zero_stage, w.rank)
+        return _finish(w, state, state_dict) if w.rank == 0 else None
+    finally:
+        try:
+            if w.pipeline is not None:
+                w.pipeline.close()
+        finally:
+            if w.engine is not None:
+                w.engine.close()
+
+
+def _build_worker(loop: PolicyLoop) -> PolicyWorker:
+    """Every rank: DeepSpeed engines for the actor (and critic), the frozen reference and
+    reward model, the KL controller."""
+    cfg = loop.cfg
+    worker = start_worker(loop.runtime, cfg.seed, torch_threads=1)  # the cores are shared with the engine's processes
+    spec = algorithm_spec(cfg)
+    tokenizer = load_tokenizer(loop.sft_dir)
+    actor = _engine(worker.deepspeed, load_policy(loop.sft_dir), cfg, cfg.learning_rate, loop.runtime.use_gpu)
+    critic = None
+    if spec.uses_critic:
+        critic = _engine(worker.deepspeed, value_model_from(loop.sft_dir), cfg, cfg.ppo.critic_learning_rate,
+                         loop.runtime.use_gpu)
+    reference = load_policy(loop.sft_dir).eval().requires_grad_(False)
+    reward_model = rm_stats = None
+    if loop.reward_dir is not None:
+        reward_model, _, rm_stats = load_reward_model(loop.reward_dir)
+        reward_model.requires_grad_(False)
+    kl_controller = (
+        FixedKLController(cfg.kl_coef)
+        if cfg.adaptive_kl_target is None
+        else AdaptiveKLController(cfg.kl_coef, cfg.adaptive_kl_target, cfg.adaptive_kl_horizon)
+    )
+    verifiable = resolve_verifiable_reward(cfg.verifiable_reward) if loop.score_verifiable else None
+    return PolicyWorker(loop, spec, tokenizer, actor, critic, reference, reward_model, rm_stats, verifiable,
+                        kl_controller, worker.rank, worker.world)
+
+
+def deepspeed_config(cfg: PolicyConfig, learning_rate: float, use_gpu: bool) -> dict[str, Any]:
+    """DeepSpeed config of the actor or the critic: one optimizer step per minibatch of
+    `cfg.minibatch_size` sequences, AdamW at a constant `learning_rate` with no weight decay."""
+    return deepspeed_engine.deepspeed_config(cfg, train_batch_size=cfg.minibatch_size, learning_rate=learning_rate,
+                                             weight_decay=0.0, use_gpu=use_gpu)
+
+
+def _engine(deepspeed, model: torch.nn.Module, cfg: PolicyConfig, learning_rate: float, use_gpu: bool):
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                      config=deepspeed_config(cfg, learning_rate, use_gpu))
+    return engine
+
+
+@contextmanager
+def _timed(timings: dict[str, float], phase: str):
+    start = time.perf_counter()
+    yield
+    timings[f"timing/{phase}"] = time.perf_counter() - start
+
+
+def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
+    cfg, rank = w.cfg, w.rank
+    step = state.step + 1  # 1-based number of the step being run
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    w.meter.start()
+
+    pipeline_metrics: dict[str, float] = {}
+    with _timed(timings, "generate"):  # pipelined: the time the trainer waited for the batch
+        indices = prompt_indices(len(w.loop.prompts), cfg.prompts_per_step, state.step, cfg.seed)
+        shards = None
+        if rank == 0 and w.pipeline is not None:
+            shards, pipeline_metrics = rollouts.take_pipelined(w, step)
+        elif rank == 0:
+            shards = rollouts.generate(w, indices, step)
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, shards, src=0)
+        samples: list[rollouts.Sample] = received[0]
+
+    batch = build_batch(samples, w.tokenizer.pad_token_id)
+    with w.meter.compute():  # this worker's own forward passes, no collectives: its throughput
+        with _timed(timings, "score"):
+            local = _score(w, samples, batch)
+        with _timed(timings, "old_logprobs"):  # else the update's own forward gives them
+            if not old_logprobs_from_update(w.spec, cfg):
+                batch.old_logprobs = batched_logprobs(w.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
+            if cfg.pipeline.max_lag > 0:  # correct for the sampler's lag behind these weights
+                batch.is_weights, is_metrics = truncated_is_weights(
+                    batch.old_logprobs, batch.engine_logprobs, batch.response_mask, cfg.pipeline.is_cap
+                )
+                local |= is_metrics
+        with _timed(timings, "ref_logprobs"):
+            batch.ref_logprobs = batched_logprobs(w.reference, batch, cfg.temperature, cfg.micro_batch_size)
+        with _timed(timings, "values"):
+            if w.critic is not None:
+                batch.values = batched_values(w.critic.module, batch, cfg.micro_batch_size)
+    kl_coef = w.kl_controller.value
+    with _timed(timings, "advantages"):
+        rewards, _ = token_rewards(batch, w.spec, kl_coef, cfg.kl_estimator)
+        batch.advantages, batch.returns = compute_advantages(batch, rewards, w.spec, cfg)
+
+    with _timed(timings, "update"):
+        update = update_minibatches(
+            w.actor, batch, w.spec, cfg, nan_if_due(DeepSpeedBackwardAndStep(w.actor), w.loop.nan_at, rank, step),
+            minibatch_size=cfg.minibatch_size // w.world, kl_coef=kl_coef,
+            critic=w.critic, critic_step=DeepSpeedBackwardAndStep(w.critic) if w.critic is not None else None,
+            generator=torch.Generator().manual_seed(derive_seed(cfg.seed, step, rank=rank, world=w.world)),
+        )
+    local |= rollout_metrics(batch)  # the batch as sampled, before the update (old_logprobs are pi_old's)
+
+    with _timed(timings, "sync"):  # pipelined: gather and hand over; the producer applies it
+        state_dict = gathered_module_state(w.actor, cfg.zero_stage, rank)
+        sync_s = 0.0
+        if rank == 0 and w.pipeline is not None:
+            w.pipeline.publish(step, state_dict, copy=False)  # gathered_module_state made a private copy
+            sync_s = w.pipeline.take_sync_seconds()[0]  # applied on the producer thread since the last step
+        elif rank == 0:
+            sync_s = w.engine.sync_weights(state_dict)
+
+    gathered: list[Any] = [None] * w.world
+    dist.all_gather_object(gathered, (time.perf_counter() - start, local, update, int(batch.attention_mask.sum()),
+                                      w.meter.figures(len(samples))))
+    metrics = step_metrics(gathered, timings, kl_coef, sync_s) | pipeline_metrics
+    _end_step(w, state, step, indices, metrics, state_dict, [g[4] for g in gathered])
+
+
+def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int], metrics: dict[str, float],
+              state_dict: dict[str, torch.Tensor] | None, workers: list[dict[str, Any]]) -> None:
+    """Every rank: the KL controller, the run's state, rank 0's evaluations, the circuit
+    breaker, the metrics out, and the checkpoint when one is due."""
+    cfg, rank = w.cfg, w.rank
+    w.kl_controller.update(metrics["policy/kl"], cfg.rollouts_per_step)
+    metrics["policy/kl_coef_next"] = w.kl_controller.value
+
+    state.step = step
+    state.kl_final = metrics["policy/kl"]
+    state.kl_max = max(state.kl_max, metrics["policy/kl"])
+    state.nonfinite_skipped += int(metrics["policy/nonfinite_skipped"] + metrics.get("policy/critic_nonfinite_skipped", 0))
+    state.consumed.append(indices)
+    state.kl_controller = w.kl_controller.state_dict()
+    if rank == 0:
+        if w.loop.check_sync and step in (1, cfg.steps):
+            with rollouts.engine_at_newest(w):
+                w.sync_checks.append(rollouts.sync_check(w, state_dict, step))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            with rollouts.engine_at_newest(w):
+                evaluation = rollouts.evaluate(w, step)
+            state.evaluations.append(evaluation)
+            metrics |= {k: v for k, v in evaluation.items() if k != "step"}
+    trip = should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound)
+    if trip is not None:
+        state.trip = {"reason": trip.reason, "message": trip.message, "step": trip.step}
+        metrics["policy/circuit_breaker_tripped"] = 1.0
+    state.history.append({"step": step, **metrics})
+    if rank == 0:
+        w.loop.runtime.emit(step, metrics | flatten_workers(workers))
+    if trip is not None:
+        return  # no checkpoint of this step: the last one reported is the last good one
+
+    kill_if_due(w.loop.runtime.kill_once, rank, step)
+    if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+        save_checkpoint(w, state, metrics)  # the only ray.train.report: see rlhf_core.distributed.stage
+
+
+def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch) -> dict[str, Any]:
+    """Fill batch.scores; -> this rank's raw per-sample reward terms for the step metrics."""
+    cfg = w.cfg
+    prompts, responses = [s.prompt for s in samples], [s.response_text for s in samples]
+    rm = verifiable = None
+    if w.reward_model is not None:
+        rm = score(w.reward_model, w.tokenizer, prompts, responses, max_length=w.max_length)
+    if w.verifiable is not None:
+        verifiable = w.verifiable(prompts, responses)
+    batch.scores = combine_rewards(rm, w.rm_stats, verifiable, cfg.reward_model_weight, cfg.verifiable_reward_weight)
+    return {
+        "scores": batch.scores.tolist(),
+        "rm": normalise(rm, w.rm_stats).tolist() if rm is not None else [],
+        "verifiable": verifiable.tolist() if verifiable is not None else [],
+    }
+
+
+def _finish(w: PolicyWorker, state: PolicyState, state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Rank 0: save the policy in HF format; -> the run summary."""
+    model = load_policy(w.loop.sft_dir)
+    model.load_state_dict(state_dict)
+    meta = {
+        "stage": "policy",
+        "algorithm": w.cfg.algorithm,
+        "base_model": w.loop.sft_dir,
+        "reward_model": w.loop.reward_dir,
+        "steps": state.step,
+        "accuracy_before": state.evaluations[0]["eval/accuracy"],
+        "accuracy_after": state.evaluations[-1]["eval/accuracy"],
+        "kl_max": state.kl_max,
+        "kl_bound": w.cfg.kl_bound,
+    }
+    save_pretrained_atomic(model, w.tokenizer, Path(w.loop.out_dir), extra=meta)
+    return {**asdict(state), "sync_checks": w.sync_checks}

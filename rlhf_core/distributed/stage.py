@@ -1,0 +1,148 @@
+"""The skeleton every Ray Train + DeepSpeed stage shares, on the driver and in the workers.
+
+Driver, `run_stage`: joins or starts a cluster, checks it can hold the workers, runs a
+`TorchTrainer` whose workers restart from the last committed checkpoint up to `max_failures`
+times, and reads back rank 0's summary and the attempts the workers recorded. The worker
+function gets its settings as one typed, picklable object (bound with `functools.partial`),
+not as Ray Train's untyped config dict.
+
+Worker, `start_worker`: DeepSpeed imported on the right accelerator, Ray Train's process
+group (gloo on CPU, NCCL on GPU) reused by DeepSpeed, the global RNGs seeded; then
+`record_attempt` once the worker knows where it resumes from.
+
+Ray Train V2 (the default in Ray 2.60) is assumed: `ray.train.report` is a barrier every
+rank must reach, the training function's rank-0 return value comes back as
+`Result.return_value`, and a second `fit()` with the same `storage_path` / `name` resumes
+that run from its latest checkpoint instead of starting over. V2's controller takes one
+report per worker per health-check poll (`RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`: 2 s by
+default, 0.25 s on the local cluster the pipeline starts, `cluster.LOCAL_CLUSTER_ENV`) and
+`report` blocks until the previous one is taken, so reporting every step would cap training
+at one step per poll: only checkpoint steps are reported to Ray (each waits up to one poll
+for its commit), per-step metrics go through the stage's picklable `on_metrics` on rank 0.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from rlhf_core.distributed.cluster import check_cluster, connect_ray, import_deepspeed, torch_trainer
+from rlhf_core.distributed.fault_injection import KillWorkerOnce
+from rlhf_core.rng import seed_everything
+
+MetricsCallback = Callable[[int, dict[str, float]], None]
+
+
+@dataclass(frozen=True)
+class StageRuntime:
+    """What every worker of a stage needs besides the stage's own settings."""
+
+    stage: str  # "reward" | "policy": names the stage in messages and files
+    use_gpu: bool
+    attempts_file: str  # rank 0 appends one JSON line per attempt
+    on_metrics: MetricsCallback | None  # runs on rank 0; must pickle
+    kill_once: KillWorkerOnce | None = None  # fault injection (tests)
+
+    def emit(self, step: int, metrics: dict[str, float]) -> None:
+        if self.on_metrics is not None:
+            self.on_metrics(step, metrics)
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """What the driver reads back from a finished `fit()`."""
+
+    summary: dict[str, Any]  # rank 0's return value
+    attempts: int  # 1 + restarts after worker failures
+    resumed_from_step: int | None  # checkpoint step the last attempt resumed from; None: never resumed
+    seconds: float  # wall time of trainer.fit()
+    checkpoint_path: str | None  # the last committed Ray Train checkpoint
+
+
+def run_stage(
+    stage: str,
+    loop_for: Callable[[StageRuntime], Any],
+    train_loop: Callable[[Any], dict[str, Any] | None],
+    *,
+    on_metrics: MetricsCallback | None,
+    kill_once: KillWorkerOnce | None,
+    num_workers: int,
+    use_gpu: bool | None,
+    placement_strategy: str,
+    max_failures: int,
+    storage_path: Path,
+    run_name: str,
+) -> StageRun:
+    """Run `train_loop(loop_for(runtime))` on `num_workers` Ray Train workers; the loop's
+    settings are built once the cluster is known (`runtime.use_gpu`). Runs and checkpoints live
+    under `storage_path / run_name`; a run name that already holds a run is resumed."""
+    started_ray = connect_ray()
+    try:
+        gpu = check_cluster(stage, num_workers, use_gpu)
+        run_dir = Path(storage_path).resolve() / run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        attempts_file = run_dir / f"{stage}_attempts.jsonl"
+        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), on_metrics, kill_once))
+        trainer = torch_trainer(
+            partial(train_loop, loop), num_workers=num_workers, use_gpu=gpu, placement_strategy=placement_strategy,
+            run_name=run_name, storage_path=storage_path, max_failures=max_failures,
+            # DeepSpeed picks its accelerator when first imported; without GPUs it must be "cpu".
+            env={} if gpu else {"DS_ACCELERATOR": "cpu"},
+        )
+        start = time.perf_counter()
+        result = trainer.fit()
+        seconds = time.perf_counter() - start
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+    summary = getattr(result, "return_value", None)
+    if summary is None:
+        raise RuntimeError(f"{stage}: rank 0 returned no summary (Ray Train V2 is required: RAY_TRAIN_V2_ENABLED=1)")
+    attempts = [json.loads(line) for line in attempts_file.read_text().splitlines() if line.strip()]
+    return StageRun(
+        summary=summary,
+        attempts=len(attempts),
+        resumed_from_step=attempts[-1]["resumed_from_step"] if attempts else None,
+        seconds=seconds,
+        checkpoint_path=result.checkpoint.path if result.checkpoint is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class Worker:
+    """This worker's DeepSpeed module and place in the group."""
+
+    deepspeed: Any
+    rank: int
+    world: int
+
+
+def start_worker(runtime: StageRuntime, seed: int, torch_threads: int | None = None) -> Worker:
+    """DeepSpeed on this worker's accelerator over Ray Train's process group, and the global
+    RNGs seeded with `seed`. `torch_threads` caps torch's intra-op threads."""
+    deepspeed = import_deepspeed(runtime.use_gpu)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    deepspeed.init_distributed(dist_backend="nccl" if runtime.use_gpu else "gloo")  # wraps Ray Train's group
+    seed_everything(seed)
+    return Worker(deepspeed, rank, world)
+
+
+def record_attempt(runtime: StageRuntime, rank: int, resumed_from: int | None) -> None:
+    """Rank 0: one line per attempt, read back by `run_stage`."""
+    if rank == 0:
+        with open(runtime.attempts_file, "a") as f:
+            f.write(json.dumps({"resumed_from_step": resumed_from, "unix_time": time.time()}) + "\n")

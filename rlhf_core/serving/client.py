@@ -1,0 +1,46 @@
+"""The HTTP calls serving makes to a vLLM server: health, the models it serves, one completion."""
+from __future__ import annotations
+
+import httpx
+
+from rlhf_core.serving.errors import ServingError
+
+
+def health(url: str, timeout: float = 5) -> bool:
+    try:
+        with _client(timeout) as client:
+            return client.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def list_models(url: str, api_key: str | None) -> list[str]:
+    with _client(30) as client:
+        r = client.get(f"{url}/v1/models", headers=_auth(api_key))
+    if r.status_code != 200:
+        raise ServingError(f"GET {url}/v1/models: HTTP {r.status_code}: {r.text[:200]}")
+    return [m["id"] for m in r.json()["data"]]
+
+
+def complete(url: str, api_key: str | None, model: str, prompt: str, max_tokens: int = 8) -> str:
+    """One greedy (temperature 0) completion; its text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    with _client(120) as client:
+        r = client.post(f"{url}/v1/completions", headers=_auth(api_key), json=body)
+    if r.status_code != 200:
+        raise ServingError(f"POST {url}/v1/completions: HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        text = r.json()["choices"][0]["text"]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ServingError(f"POST {url}/v1/completions: no choices[0].text in {r.text[:200]!r}") from e
+    if not isinstance(text, str):
+        raise ServingError(f"POST {url}/v1/completions: choices[0].text is {type(text).__name__}, not a string")
+    return text
+
+
+def _client(timeout: float) -> httpx.Client:
+    return httpx.Client(timeout=timeout, trust_env=False)  # trust_env=False: no proxies for loopback
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}

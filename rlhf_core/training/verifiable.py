@@ -1,0 +1,50 @@
+"""Verifiable rewards by name: fn(prompts, responses) -> (B,) float tensor, 1.0 where a
+response is right. `policy.verifiable_reward` names one: a name in `VERIFIABLE_REWARDS`, or
+`module:function` for a reward of one's own.
+
+The table holds import paths, not functions: checking a config then imports neither torch nor
+any task's code, and a task module may import the config without an import cycle. A task
+registers its reward by adding its name here next to the others.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+VerifiableReward = Callable[[Sequence[str], Sequence[str]], Any]
+
+VERIFIABLE_REWARDS: dict[str, str] = {
+    "addition_exact_match": "rlhf_core.data.demo_task:addition_exact_match",
+}
+
+
+def check_verifiable_reward(name: str | None) -> None:
+    """Raise ValueError unless `name` can be resolved. A registered name is taken on trust
+    (nothing is imported: configs are checked where torch is not loaded); a `module:function`
+    is imported now, so that a typo fails before any stage starts."""
+    if name is not None and name not in VERIFIABLE_REWARDS:
+        resolve_verifiable_reward(name)
+
+
+def resolve_verifiable_reward(name: str | None) -> VerifiableReward | None:
+    """The function `name` stands for (None: no verifiable reward). Raises ValueError for an
+    unknown name, or a `module:function` that does not import or is not callable."""
+    if name is None:
+        return None
+    path = VERIFIABLE_REWARDS.get(name, name)
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        raise ValueError(
+            f"unknown verifiable reward {name!r}; registered: {', '.join(sorted(VERIFIABLE_REWARDS))} "
+            "(or give module:function)"
+        )
+    if not module_name or not attr:
+        raise ValueError(f"verifiable reward {name!r}: expected module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"verifiable reward {name!r} cannot be imported: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"verifiable reward {name!r} is not a function")
+    return fn
