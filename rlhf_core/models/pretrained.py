@@ -1,0 +1,146 @@
+"""A user's pretrained Hugging Face model directory: what it holds, and whether a run can use it.
+
+`inspect_pretrained` reads only the directory's metadata (config.json, the safetensors
+headers, the tokenizer files), never the weights, so a run can refuse a directory that will
+not work before anything trains: not a causal LM, no tokenizer, a context shorter than the
+configured lengths, a head size that vLLM's attention cannot run, or far more memory than the
+machine has. `preflight` turns the figures into those problems; the caller passes the facts
+about the engine and the machine, so the checks stay pure.
+
+A name that is not a local directory but looks like a hub id (`org/name`) is passed through
+to transformers and vLLM untouched: machines that reach a hub load it there.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class PretrainedError(ValueError):
+    """A pretrained model that a run cannot use; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class PretrainedInfo:
+    path: str
+    model_type: str
+    num_parameters: int  # from the safetensors headers
+    num_layers: int
+    hidden_size: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    context_length: int | None  # max_position_embeddings
+    tie_word_embeddings: bool
+    has_chat_template: bool
+    pad_is_eos: bool
+
+
+def is_hub_id(name: str) -> bool:
+    return not Path(name).exists() and bool(HUB_ID.match(name))
+
+
+def inspect_pretrained(path: str | Path, where: str = "model.pretrained") -> PretrainedInfo:
+    """Metadata of a local Hugging Face causal-LM directory; raises `PretrainedError` naming `where`."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415 - heavy; only when a model is named
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: PLC0415
+
+    path = Path(path)
+    if not path.is_dir():
+        raise PretrainedError(f"{where}: {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise PretrainedError(f"{where}: {path} holds no config.json: not a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise PretrainedError(f"{where}: transformers cannot read {path / 'config.json'}: {exc}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise PretrainedError(f"{where}: {path} is a {config.model_type!r} model, not a causal language model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (ValueError, OSError) as exc:
+        raise PretrainedError(f"{where}: {path} has no tokenizer that transformers loads: {exc}") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return PretrainedInfo(
+        path=str(path), model_type=config.model_type, num_parameters=count_parameters(path, where),
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size, head_dim=head_dim, num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads, vocab_size=text.vocab_size,
+        context_length=getattr(text, "max_position_embeddings", None),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        pad_is_eos=tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id,
+    )
+
+
+def count_parameters(path: Path, where: str = "model.pretrained") -> int:
+    """Parameters in the directory's safetensors files (one file or an indexed set of shards)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    index = path / "model.safetensors.index.json"
+    files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+        else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise PretrainedError(f"{where}: {path} holds no safetensors weights (model.safetensors or indexed shards)")
+    total = 0
+    for file in files:
+        if not file.is_file():
+            raise PretrainedError(f"{where}: {index.name} names {file.name}, which is missing")
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shape = f.get_slice(key).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n
+    return total
+
+
+def training_bytes(num_parameters: int, *, workers: int, with_critic: bool, reward_parameters: int) -> int:
+    """A plain estimate of the policy stage's resident bytes, fp32 with AdamW, ZeRO stage 1-2.
+
+    Each worker holds the actor's weights and gradients (8 bytes a parameter) and a frozen
+    reference (4); the optimizer's two moments (8) are sharded across the workers; the critic,
+    when there is one, costs the same as the actor again; each worker also holds the reward
+    model (4 a parameter), and the rollout engine one more copy of the actor (4)."""
+    actor = num_parameters * (8 * workers + 8)
+    critic = actor if with_critic else 0
+    return actor + critic + num_parameters * 4 * (workers + 1) + reward_parameters * 4 * workers
+
+
+def preflight(
+    info: PretrainedInfo,
+    *,
+    max_total_tokens: int,
+    supported_head_sizes: Sequence[int] | None,
+    needs_chat_template: bool,
+    workers: int,
+    with_critic: bool,
+    memory_bytes: int,
+    where: str = "model.pretrained",
+) -> list[str]:
+    """Every reason the run cannot use this model, each with the fix; empty when it can."""
+    problems = []
+    if info.context_length is not None and max_total_tokens > info.context_length:
+        problems.append(f"{where}: prompts and responses take up to {max_total_tokens} tokens but the model's context is "
+                        f"{info.context_length}; lower the configured lengths")
+    if supported_head_sizes is not None and info.head_dim not in supported_head_sizes:
+        problems.append(f"{where}: head size {info.head_dim} is not one that vLLM's attention here supports "
+                        f"({', '.join(map(str, supported_head_sizes))})")
+    if needs_chat_template and not info.has_chat_template:
+        problems.append(f"{where}: the data is conversational but {info.path} has no chat template; set "
+                        "`model.chat_template` or add chat_template.jinja to the directory")
+    need = training_bytes(info.num_parameters, workers=workers, with_critic=with_critic,
+                          reward_parameters=info.num_parameters)
+    if need > 0.8 * memory_bytes:
+        problems.append(f"{where}: the policy stage needs about {need / 2**30:.1f} GiB for {info.num_parameters / 1e6:.0f}M "
+                        f"parameters on {workers} workers, more than 80% of this machine's {memory_bytes / 2**30:.1f} GiB; "
+                        "use fewer workers, a smaller model, or a machine with more memory")
+    return problems
