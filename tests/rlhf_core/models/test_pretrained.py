@@ -1,7 +1,6 @@
 """Pretrained-format directories of several families, made locally with random weights."""
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, DistilBertConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import DistilBertConfig
 
 from rlhf_core.models.pretrained import (
     PretrainedError,
@@ -11,47 +10,21 @@ from rlhf_core.models.pretrained import (
     preflight,
     training_bytes,
 )
-from rlhf_core.tokenizer import train_tokenizer
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-             max_position_embeddings=128)
-
-
-def make_model(tmp_path, config, *, chat_template: bool = True, pad_is_eos: bool = False, shards: bool = False):
-    tok = train_tokenizer(["hello there, general kenobi", "what colour is the sky"], vocab_size=300)
-    if chat_template:
-        tok.chat_template = CHATML
-    if pad_is_eos:
-        tok.pad_token = tok.eos_token
-    config.vocab_size = len(tok)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    out = tmp_path / config.model_type
-    model.save_pretrained(str(out), max_shard_size="100KB" if shards else "5GB")
-    tok.save_pretrained(str(out))
-    return out, model
-
-
-@pytest.mark.parametrize("config, tied, kv_heads", [
-    (LlamaConfig(**SMALL, num_key_value_heads=1, tie_word_embeddings=True), True, 1),
-    (Qwen2Config(**SMALL, num_key_value_heads=1, tie_word_embeddings=True), True, 1),
-    (MistralConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=False), False, 2),
-])
-def test_families_are_read_from_metadata(tmp_path, config, tied, kv_heads):
-    path, model = make_model(tmp_path, config, pad_is_eos=True)
+@pytest.mark.parametrize("family, tied, kv_heads", [("llama", True, 1), ("qwen2", True, 1), ("mistral", False, 2)])
+def test_families_are_read_from_metadata(tmp_path, make_pretrained, family, tied, kv_heads):
+    path, model = make_pretrained(tmp_path, family, pad_is_eos=True)
     info = inspect_pretrained(path)
-    assert info.model_type == config.model_type
+    assert info.model_type == family
     assert info.num_parameters == sum(p.numel() for p in model.parameters())  # a tied head counts once
     assert (info.head_dim, info.num_heads, info.num_kv_heads, info.num_layers) == (32, 2, kv_heads, 2)
     assert info.tie_word_embeddings is tied and info.has_chat_template and info.pad_is_eos
     assert info.context_length == 128
 
 
-def test_sharded_weights_are_counted_through_the_index(tmp_path):
-    one, model = make_model(tmp_path / "a", LlamaConfig(**SMALL))
-    sharded, _ = make_model(tmp_path / "b", LlamaConfig(**SMALL), shards=True)
+def test_sharded_weights_are_counted_through_the_index(tmp_path, make_pretrained):
+    one, model = make_pretrained(tmp_path / "a", "mistral")
+    sharded, _ = make_pretrained(tmp_path / "b", "mistral", shards=True)
     assert (sharded / "model.safetensors.index.json").is_file()
     assert count_parameters(sharded) == count_parameters(one) == sum(p.numel() for p in model.parameters())
 
@@ -68,14 +41,14 @@ def test_a_directory_that_is_not_a_model_is_named(tmp_path):
         inspect_pretrained(tmp_path / "bert")
 
 
-def test_a_model_without_tokenizer_or_weights_is_named(tmp_path):
-    path, _ = make_model(tmp_path, LlamaConfig(**SMALL))
+def test_a_model_without_tokenizer_or_weights_is_named(tmp_path, make_pretrained):
+    path, _ = make_pretrained(tmp_path, "llama")
     for f in path.glob("tokenizer*"):
         f.unlink()
     (path / "special_tokens_map.json").unlink(missing_ok=True)
     with pytest.raises(PretrainedError, match="has no tokenizer that transformers loads"):
         inspect_pretrained(path)
-    path, _ = make_model(tmp_path / "w", LlamaConfig(**SMALL))
+    path, _ = make_pretrained(tmp_path / "w", "llama")
     (path / "model.safetensors").unlink()
     with pytest.raises(PretrainedError, match="holds no safetensors weights"):
         inspect_pretrained(path)
@@ -86,8 +59,8 @@ def test_hub_ids_are_told_apart_from_local_paths(tmp_path):
     assert not is_hub_id(str(tmp_path)) and not is_hub_id("./a/b/c") and not is_hub_id("plain")
 
 
-def test_preflight_names_every_problem_with_its_fix(tmp_path):
-    path, _ = make_model(tmp_path, LlamaConfig(**SMALL), chat_template=False)
+def test_preflight_names_every_problem_with_its_fix(tmp_path, make_pretrained):
+    path, _ = make_pretrained(tmp_path, "llama", chat_template=False)
     info = inspect_pretrained(path)
     ok = dict(max_total_tokens=64, supported_head_sizes=[32, 64], needs_chat_template=False, workers=2,
               with_critic=False, memory_bytes=24 * 2**30)

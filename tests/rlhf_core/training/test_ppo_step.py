@@ -11,7 +11,7 @@ import torch
 from rlhf_core.algos import gae, grpo_advantages, kl_k3, masked_whiten
 from rlhf_core.config import ModelConfig, PolicyConfig
 from rlhf_core.models.llama import build_policy
-from rlhf_core.models.value import LlamaForTokenValue
+from rlhf_core.models.value import value_model_from_config
 from rlhf_core.tokenizer import train_tokenizer
 from rlhf_core.training.ppo_step import (
     ALGORITHMS,
@@ -139,7 +139,7 @@ def test_algorithms_are_data_not_branches():
 
 def test_ppo_advantages_are_whitened_gae_over_kl_shaped_rewards(tok, model):
     cfg = ppo_cfg(kl_coef=0.1, kl_estimator="k1")
-    critic = LlamaForTokenValue(model.config)
+    critic = value_model_from_config(model.config)
     batch = filled(model, tok, ["055", "42", "1", "038"], [0, 1, 2, 3], [1.0, -1.0, 0.5, 0.0], cfg, critic)
     batch.ref_logprobs = batch.old_logprobs - 0.3  # k1 = 0.3 on every token
     rewards, metrics = token_rewards(batch, algorithm_spec(cfg), cfg.kl_coef, cfg.kl_estimator)
@@ -266,7 +266,7 @@ def test_grpo_with_equal_rewards_gives_zero_advantages_and_no_update(tok, model)
 
 def test_ppo_update_trains_the_critic_toward_the_returns(tok, model):
     cfg = ppo_cfg(epochs_per_step=8, minibatch_size=4, micro_batch_size=2, kl_coef=0.0, ppo={"clip_range_value": None})
-    critic = LlamaForTokenValue(model.config)
+    critic = value_model_from_config(model.config)
     batch = filled(model, tok, ["055", "42", "1", "038"], [0, 1, 2, 3], [1.0, -1.0, 0.5, 0.0], cfg, critic)
     err_before = ((batch.values - batch.returns) ** 2 * batch.response_mask).sum()
     critic_opt = torch.optim.Adam(critic.parameters(), lr=3e-3)
