@@ -10,7 +10,7 @@ the last 10 steps' samples, the largest KL. Then, per mode, the mean and spread 
 
     make demo                                   # once, for the SFT policy and reward model
     .venv/bin/python bench/pipelined.py         # seeds 0-3, max_lag 1
-    .venv/bin/python bench/pipelined.py --learning-rate 2e-4    # the default until 2026-11-22
+    .venv/bin/python bench/pipelined.py --learning-rate 2e-4    # the earlier default, for comparison
 """
 from __future__ import annotations
 
