@@ -16,13 +16,15 @@ the row met every bar the demo config sets (`sft.min_eval_accuracy`, the plateau
 `policy.min_accuracy_gain`, and the promotion gates against the SFT policy). The stages run
 with their own bars off, so a row that misses one still reports every figure.
 
-    .venv/bin/python bench/seed_spread.py                      # seeds 0-7 x threads 1, 2 (about an hour)
+    .venv/bin/python bench/seed_spread.py                      # seeds 0-7 x threads 1, 2: about an hour
+    .venv/bin/python bench/seed_spread.py --threads 2 1 --sft-only-threads 1   # RL stages at 2 threads only
     .venv/bin/python bench/seed_spread.py --seeds 0 1 --threads 2 --sft-only
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import statistics
 import sys
@@ -100,7 +102,8 @@ def run_seed(cfg: PipelineConfig, files: DemoFiles, seed: int, threads: int, wor
     sft_s = time.perf_counter() - t0
     floor = noise_floor(sft_rows, cfg.data.demo.wrong_share)
     plateau = plateau_step(history, floor + PLATEAU_MARGIN)
-    row = {"seed": seed, "threads": threads, "sft_steps": base.sft_steps, "sft_plateau_step": plateau,
+    row = {"seed": seed, "threads": threads, "stages": "sft" if sft_only else "all",
+           "sft_steps": base.sft_steps, "sft_plateau_step": plateau,
            "sft_plateau_share": plateau / base.sft_steps if plateau else None, "sft_final_loss": base.sft_final_loss,
            "loss_floor": floor, "base_accuracy": base.eval_accuracy, "sft_s": sft_s}
     if not sft_only:
@@ -182,19 +185,25 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--sft-only", action="store_true", help="SFT and its held-out accuracy only (minutes, not an hour)")
+    parser.add_argument("--sft-only-threads", nargs="*", type=int, default=[], metavar="T",
+                        help="thread counts run through SFT only: the count reaches no other stage's process")
+    parser.add_argument("--merge", type=Path, action="append", default=[], metavar="JSON",
+                        help="also report the rows of another result file of this script (a split or interrupted run)")
     parser.add_argument("--name", default="seed_spread", help="result file name under bench/results/")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
-    rows: list[dict] = []
-    columns = ["seed", "threads", "sft_steps", "sft_plateau_step", "sft_plateau_share", "base_accuracy",
+    rows: list[dict] = [merged(row) for path in args.merge for row in json.loads(path.read_text())["rows"]]
+    columns = ["seed", "threads", "stages", "sft_steps", "sft_plateau_step", "sft_plateau_share", "base_accuracy",
                "reward_accuracy", "final_accuracy", "gain", "sft_s", "wall_s", "success", "failure"]
     with tempfile.TemporaryDirectory(prefix="seed-spread-") as tmp:
         files = generate_demo_data(cfg.data.demo, Path(tmp) / "data")
-        ctx = contextlib.nullcontext() if args.sft_only else _ray_session()
+        ctx = contextlib.nullcontext() if args.sft_only or set(args.threads) <= set(args.sft_only_threads) \
+            else _ray_session()
         with ctx:
             for threads in args.threads:
                 for seed in args.seeds:
-                    rows.append(run_seed(cfg, files, seed, threads, Path(tmp) / f"s{seed}-t{threads}", args.sft_only))
+                    sft_only = args.sft_only or threads in args.sft_only_threads
+                    rows.append(run_seed(cfg, files, seed, threads, Path(tmp) / f"s{seed}-t{threads}", sft_only))
                     print(table(rows[-1:], columns), flush=True)
                     write(args, rows)  # a long run interrupted keeps the rows it finished
     summary = write(args, rows)
@@ -212,9 +221,15 @@ def main() -> None:
 def write(args: argparse.Namespace, rows: list[dict]) -> dict:
     summary = summarise(rows)
     save(args.name, {"config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
-                     "overrides": args.overrides, "sft_only": args.sft_only, "plateau_margin": PLATEAU_MARGIN,
+                     "overrides": args.overrides, "plateau_margin": PLATEAU_MARGIN,
                      "max_plateau_share": MAX_PLATEAU_SHARE, "rows": rows, "summary": summary})
     return summary
+
+
+def merged(row: dict) -> dict:
+    """A row of another result file; files written before rows named their stages ran all of
+    them exactly when they have a reward-model figure."""
+    return {"stages": "all" if row.get("reward_accuracy") is not None else "sft", **row}
 
 
 def _ray_session():
