@@ -182,7 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "demo.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))
+    parser.add_argument("--seeds", nargs="*", type=int, default=list(range(8)), help="none: only --merge")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--sft-only", action="store_true", help="SFT and its held-out accuracy only (minutes, not an hour)")
     parser.add_argument("--sft-only-threads", nargs="*", type=int, default=[], metavar="T",
@@ -192,13 +192,13 @@ def main() -> None:
     parser.add_argument("--name", default="seed_spread", help="result file name under bench/results/")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
-    rows: list[dict] = [merged(row) for path in args.merge for row in json.loads(path.read_text())["rows"]]
+    rows: list[dict] = [merged(row, cfg) for path in args.merge for row in json.loads(path.read_text())["rows"]]
     columns = ["seed", "threads", "stages", "sft_steps", "sft_plateau_step", "sft_plateau_share", "base_accuracy",
                "reward_accuracy", "final_accuracy", "gain", "sft_s", "wall_s", "success", "failure"]
     with tempfile.TemporaryDirectory(prefix="seed-spread-") as tmp:
         files = generate_demo_data(cfg.data.demo, Path(tmp) / "data")
-        ctx = contextlib.nullcontext() if args.sft_only or set(args.threads) <= set(args.sft_only_threads) \
-            else _ray_session()
+        only_sft = args.sft_only or set(args.threads) <= set(args.sft_only_threads) or not args.seeds
+        ctx = contextlib.nullcontext() if only_sft else _ray_session()
         with ctx:
             for threads in args.threads:
                 for seed in args.seeds:
@@ -226,10 +226,14 @@ def write(args: argparse.Namespace, rows: list[dict]) -> dict:
     return summary
 
 
-def merged(row: dict) -> dict:
-    """A row of another result file; files written before rows named their stages ran all of
-    them exactly when they have a reward-model figure."""
-    return {"stages": "all" if row.get("reward_accuracy") is not None else "sft", **row}
+def merged(row: dict, cfg: PipelineConfig) -> dict:
+    """A row of another result file, judged again against this config's bars (the stages ran
+    with their own bars off, so the figures do not depend on them). Files written before rows
+    named their stages ran all of them exactly when they have a reward-model figure."""
+    row = {"stages": "all" if row.get("reward_accuracy") is not None else "sft", **row}
+    row["failure"] = failure(row, cfg, row["stages"] == "sft")
+    row["success"] = row["failure"] is None
+    return row
 
 
 def _ray_session():

@@ -33,3 +33,15 @@ def test_a_row_fails_on_the_first_bar_it_misses():
     assert failure({**good, "gain": 0.1}, cfg, False).startswith("policy: gain +0.100")
     assert failure({**good, "gate_passed": False, "gate_reasons": "kl"}, cfg, False) == "gates: kl"
     assert failure({**good, "reward_accuracy": None}, cfg, sft_only=True) is None
+
+
+def test_merged_rows_are_judged_again_by_the_config_given():
+    from bench.seed_spread import merged
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    row = {"sft_plateau_share": 0.3, "sft_steps": 3000, "base_accuracy": 0.35, "reward_accuracy": 0.5,
+           "gain": 0.6, "gate_passed": True, "gate_reasons": None, "success": True, "failure": None}
+    again = merged(row, cfg)
+    assert again["stages"] == "all" and not again["success"] and again["failure"].startswith("reward:")
+    sft_row = merged({**row, "reward_accuracy": None}, cfg)
+    assert sft_row["stages"] == "sft" and sft_row["success"]
