@@ -29,7 +29,7 @@ def test_a_row_fails_on_the_first_bar_it_misses():
     assert failure(good, cfg, sft_only=False) is None
     assert failure({**good, "sft_plateau_share": None}, cfg, False).startswith("sft: no plateau by 60%")
     assert failure({**good, "base_accuracy": 0.04}, cfg, False).startswith("sft: held-out accuracy 0.040")
-    assert failure({**good, "reward_accuracy": 0.8}, cfg, False).startswith("reward:")
+    assert failure({**good, "reward_accuracy": 0.6}, cfg, False).startswith("reward:")
     assert failure({**good, "gain": 0.1}, cfg, False).startswith("policy: gain +0.100")
     assert failure({**good, "gate_passed": False, "gate_reasons": "kl"}, cfg, False) == "gates: kl"
     assert failure({**good, "reward_accuracy": None}, cfg, sft_only=True) is None
