@@ -18,6 +18,7 @@ from typing import Any
 from prefect import flow
 
 from rlhf_core.config import load_config
+from rlhf_core.default_config import DEFAULT_CONFIG
 from rlhf_core.distributed.cluster import ray_session
 from tasks.data import prepare_data, validate_data
 from tasks.deploy import deploy_champion
@@ -27,15 +28,13 @@ from tasks.reward import train_reward_model_task
 from tasks.sft import train_base_policy
 from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
-DEFAULT_CONFIG = "configs/demo.yaml"
-
 
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run the RLHF pipeline on the config at `config_path`.
 
     Args:
-        config_path: pipeline config (YAML); `configs/demo.yaml` is the embedded demo.
+        config_path: pipeline config (YAML); the default is the packaged `configs/demo.yaml`.
         overrides: `key.path=value` items applied on top of the file, e.g. `sft.epochs=2`.
     """
     cfg = load_config(config_path, overrides)

@@ -15,13 +15,13 @@ from typing import Any
 from prefect import flow
 
 from rlhf_core.config import load_config
+from rlhf_core.default_config import DEFAULT_CONFIG
 from tasks.data import prepare_data
 from tasks.deploy import deploy_champion, move_champion_back, record_rollback
 from tasks.evaluate import Candidate, eval_set, evaluate_candidate, fetch_version
 from tasks.registry import POLICY, get_version
 from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
-DEFAULT_CONFIG = "configs/demo.yaml"
 REWARD_MODEL = "reward-model"
 
 

@@ -23,7 +23,15 @@ from tasks.tracking import PipelineRun, stage_run
 
 
 class DataValidationError(RuntimeError):
-    """Preference data broke the contract; training must not start."""
+    """Preference data broke the contract; training must not start. `report_path` is the
+    validation report that lists every check and the offending rows."""
+
+    def __init__(self, message: str, report_path: Path):
+        super().__init__(message)
+        self.report_path = report_path
+
+    def __reduce__(self):  # Prefect may pickle a task's exception with its state
+        return type(self), (str(self), self.report_path)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:
 
 
 # Bump when the expectations or the report's shape change: old cached reports then stop matching.
-CONTRACT_CACHE_VERSION = 1
+CONTRACT_CACHE_VERSION = 2
 
 
 def _contract_key(context, parameters: dict) -> str:
@@ -99,6 +107,7 @@ def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> Va
         client.set_tag(stage_id, "validation.verdict", "passed" if report.success else "failed")
         if not report.success:
             raise DataValidationError(
-                f"{paths.preferences}: {len(report.failed)} data check(s) failed\n" + report.failure_message()
+                f"{paths.preferences}: {len(report.failed)} data check(s) failed\n" + report.failure_message(),
+                run.out_dir / "validation_report.md",
             )
     return ValidatedData(paths, data_fp, report.num_rows, report_path)
