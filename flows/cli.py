@@ -188,13 +188,11 @@ def _run_plain_flow(fn, log_path: Path, **kwargs) -> int:
 
 
 def _registry_command(args, cfg) -> int:
-    from mlflow.tracking import MlflowClient
-
     from tasks.registry import RegistryError, promote
-    from tasks.tracking import resolve_tracking_uri
+    from tasks.tracking import tracking_client
 
     try:
-        p = promote(MlflowClient(resolve_tracking_uri(cfg)), args.version, args.by, args.reason, force=args.force)
+        p = promote(tracking_client(cfg), args.version, args.by, args.reason, force=args.force)
     except RegistryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -246,10 +244,11 @@ def _flow_command(args, cfg) -> int:
         flows, log = _flows("flows.validate", args, cfg)
         return _run_flow(flows.validate_data_flow, log, preferences_path=args.path, eval_path=args.eval_path,
                          config_path=args.config)
-    flows, log = _flows("flows.serving", args, cfg)
     common = {"config_path": args.config, "overrides": args.overrides}
     if args.command == "evaluate":
+        flows, log = _flows("flows.evaluate", args, cfg)
         return _run_flow(flows.evaluate_flow, log, candidate=args.candidate, **common)
+    flows, log = _flows("flows.serving", args, cfg)
     if args.command == "deploy":
         return _run_plain_flow(flows.deploy_champion_flow, log, **common)
     return _run_plain_flow(flows.rollback_flow, log, incident=args.incident, reason=args.reason,

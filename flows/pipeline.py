@@ -19,7 +19,7 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from rlhf_core.default_config import DEFAULT_CONFIG
-from rlhf_core.distributed.cluster import ray_session
+from tasks.cluster import training_cluster
 from tasks.data import prepare_data, validate_data
 from tasks.deploy import deploy_champion
 from tasks.evaluate import Candidate, eval_set, evaluate_candidate, register_candidate
@@ -48,7 +48,7 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
             base = run_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg, run)
         if base.pipeline_run_id != run.run_id:
             stages["sft"]["status"] = "cached"
-        with ray_session():  # one Ray cluster for both training stages
+        with training_cluster():  # one Ray cluster for both training stages
             reward = run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run)
             policy = run_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
         candidate = Candidate(policy.path, base.path, reward.path, {

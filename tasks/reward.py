@@ -15,11 +15,11 @@ from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
 from rlhf_core.distributed.reward_trainer import RewardTrainResult, train_reward_model
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
-from tasks.registry import register_model_version
+from tasks.registry import REWARD_MODEL, register_model_version
 from tasks.sft import BasePolicy
 from tasks.tracking import PipelineRun, flatten, stage_run
 
-REGISTERED_NAME = "reward-model"
+REGISTERED_NAME = REWARD_MODEL
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,11 @@ def resolve_tracking_uri(cfg: PipelineConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / DEFAULT_DB}"
 
 
+def tracking_client(cfg: PipelineConfig) -> MlflowClient:
+    """A client of the run's tracking store (and its model registry)."""
+    return MlflowClient(resolve_tracking_uri(cfg))
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(

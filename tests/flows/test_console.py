@@ -12,16 +12,19 @@ from flows.console import log_file_path, print_failure, route_logs
 @pytest.fixture
 def terminal():
     """The root logger with one terminal handler only; restored afterwards."""
-    root = logging.getLogger()
-    saved_handlers, saved_level = root.handlers[:], root.level
+    root, prefect = logging.getLogger(), logging.getLogger("prefect")
+    saved_handlers, saved_level, saved_prefect = root.handlers[:], root.level, (prefect.level, prefect.propagate)
     stream = io.StringIO()
     root.handlers = [logging.StreamHandler(stream)]
     root.setLevel(logging.INFO)
+    prefect.setLevel(logging.INFO)  # the suite runs with PREFECT_LOGGING_LEVEL=WARNING
+    prefect.propagate = True
     yield stream
     for handler in root.handlers:
         if isinstance(handler, logging.FileHandler):
             handler.close()
     root.handlers, root.level = saved_handlers, saved_level
+    prefect.level, prefect.propagate = saved_prefect
 
 
 def _log_a_failure() -> None:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from flows.cli import main as cli_main
 from flows.pipeline import rlhf_pipeline
-from rlhf_core.data.schema import write_jsonl
+from rlhf_core.data.schema import read_table, write_jsonl
 from tasks.tracking import PipelineFailed
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -148,7 +148,9 @@ def test_pipeline_runs_every_stage_and_records_lineage(full_run):
     assert summary["status"] == "completed"
     assert summary["stages"]["validate"]["status"] == "passed"
     assert summary["stages"]["validate"]["dataset_fingerprint"].startswith("sha256:")
-    assert 0.0 <= summary["stages"]["sft"]["eval_accuracy"] <= 1.0
+    n_eval = len(read_table(Path(summary["output_dir"]) / "data" / "eval.jsonl"))
+    correct = summary["stages"]["sft"]["eval_accuracy"] * n_eval  # exact matches among every eval prompt
+    assert n_eval == 24 and 0 <= round(correct) <= n_eval and abs(correct - round(correct)) < 1e-9
     on_disk = json.loads(open(summary["summary_path"]).read())
     assert on_disk["status"] == "completed" and on_disk["mlflow_run_id"] == summary["mlflow_run_id"]
 
