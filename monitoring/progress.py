@@ -1,6 +1,10 @@
 """Live progress of a long stage on the terminal: step k of n, elapsed and remaining time, and
 the stage's key figure, fed by the same flat `stage/name` metric callbacks as MLflow.
 
+SFT trains in the task's process and calls the sink directly. The reward and policy stages
+train on Ray workers; their rank 0 sends each step to the job's `JobExporter` in the task's
+process, which hands it on here (`on_record`), so those bars need `monitoring.enabled`.
+
 Quiet (a no-op) in CI (`CI` set) and when stdout is not a terminal: logs and MLflow already
 carry the figures there, and a redrawn bar would only fill log files with control codes.
 """

@@ -29,3 +29,16 @@ def test_a_live_bar_counts_steps_up_to_the_total():
             p(step, {"sft/loss": 1.0 / step})
         bar = p._progress.tasks[0]
     assert (bar.completed, bar.total, bar.fields["figures"]) == (4, 4, "loss 0.2")
+
+
+def test_a_workers_metrics_reach_the_progress_through_the_jobs_exporter(tmp_path):
+    """Rank 0 of a Ray job sends its metrics to the driver's exporter; the bar lives there."""
+    from monitoring.prometheus import JobExporter
+
+    bar = ProgressSink("policy", total=30, figures={"policy/reward_mean": "reward", "policy/kl": "KL"}, enabled=False)
+    exporter = JobExporter("run-p", "policy", targets_dir=tmp_path / "targets", on_record=bar)
+    try:
+        exporter.sink()(3, {"policy/reward_mean": 0.5, "policy/kl": 0.25, "worker/0/host": "n1"})
+    finally:
+        exporter.close()
+    assert bar.text() == "reward 0.5  KL 0.25"
