@@ -5,7 +5,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,16 +33,6 @@ async def artifact_keys() -> set[str]:
 
     async with get_client() as client:
         return {a.key for a in await client.read_artifacts() if a.key}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +78,7 @@ def flat(d: dict, prefix: str = "") -> dict:
 
 
 @pytest.fixture(scope="module")
-def full_run(deployed, tmp_path_factory, tiny_config_factory):
+def full_run(deployed, tmp_path_factory, tiny_config_factory, free_ports):
     """One run of the `rlhf-pipeline/nightly` deployment on configs/demo.yaml (with overrides
     that make it test-sized), started through the Prefect API and executed by the process worker, through every stage, serving included (gates loose: a
     2-step tiny policy cannot be expected to beat its SFT policy; the gate math has its own
