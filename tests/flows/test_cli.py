@@ -123,3 +123,9 @@ def test_validate_reads_a_bom_crlf_file_from_another_directory(tmp_path):
     assert "validate-data: COMPLETED" in out.stdout
     report = json.loads(next((tmp_path / "runs").glob("*/validation_report.json")).read_text())
     assert report["success"] and report["read_notes"] == ["UTF-8 byte-order mark skipped", "CRLF line ends"]
+
+
+def test_a_command_run_outside_the_checkout_finds_the_packaged_default_config(tmp_path):
+    out = _rlhf_from(tmp_path, "make-demo-data", "data")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "data" / "preferences.jsonl").is_file() and "file not found" not in out.stderr
