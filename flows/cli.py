@@ -23,11 +23,14 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import ConfigError, load_config
-from flows.console import log_file_path, print_error, print_failure, print_summary, route_logs
+from flows.console import (
+    log_file_path, print_error, print_failure, print_summary, print_validated, route_logs, unroute_logs,
+)
 from rlhf_core.default_config import DEFAULT_CONFIG
 
 
@@ -94,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("path", help="preference data with prompt, chosen, rejected")
     val.add_argument("--eval", dest="eval_path", help="held-out eval set (prompt, answer) to check for leakage")
     val.add_argument("--config", default=DEFAULT_CONFIG, help="config whose `validation` thresholds apply")
+    val.add_argument("--record", action="store_true",
+                     help="run it as the validate-data flow, recorded in MLflow and Prefect (slower: starts "
+                          "Prefect's temporary server when none is configured)")
     val.set_defaults(overrides=[])
 
     chk = sub.add_parser("check-config", help="validate a pipeline config file and print it resolved")
@@ -255,6 +261,31 @@ def _flow_command(args, cfg) -> int:
                            requested_by=args.by, to_version=args.to_version, **common)
 
 
+def _validate_here(args, cfg) -> int:
+    """`rlhf validate` without --record: the data contract and its report, no Prefect or MLflow,
+    so the answer comes in about the time Great Expectations takes."""
+    from tasks.data_contract import DataFormatError, DataPaths, DataValidationError, check_files
+
+    out_dir = Path(cfg.output_dir).resolve() / f"validate-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    paths = DataPaths(Path(args.path), Path(args.eval_path) if args.eval_path else None, None, generated=False)
+    summary = {"pipeline": "validate", "config": args.config, "output_dir": str(out_dir),
+               "summary_path": str(out_dir / "summary.json")}
+    try:
+        summary.update(status="completed", stages={"validate": check_files(paths, cfg.validation, out_dir).summary()})
+    except (DataValidationError, DataFormatError) as exc:
+        stage = {"status": "failed", "error": str(exc)}
+        if getattr(exc, "report_path", None) is not None:
+            stage["report"] = str(exc.report_path)
+        summary.update(status="failed", failed_stage="validate", error=str(exc), stages={"validate": stage})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    Path(summary["summary_path"]).write_text(json.dumps(summary, indent=2) + "\n")
+    if summary["status"] == "failed":
+        print_failure(summary, 1, None)
+        return 1
+    print_validated(summary)
+    return 0
+
+
 def _check_inputs(args) -> None:
     for p in filter(None, (args.path, args.eval_path)):
         if not Path(p).is_file():
@@ -282,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)  # fail fast, before any server starts
         if args.command == "validate":
             _check_inputs(args)
+            if not args.record:
+                return _validate_here(args, cfg)
         if args.command == "promote":
             return _registry_command(args, cfg)
         if args.command == "serving":
@@ -290,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        unroute_logs()
 
 
 if __name__ == "__main__":

@@ -35,21 +35,39 @@ def log_file_path(output_dir: Path, command: str) -> Path:
     return Path(output_dir).resolve() / "logs" / f"rlhf-{command}-{stamp}.log"
 
 
+_routed: list[tuple[logging.Handler, list[tuple[logging.Handler, logging.Filter]]]] = []  # for unroute_logs
+
+
 def route_logs(log_path: Path, debug: bool) -> logging.Handler:
     """Send every log record (INFO and up, tracebacks included) to `log_path`; keep errors off
     the terminal's handlers unless `debug`. Call after Prefect has set up its logging (it
-    replaces the root logger's handlers when it does). Returns the file handler."""
+    replaces the root logger's handlers when it does); `unroute_logs` undoes it. Returns the
+    file handler."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_path, encoding="utf-8")
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root = logging.getLogger()
+    filtered = []
     if not debug:
         for terminal in root.handlers:
             if isinstance(terminal, logging.StreamHandler) and not isinstance(terminal, logging.FileHandler):
-                terminal.addFilter(_NotAFailureReport())
+                filtered.append((terminal, _NotAFailureReport()))
+                terminal.addFilter(filtered[-1][1])
     root.addHandler(handler)
+    _routed.append((handler, filtered))
     return handler
+
+
+def unroute_logs() -> None:
+    """Undo every `route_logs`: the terminal shows errors again, the log files are closed."""
+    root = logging.getLogger()
+    while _routed:
+        handler, filtered = _routed.pop()
+        root.removeHandler(handler)
+        handler.close()
+        for terminal, log_filter in filtered:
+            terminal.removeFilter(log_filter)
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -88,6 +106,16 @@ def print_failure(summary: dict[str, Any], exit_code: int, log_path: Path | None
     if log_path is not None:
         print(f"  log:      {log_path}  (tracebacks; add --debug to see them here)")
     print(f"  exit code {exit_code}")
+    print(RULE)
+
+
+def print_validated(summary: dict[str, Any]) -> None:
+    """The verdict of a passing `rlhf validate`: rows, fingerprint, where the report is."""
+    stage = summary["stages"]["validate"]
+    print("\n" + RULE)
+    print(f"{summary['pipeline']}: PASSED  {stage['rows']} rows  ({stage['dataset_fingerprint']})")
+    print(f"  report:   {stage['report']}")
+    print(f"  summary:  {summary['summary_path']}")
     print(RULE)
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from flows.console import log_file_path, print_failure, route_logs
+from flows.console import log_file_path, print_failure, route_logs, unroute_logs
 
 
 @pytest.fixture
@@ -19,10 +19,14 @@ def terminal():
     root.setLevel(logging.INFO)
     prefect.setLevel(logging.INFO)  # the suite runs with PREFECT_LOGGING_LEVEL=WARNING
     prefect.propagate = True
+    run_loggers = [logging.getLogger(f"prefect.{kind}") for kind in ("flow_runs", "task_runs")]
+    api_handlers = [logger.handlers[:] for logger in run_loggers]
+    for logger in run_loggers:
+        logger.handlers = []  # Prefect's API handler: no flow run here to send to
     yield stream
-    for handler in root.handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.close()
+    unroute_logs()
+    for logger, handlers in zip(run_loggers, api_handlers):
+        logger.handlers = handlers
     root.handlers, root.level = saved_handlers, saved_level
     prefect.level, prefect.propagate = saved_prefect
 
@@ -77,3 +81,11 @@ def test_log_files_are_per_invocation_under_the_output_dir(tmp_path):
     assert path.parent == (tmp_path / "runs" / "logs").resolve()
     assert path.name.startswith("rlhf-validate-") and path.suffix == ".log"
     assert path != log_file_path(tmp_path / "runs", "validate")
+
+
+def test_unrouting_closes_the_log_file_and_shows_errors_again(tmp_path, terminal):
+    handler = route_logs(tmp_path / "rlhf.log", debug=False)
+    unroute_logs()
+    logging.getLogger("rlhf.test").error("shown again")
+    assert "shown again" in terminal.getvalue()
+    assert handler not in logging.getLogger().handlers and handler.stream is None

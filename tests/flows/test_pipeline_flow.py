@@ -227,7 +227,7 @@ def test_validation_report_is_a_prefect_artifact(tiny_config, tmp_path, capsys):
     from rlhf_core.data.synthetic import generate_demo_data
 
     files = generate_demo_data(DemoDataConfig(n_sft=10, n_pairs=300, n_eval=20), tmp_path / "d")
-    assert cli_main(["validate", str(files.preferences), "--config", str(tiny_config)]) == 0
+    assert cli_main(["validate", "--record", str(files.preferences), "--config", str(tiny_config)]) == 0
     assert "data-validation-report" in asyncio.run(artifact_keys())
 
 
