@@ -2,7 +2,7 @@
 
     rlhf run [--config PATH] [--set key.path=value ...]   run the pipeline
     rlhf demo                                             run it on the packaged configs/demo.yaml
-    rlhf validate PATH [--eval PATH] [--config PATH]      validate preference data only
+    rlhf validate PATH [--eval PATH] [--record]           validate preference data only
     rlhf check-config PATH                                validate a config file only
     rlhf make-demo-data OUT_DIR [--config PATH]           write the demo task's data
     rlhf evaluate [VERSION|ALIAS]                         re-run the gates on a registered policy
@@ -10,6 +10,11 @@
     rlhf deploy                                           serve the champion (blue/green)
     rlhf rollback --incident ID --reason TEXT [--to V]    move the champion back and serve it
     rlhf serving [status|stop]                            what serves now; stop it
+
+Every command takes `--config PATH` (default: the packaged configs/demo.yaml, found from any
+directory) and `--debug`. A failed run prints one block: the stage, the cause, the report,
+summary and log paths, the exit code; errors and tracebacks go to the log file
+(`<output_dir>/logs/`) and reach the terminal only with `--debug`.
 
 Exit codes: 0 success, 1 the run failed (summary.json says why), 2 bad usage or config,
 3 the candidate was rejected by the gates (nothing was registered or deployed).
