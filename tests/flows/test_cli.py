@@ -151,3 +151,13 @@ def test_a_command_run_outside_the_checkout_finds_the_packaged_default_config(tm
     out = _rlhf_from(tmp_path, "make-demo-data", "data")
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "data" / "preferences.jsonl").is_file() and "file not found" not in out.stderr
+
+
+def test_validate_of_a_file_that_is_not_jsonl_names_file_and_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n{not json\n")
+    assert main(["validate", "broken.jsonl"]) == 1
+    out = capsys.readouterr().out
+    assert "cause:    broken.jsonl:2: not valid JSON" in out and "report:" not in out and "exit code 1" in out
+    (summary,) = _paths_in(out, "summary")
+    assert json.loads(summary.read_text())["status"] == "failed"
