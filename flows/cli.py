@@ -1,8 +1,8 @@
 """`rlhf`: the command line for people and schedulers.
 
     rlhf run [--config PATH] [--set key.path=value ...]   run the pipeline
-    rlhf demo                                             run it on configs/demo.yaml
-    rlhf validate PATH [--eval PATH] [--config PATH]      validate preference data only
+    rlhf demo                                             run it on the packaged configs/demo.yaml
+    rlhf validate PATH [--eval PATH] [--record]           validate preference data only
     rlhf check-config PATH                                validate a config file only
     rlhf make-demo-data OUT_DIR [--config PATH]           write the demo task's data
     rlhf evaluate [VERSION|ALIAS]                         re-run the gates on a registered policy
@@ -10,6 +10,11 @@
     rlhf deploy                                           serve the champion (blue/green)
     rlhf rollback --incident ID --reason TEXT [--to V]    move the champion back and serve it
     rlhf serving [status|stop]                            what serves now; stop it
+
+Every command takes `--config PATH` (default: the packaged configs/demo.yaml, found from any
+directory) and `--debug`. A failed run prints one block: the stage, the cause, the report,
+summary and log paths, the exit code; errors and tracebacks go to the log file
+(`<output_dir>/logs/`) and reach the terminal only with `--debug`.
 
 Exit codes: 0 success, 1 the run failed (summary.json says why), 2 bad usage or config,
 3 the candidate was rejected by the gates (nothing was registered or deployed).
@@ -23,12 +28,15 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import ConfigError, load_config
-
-DEFAULT_CONFIG = "configs/demo.yaml"
+from flows.console import (
+    log_file_path, print_error, print_failure, print_summary, print_validated, route_logs, unroute_logs,
+)
+from rlhf_core.default_config import DEFAULT_CONFIG
 
 
 def quiet_telemetry() -> None:
@@ -88,11 +96,16 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help=f"run the pipeline on the embedded demo ({DEFAULT_CONFIG})")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    demo.set_defaults(config=DEFAULT_CONFIG)
 
     val = sub.add_parser("validate", help="validate a preference-data file (JSONL or Parquet) and stop")
     val.add_argument("path", help="preference data with prompt, chosen, rejected")
     val.add_argument("--eval", dest="eval_path", help="held-out eval set (prompt, answer) to check for leakage")
     val.add_argument("--config", default=DEFAULT_CONFIG, help="config whose `validation` thresholds apply")
+    val.add_argument("--record", action="store_true",
+                     help="run it as the validate-data flow, recorded in MLflow and Prefect (slower: starts "
+                          "Prefect's temporary server when none is configured)")
+    val.set_defaults(overrides=[])
 
     chk = sub.add_parser("check-config", help="validate a pipeline config file and print it resolved")
     chk.add_argument("path")
@@ -126,33 +139,15 @@ def _parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serving", help="show the serving endpoint, or stop it")
     srv.add_argument("action", nargs="?", choices=["status", "stop"], default="status")
     _config_args(srv)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true",
+                             help="show errors and tracebacks on the terminal too (they always go to the log file)")
     return p
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pipeline config YAML (default {DEFAULT_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    stages = summary.get("stages", {})
-    print("\n" + "=" * 72)
-    print(f"{summary['pipeline']}: {summary['status'].upper()}")
-    for name, info in stages.items():
-        figures = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("status", "error", "report", "model_path"))
-        print(f"  {name:<10} {info.get('status', '?'):<10} {figures}")
-    if summary.get("error"):
-        print(f"  error: {summary['error']}")
-    print(f"MLflow run:  {summary['mlflow_run_id']}  ({summary['mlflow_tracking_uri']})")
-    print(f"Summary:     {summary['summary_path']}")
-    uri = summary["mlflow_tracking_uri"]
-    if uri.startswith("sqlite:"):
-        print("Open the UIs on these runs:")
-        print(f"  .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000")
-        print(f"    → http://127.0.0.1:5000/#/experiments/{summary['mlflow_experiment_id']}/runs/{summary['mlflow_run_id']}")
-        print("  .venv/bin/prefect server start")
-        print(f"    → http://127.0.0.1:4200/runs/flow-run/{summary['prefect_flow_run_id']}")
-    print("=" * 72)
 
 
 def print_deployment(stage: dict[str, Any], cfg) -> None:
@@ -171,18 +166,19 @@ def _state_dir(cfg) -> Path:
     return state_dir_for(cfg.serving, cfg.output_dir)
 
 
-def _run_flow(fn, cfg=None, **kwargs) -> int:
-    """Run a flow and print its summary; a failed run's summary (and summary.json) say why."""
+def _run_flow(fn, log_path: Path, cfg=None, **kwargs) -> int:
+    """Run a flow and print its summary; a failed run prints one block saying why."""
     from tasks.tracking import PipelineFailed
 
     state = fn(**kwargs, return_state=True)
     try:
         summary = state.result()
     except PipelineFailed as exc:
-        print_summary(exc.summary)
+        print_failure(exc.summary, 1, log_path)
         return 1
     except Exception as exc:  # noqa: BLE001 - failed before a summary existed
-        print(f"error: {exc}", file=sys.stderr)
+        logging.getLogger(__name__).debug("flow failed before its summary", exc_info=True)
+        print_error(str(exc), 1, log_path)
         return 1
     print_summary(summary)
     if cfg is not None and "deploy" in summary.get("stages", {}):
@@ -190,26 +186,24 @@ def _run_flow(fn, cfg=None, **kwargs) -> int:
     return 3 if summary.get("status") == "rejected" else 0
 
 
-def _run_plain_flow(fn, **kwargs) -> int:
+def _run_plain_flow(fn, log_path: Path, **kwargs) -> int:
     """Run a flow whose result is a small dict; print it, or the error."""
     state = fn(**kwargs, return_state=True)
     try:
         result = state.result()
     except Exception as exc:  # noqa: BLE001 - the flow's error is the message
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(str(exc), 1, log_path)
         return 1
     print(json.dumps(result, indent=2, default=str))
     return 0
 
 
 def _registry_command(args, cfg) -> int:
-    from mlflow.tracking import MlflowClient
-
     from tasks.registry import RegistryError, promote
-    from tasks.tracking import resolve_tracking_uri
+    from tasks.tracking import tracking_client
 
     try:
-        p = promote(MlflowClient(resolve_tracking_uri(cfg)), args.version, args.by, args.reason, force=args.force)
+        p = promote(tracking_client(cfg), args.version, args.by, args.reason, force=args.force)
     except RegistryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -218,9 +212,8 @@ def _registry_command(args, cfg) -> int:
     else:
         print(f"policy v{p.version} already is the champion")
     if args.deploy:
-        from flows.serving import deploy_champion_flow
-
-        return _run_plain_flow(deploy_champion_flow, config_path=args.config, overrides=args.overrides)
+        flows, log = _flows("flows.serving", args, cfg)
+        return _run_plain_flow(flows.deploy_champion_flow, log, config_path=args.config, overrides=args.overrides)
     return 0
 
 
@@ -241,6 +234,69 @@ def _serving_command(args, cfg) -> int:
     return 0 if healthy else 1
 
 
+def _flows(module: str, args, cfg) -> tuple[Any, Path]:
+    """Import a flow module with Prefect's temporary server starting meanwhile; then send the
+    log to a file of its own (errors reach the terminal only with --debug)."""
+    import importlib
+
+    server_up = start_prefect_server_early()
+    flows = importlib.import_module(module)
+    server_up()
+    log_path = log_file_path(cfg.output_dir, args.command)
+    route_logs(log_path, args.debug)
+    return flows, log_path
+
+
+def _flow_command(args, cfg) -> int:
+    if args.command in ("run", "demo"):
+        flows, log = _flows("flows.pipeline", args, cfg)
+        return _run_flow(flows.rlhf_pipeline, log, cfg=cfg, config_path=args.config, overrides=args.overrides)
+    if args.command == "validate":
+        flows, log = _flows("flows.validate", args, cfg)
+        return _run_flow(flows.validate_data_flow, log, preferences_path=args.path, eval_path=args.eval_path,
+                         config_path=args.config)
+    common = {"config_path": args.config, "overrides": args.overrides}
+    if args.command == "evaluate":
+        flows, log = _flows("flows.evaluate", args, cfg)
+        return _run_flow(flows.evaluate_flow, log, candidate=args.candidate, **common)
+    flows, log = _flows("flows.serving", args, cfg)
+    if args.command == "deploy":
+        return _run_plain_flow(flows.deploy_champion_flow, log, **common)
+    return _run_plain_flow(flows.rollback_flow, log, incident=args.incident, reason=args.reason,
+                           requested_by=args.by, to_version=args.to_version, **common)
+
+
+def _validate_here(args, cfg) -> int:
+    """`rlhf validate` without --record: the data contract and its report, no Prefect or MLflow,
+    so the answer comes in about the time Great Expectations takes."""
+    from tasks.data_contract import DataFormatError, DataPaths, DataValidationError, check_files
+
+    out_dir = Path(cfg.output_dir).resolve() / f"validate-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    paths = DataPaths(Path(args.path), Path(args.eval_path) if args.eval_path else None, None, generated=False)
+    summary = {"pipeline": "validate", "config": args.config, "output_dir": str(out_dir),
+               "summary_path": str(out_dir / "summary.json")}
+    try:
+        summary.update(status="completed", stages={"validate": check_files(paths, cfg.validation, out_dir).summary()})
+    except (DataValidationError, DataFormatError) as exc:
+        stage = {"status": "failed", "error": str(exc)}
+        if getattr(exc, "report_path", None) is not None:
+            stage["report"] = str(exc.report_path)
+        summary.update(status="failed", failed_stage="validate", error=str(exc), stages={"validate": stage})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    Path(summary["summary_path"]).write_text(json.dumps(summary, indent=2) + "\n")
+    if summary["status"] == "failed":
+        print_failure(summary, 1, None)
+        return 1
+    print_validated(summary)
+    return 0
+
+
+def _check_inputs(args) -> None:
+    for p in filter(None, (args.path, args.eval_path)):
+        if not Path(p).is_file():
+            raise ConfigError([f"no such file: {p}"], "rlhf validate")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Without PREFECT_API_URL each run starts a temporary local Prefect server; Prefect's
@@ -259,47 +315,21 @@ def main(argv: list[str] | None = None) -> int:
             files = generate_demo_data(load_config(args.config).data.demo, Path(args.out_dir))
             print("\n".join(str(f) for f in (files.sft, files.preferences, files.eval)))
             return 0
-        if args.command in ("run", "demo"):
-            config = getattr(args, "config", DEFAULT_CONFIG)
-            load_config(config, args.overrides)  # fail fast, before any server starts
-            server_up = start_prefect_server_early()
-            from flows.pipeline import rlhf_pipeline
-
-            server_up()
-            return _run_flow(rlhf_pipeline, cfg=load_config(config, args.overrides), config_path=config,
-                             overrides=args.overrides)
-        if args.command in ("evaluate", "promote", "deploy", "rollback", "serving"):
-            cfg = load_config(args.config, args.overrides)
-            if args.command == "promote":
-                return _registry_command(args, cfg)
-            if args.command == "serving":
-                return _serving_command(args, cfg)
-            server_up = start_prefect_server_early()
-            from flows.serving import deploy_champion_flow, evaluate_flow, rollback_flow
-
-            server_up()
-            if args.command == "evaluate":
-                return _run_flow(evaluate_flow, candidate=args.candidate, config_path=args.config,
-                                 overrides=args.overrides)
-            if args.command == "deploy":
-                return _run_plain_flow(deploy_champion_flow, config_path=args.config, overrides=args.overrides)
-            return _run_plain_flow(rollback_flow, incident=args.incident, reason=args.reason, requested_by=args.by,
-                                   to_version=args.to_version, config_path=args.config, overrides=args.overrides)
+        cfg = load_config(args.config, args.overrides)  # fail fast, before any server starts
         if args.command == "validate":
-            load_config(args.config)
-            for p in filter(None, (args.path, args.eval_path)):
-                if not Path(p).is_file():
-                    raise ConfigError([f"no such file: {p}"], "rlhf validate")
-            server_up = start_prefect_server_early()
-            from flows.validate import validate_data_flow
-
-            server_up()
-            return _run_flow(validate_data_flow, preferences_path=args.path, eval_path=args.eval_path,
-                             config_path=args.config)
+            _check_inputs(args)
+            if not args.record:
+                return _validate_here(args, cfg)
+        if args.command == "promote":
+            return _registry_command(args, cfg)
+        if args.command == "serving":
+            return _serving_command(args, cfg)
+        return _flow_command(args, cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 2
+    finally:
+        unroute_logs()
 
 
 if __name__ == "__main__":

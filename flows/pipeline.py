@@ -18,7 +18,8 @@ from typing import Any
 from prefect import flow
 
 from rlhf_core.config import load_config
-from rlhf_core.distributed.cluster import ray_session
+from rlhf_core.default_config import DEFAULT_CONFIG
+from tasks.cluster import training_cluster
 from tasks.data import prepare_data, validate_data
 from tasks.deploy import deploy_champion
 from tasks.evaluate import Candidate, eval_set, evaluate_candidate, register_candidate
@@ -27,15 +28,13 @@ from tasks.reward import train_reward_model_task
 from tasks.sft import train_base_policy
 from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
-DEFAULT_CONFIG = "configs/demo.yaml"
-
 
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run the RLHF pipeline on the config at `config_path`.
 
     Args:
-        config_path: pipeline config (YAML); `configs/demo.yaml` is the embedded demo.
+        config_path: pipeline config (YAML); the default is the packaged `configs/demo.yaml`.
         overrides: `key.path=value` items applied on top of the file, e.g. `sft.epochs=2`.
     """
     cfg = load_config(config_path, overrides)
@@ -49,7 +48,7 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
             base = run_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg, run)
         if base.pipeline_run_id != run.run_id:
             stages["sft"]["status"] = "cached"
-        with ray_session():  # one Ray cluster for both training stages
+        with training_cluster():  # one Ray cluster for both training stages
             reward = run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run)
             policy = run_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
         candidate = Candidate(policy.path, base.path, reward.path, {

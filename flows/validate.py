@@ -7,13 +7,14 @@ from typing import Any
 from prefect import flow
 
 from rlhf_core.config import load_config
+from rlhf_core.default_config import DEFAULT_CONFIG
 from tasks.data import DataPaths, validate_data
 from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
 
 @flow(name="validate-data", log_prints=True)
 def validate_data_flow(
-    preferences_path: str, eval_path: str | None = None, config_path: str = "configs/demo.yaml"
+    preferences_path: str, eval_path: str | None = None, config_path: str = DEFAULT_CONFIG
 ) -> dict[str, Any]:
     """Validate a preference file (JSONL or Parquet) and optionally its eval set, with the
     thresholds of `config_path`; the report goes to MLflow and to a Prefect artifact."""

@@ -86,8 +86,10 @@ class JobExporter:
     """The Prometheus endpoint of one training job (see the module docstring)."""
 
     def __init__(self, run: str, stage: str, *, host: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None, targets_dir: Path | None = None, kl_bound: float | None = None):
+                 advertise_host: str | None = None, targets_dir: Path | None = None, kl_bound: float | None = None,
+                 on_record=None):
         self.run, self.stage = run, stage
+        self.on_record = on_record  # also told each ingested step, in this process (e.g. a progress bar)
         self.advertise_host = advertise_host
         self.targets_dir = None if targets_dir is None else Path(targets_dir)
         self.token = secrets.token_urlsafe(24)
@@ -163,6 +165,8 @@ class JobExporter:
                     rank = m.group(1)
                     host = str(metrics.get(f"worker/{rank}/host", "unknown"))
                     self._workers[WORKER_GAUGES[m.group(2)]].labels(run, stage, rank, host).set(float(value))
+        if self.on_record is not None:
+            self.on_record(step, metrics)
 
     def metrics_text(self) -> bytes:
         with self._lock:

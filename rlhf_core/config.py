@@ -9,20 +9,11 @@ out-of-range values are rejected before anything runs, with the key path in the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlhf_core.training.verifiable import check_verifiable_reward
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used. `problems` holds one `key.path: message` per error."""
-
-    def __init__(self, problems: list[str], source: str = "config"):
-        self.problems = problems
-        super().__init__(f"{source}: invalid configuration\n  " + "\n  ".join(problems))
 
 
 class _Strict(BaseModel):
@@ -39,21 +30,28 @@ class DemoDataConfig(_Strict):
     real gain to find. Preference pairs always prefer the correct sum.
     """
 
-    seed: int = 0
-    max_operand: int = Field(99, ge=9, le=9999)
-    n_sft: int = Field(8000, ge=10)
-    n_pairs: int = Field(3000, ge=10)
-    n_eval: int = Field(200, ge=10)
-    wrong_share: float = Field(0.6, ge=0.0, le=1.0)
-    near_miss_share: float = Field(0.1, ge=0.0, le=1.0)  # pairs rejecting a ±1/±10 answer, not the no-carry one
+    seed: int = Field(0, description='Seed of the generator: the same seed writes the same files.')
+    max_operand: int = Field(99, ge=9, le=9999,
+        description='Largest operand of the addition prompts (operands are in [0, max_operand]).')
+    n_sft: int = Field(8000, ge=10, description='Examples in the SFT corpus.')
+    n_pairs: int = Field(3000, ge=10, description='Preference pairs (prompt, chosen, rejected).')
+    n_eval: int = Field(200, ge=10,
+        description='Held-out eval prompts with their answers; none of them appears in training.')
+    wrong_share: float = Field(0.6, ge=0.0, le=1.0,
+        description='Share of SFT answers that forget to carry: the flaw RL must fix.')
+    near_miss_share: float = Field(0.1, ge=0.0, le=1.0,
+        description='Share of pairs whose rejected answer is off by ±1 or ±10 rather than the no-carry mistake.')
 
 
 class DataConfig(_Strict):
     """Where preference data comes from. Without paths, the demo generator writes them."""
 
-    preferences_path: Path | None = None
-    eval_path: Path | None = None
-    sft_path: Path | None = None  # `prompt`, `completion`; default: the pairs' chosen responses
+    preferences_path: Path | None = Field(
+        None, description='Preference data (JSONL or Parquet with prompt, chosen, rejected); null: generate the demo task.')
+    eval_path: Path | None = Field(
+        None, description='Held-out eval set (prompt, answer) for accuracy and the leakage check; needs preferences_path.')
+    sft_path: Path | None = Field(
+        None, description="SFT corpus (prompt, completion); null: SFT on the preference pairs' chosen responses. Needs preferences_path.")
     demo: DemoDataConfig = DemoDataConfig()
 
     @model_validator(mode="after")
@@ -66,12 +64,14 @@ class DataConfig(_Strict):
 class ValidationConfig(_Strict):
     """Thresholds of the preference-data contract (Great Expectations suite)."""
 
-    min_rows: int = Field(100, ge=1)
-    min_chars: int = Field(1, ge=1)
-    max_chars: int = Field(4000, ge=1)
-    max_duplicate_prompt_share: float = Field(0.5, ge=0.0, le=1.0)
-    check_eval_leakage: bool = True
-    sample_rows: int = Field(5, ge=1, le=100)  # offending rows shown per failed expectation
+    min_rows: int = Field(100, ge=1, description='Fewest preference rows accepted.')
+    min_chars: int = Field(1, ge=1, description='Shortest prompt, chosen or rejected text accepted, in characters.')
+    max_chars: int = Field(4000, ge=1, description='Longest prompt, chosen or rejected text accepted, in characters.')
+    max_duplicate_prompt_share: float = Field(0.5, ge=0.0, le=1.0,
+        description='Largest share of rows that may repeat an earlier prompt.')
+    check_eval_leakage: bool = Field(
+        True, description='Fail when a preference prompt is also in the eval set (whitespace-insensitive).')
+    sample_rows: int = Field(5, ge=1, le=100, description='Offending rows shown per failed check in the report.')
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> "ValidationConfig":
@@ -81,22 +81,24 @@ class ValidationConfig(_Strict):
 
 
 class TokenizerConfig(_Strict):
-    vocab_size: int = Field(320, ge=32, le=65536)
+    """The tokenizer trained locally for the run's models."""
+
+    vocab_size: int = Field(320, ge=32, le=65536, description='Vocabulary size of the tokenizer trained for the run.')
 
 
 class ModelConfig(_Strict):
     """A tiny Llama-architecture causal LM, created locally (no hub)."""
 
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(384, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(4, ge=1)
-    max_position_embeddings: int = Field(64, ge=16)
-    # Std of the initial weights (Hugging Face's `initializer_range`). At 0.02 the tiny demo
-    # model's attention starts near uniform and escapes that saddle late, at a step that varies
-    # with the seed and the CPU's kernels; a larger scale escapes it early for every seed.
-    initializer_range: float = Field(0.02, gt=0, le=1)
+    hidden_size: int = Field(128, ge=8, description='Width of the residual stream.')
+    intermediate_size: int = Field(384, ge=8, description="Width of the MLP's hidden layer.")
+    num_layers: int = Field(4, ge=1, description='Transformer blocks.')
+    num_heads: int = Field(4, ge=1, description='Attention heads; must divide hidden_size.')
+    num_kv_heads: int = Field(4, ge=1, description='Key/value heads (grouped-query attention); must divide num_heads.')
+    max_position_embeddings: int = Field(64, ge=16, description='Longest sequence the model handles, in tokens.')
+    initializer_range: float = Field(0.02, gt=0, le=1, description=(
+        "Std of the initial weights (Hugging Face's initializer_range). At 0.02 a tiny model's attention "
+        "starts near uniform and escapes that saddle at a step that moves with the seed and the CPU; a "
+        "larger scale escapes it early."))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -110,15 +112,16 @@ class ModelConfig(_Strict):
 class SFTConfig(_Strict):
     """Supervised fine-tuning of the base policy on the SFT corpus (loss on answer tokens)."""
 
-    seed: int = 0
-    epochs: int = Field(14, ge=1)
-    batch_size: int = Field(64, ge=1)
-    learning_rate: float = Field(2e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(20, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    max_new_tokens: int = Field(8, ge=1)  # for the held-out accuracy check
-    min_eval_accuracy: float = Field(0.0, ge=0, le=1)  # below this the stage fails
+    seed: int = Field(0, description='Seed of initialisation and data order.')
+    epochs: int = Field(14, ge=1, description='Passes over the SFT corpus.')
+    batch_size: int = Field(64, ge=1, description='Sequences per optimizer step.')
+    learning_rate: float = Field(2e-3, gt=0, description='Peak learning rate, reached after the warm-up.')
+    weight_decay: float = Field(0.0, ge=0, description='AdamW weight decay.')
+    warmup_steps: int = Field(20, ge=0, description='Optimizer steps of linear learning-rate warm-up.')
+    max_grad_norm: float = Field(1.0, gt=0, description='Gradients are clipped to this global norm.')
+    max_new_tokens: int = Field(8, ge=1, description='Tokens generated per prompt for the held-out accuracy check.')
+    min_eval_accuracy: float = Field(0.0, ge=0, le=1,
+        description='The stage fails when held-out accuracy is below this.')
 
 
 class RewardConfig(_Strict):
@@ -128,25 +131,30 @@ class RewardConfig(_Strict):
     (`global_batch_size`); each worker reads a disjoint shard of the training pairs.
     """
 
-    seed: int = 0
-    num_workers: int = Field(2, ge=1)
-    use_gpu: bool | None = None  # None: use GPUs when the cluster has them
-    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD"] = "SPREAD"  # workers over the Ray nodes
-    zero_stage: int = Field(2, ge=0, le=3)
-    micro_batch_size: int = Field(32, ge=1)
-    grad_accum_steps: int = Field(1, ge=1)
-    epochs: int = Field(4, ge=1)
-    learning_rate: float = Field(3e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(10, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    max_length: int = Field(32, ge=4)  # tokens of prompt + response + </s>
-    on_overlength: Literal["truncate", "reject"] = "truncate"
-    margin: float = 0.0
-    eval_share: float = Field(0.1, gt=0, lt=1)  # held-out share of the pairs, split by prompt
-    checkpoint_every: int = Field(20, ge=1)  # optimizer steps
-    max_failures: int = Field(2, ge=0)  # worker failures the run survives by resuming
-    min_eval_accuracy: float = Field(0.9, ge=0, le=1)  # below this the stage fails
+    seed: int = Field(0, description='Seed of initialisation, the held-out split and data order.')
+    num_workers: int = Field(2, ge=1, description='Ray Train workers (data-parallel ranks).')
+    use_gpu: bool | None = Field(None, description='Train on GPUs; null: use GPUs when the cluster has them.')
+    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD"] = Field(
+        "SPREAD", description='How the workers are placed over the Ray nodes.')
+    zero_stage: int = Field(2, ge=0, le=3, description='DeepSpeed ZeRO stage (0: plain data parallel).')
+    micro_batch_size: int = Field(32, ge=1, description='Pairs per forward/backward on one worker.')
+    grad_accum_steps: int = Field(1, ge=1, description='Micro-batches accumulated per optimizer step.')
+    epochs: int = Field(4, ge=1, description='Passes over the training pairs.')
+    learning_rate: float = Field(3e-4, gt=0, description='Peak learning rate, reached after the warm-up.')
+    weight_decay: float = Field(0.0, ge=0, description='AdamW weight decay.')
+    warmup_steps: int = Field(10, ge=0, description='Optimizer steps of linear learning-rate warm-up.')
+    max_grad_norm: float = Field(1.0, gt=0, description='Gradients are clipped to this global norm.')
+    max_length: int = Field(32, ge=4, description='Longest scored sequence in tokens (prompt + response + </s>).')
+    on_overlength: Literal["truncate", "reject"] = Field(
+        "truncate", description='A longer pair is cut to max_length (truncate) or fails the stage naming the rows (reject).')
+    margin: float = Field(
+        0.0, description='Margin by which the chosen reward should exceed the rejected one in the Bradley-Terry loss.')
+    eval_share: float = Field(0.1, gt=0, lt=1, description='Held-out share of the pairs, split by prompt.')
+    checkpoint_every: int = Field(20, ge=1, description='Optimizer steps between checkpoints.')
+    max_failures: int = Field(2, ge=0,
+        description='Worker failures the run survives by resuming from its last checkpoint.')
+    min_eval_accuracy: float = Field(0.9, ge=0, le=1,
+        description='The stage fails when held-out pairwise accuracy is below this.')
 
     @property
     def global_batch_size(self) -> int:
@@ -156,33 +164,38 @@ class RewardConfig(_Strict):
 class PPOConfig(_Strict):
     """PPO with a token-level critic: GAE advantages, KL to the reference in the reward."""
 
-    clip_range: float = Field(0.2, gt=0, lt=1)
-    clip_range_value: float | None = Field(0.2, gt=0)  # None: unclipped value loss
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    vf_coef: float = Field(0.5, gt=0)  # scales the critic's loss (its own optimizer)
-    critic_learning_rate: float = Field(1e-3, gt=0)
-    whiten_advantages: bool = True
+    clip_range: float = Field(0.2, gt=0, lt=1, description="Clip range of the policy's probability ratio.")
+    clip_range_value: float | None = Field(0.2, gt=0,
+        description='Clip range of the value prediction around its old value; null: unclipped value loss.')
+    gamma: float = Field(1.0, ge=0, le=1, description='Discount factor of the GAE returns.')
+    lam: float = Field(0.95, ge=0, le=1, description='GAE lambda: bias-variance trade-off of the advantages.')
+    vf_coef: float = Field(0.5, gt=0, description="Scales the critic's loss (the critic has its own optimizer).")
+    critic_learning_rate: float = Field(1e-3, gt=0, description='Learning rate of the critic.')
+    whiten_advantages: bool = Field(True, description='Normalise the advantages of each batch to mean 0, std 1.')
 
 
 class GRPOConfig(_Strict):
     """GRPO: `group_size` samples per prompt, group-relative advantages, KL in the loss."""
 
-    group_size: int = Field(8, ge=2)
-    scale_by_std: bool = True  # False: Dr. GRPO (no division by the group's std)
-    clip_range: float = Field(0.2, gt=0, lt=1)
+    group_size: int = Field(8, ge=2, description='Responses sampled per prompt; advantages are relative to the group.')
+    scale_by_std: bool = Field(True, description="Divide advantages by the group's std; false: Dr. GRPO.")
+    clip_range: float = Field(0.2, gt=0, lt=1, description="Clip range of the policy's probability ratio.")
 
 
 class CircuitBreakerConfig(_Strict):
     """When RL training stops itself (`rlhf_core.training.circuit_breaker.should_trip`)."""
 
-    enabled: bool = True
-    kl_patience: int = Field(3, ge=1)  # steps in a row with policy/kl > policy.kl_bound
-    max_consecutive_nonfinite: int = Field(2, ge=1)  # steps in a row with a skipped non-finite update
-    entropy_floor: float | None = Field(None, ge=0)  # nats; None: no entropy check
-    entropy_patience: int = Field(3, ge=1)
-    max_reward_drop: float | None = Field(None, gt=0)  # below the run's best windowed mean; None: off
-    reward_window: int = Field(3, ge=1)  # steps averaged for the reward check
+    enabled: bool = Field(True, description='Stop an unstable run and keep its last good checkpoint.')
+    kl_patience: int = Field(3, ge=1,
+        description='Steps in a row with policy/kl above policy.kl_bound before the run stops.')
+    max_consecutive_nonfinite: int = Field(2, ge=1,
+        description='Steps in a row with a skipped non-finite update before the run stops.')
+    entropy_floor: float | None = Field(None, ge=0,
+        description='Entropy (nats) below which a step counts as collapsed; null: no entropy check.')
+    entropy_patience: int = Field(3, ge=1, description='Steps in a row below entropy_floor before the run stops.')
+    max_reward_drop: float | None = Field(None, gt=0,
+        description="Largest drop of the windowed mean reward below the run's best; null: off.")
+    reward_window: int = Field(3, ge=1, description='Steps averaged for the reward check.')
 
 
 class RolloutPipelineConfig(_Strict):
@@ -195,9 +208,10 @@ class RolloutPipelineConfig(_Strict):
     importance ratio min(pi_old / mu, is_cap) of the trainer's policy to the sampler's.
     """
 
-    max_lag: int = Field(0, ge=0, le=8)  # 0: synchronous
-    is_cap: float = Field(2.0, ge=1)  # truncation of the per-token importance weight
-    chunks: int = Field(2, ge=1)  # generate calls per batch: new weights are taken between them
+    max_lag: int = Field(0, ge=0, le=8,
+        description='Policy updates a rollout batch may lag behind the policy it trains; 0: synchronous.')
+    is_cap: float = Field(2.0, ge=1, description='Truncation of the per-token importance weight of lagged samples.')
+    chunks: int = Field(2, ge=1, description='Generate calls per batch; new weights are taken between them.')
 
 
 class PolicyConfig(_Strict):
@@ -209,36 +223,45 @@ class PolicyConfig(_Strict):
     step accumulated over micro-batches of `micro_batch_size` sequences per worker.
     """
 
-    algorithm: Literal["ppo", "grpo"] = "grpo"
-    seed: int = Field(0, ge=0)  # rollout seeds derive from it (SeedSequence: non-negative)
-    num_workers: int = Field(2, ge=1)
-    use_gpu: bool | None = None  # None: use GPUs when the cluster has them
-    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD"] = "SPREAD"  # workers over the Ray nodes
-    zero_stage: int = Field(2, ge=1, le=3)  # >= 1: the non-finite-gradient skip is ZeRO's
-    steps: int = Field(30, ge=1)  # RL iterations
-    prompts_per_step: int = Field(32, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(8, ge=1)
-    epochs_per_step: int = Field(2, ge=1)  # K passes over each step's rollouts
-    minibatch_size: int = Field(128, ge=1)  # sequences per optimizer step, all workers together
-    micro_batch_size: int = Field(64, ge=1)  # sequences per forward/backward on one worker
+    algorithm: Literal["ppo", "grpo"] = Field("grpo", description='RL algorithm.')
+    seed: int = Field(0, ge=0, description='Seed every rollout seed derives from (non-negative).')
+    num_workers: int = Field(2, ge=1, description='Ray Train workers (data-parallel ranks).')
+    use_gpu: bool | None = Field(None, description='Train on GPUs; null: use GPUs when the cluster has them.')
+    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD"] = Field(
+        "SPREAD", description='How the workers are placed over the Ray nodes.')
+    zero_stage: int = Field(2, ge=1, le=3,
+        description="DeepSpeed ZeRO stage; at least 1, since the skip of non-finite gradients is ZeRO's.")
+    steps: int = Field(30, ge=1, description='RL iterations.')
+    prompts_per_step: int = Field(32, ge=1, description='Prompts sampled per RL step.')
+    temperature: float = Field(1.0, gt=0, description='Sampling temperature of the rollouts.')
+    top_p: float = Field(1.0, gt=0, le=1, description='Nucleus sampling of the rollouts (1: off).')
+    max_new_tokens: int = Field(8, ge=1, description='Longest rollout response, in tokens.')
+    epochs_per_step: int = Field(2, ge=1, description="Passes over each step's rollouts.")
+    minibatch_size: int = Field(128, ge=1, description='Sequences per optimizer step, all workers together.')
+    micro_batch_size: int = Field(64, ge=1, description='Sequences per forward/backward on one worker.')
     # 1e-4, not 2e-4: on the demo (4 seeds, bench/pipelined.py) held-out accuracy 0.945 (sd 0.011)
     # against 0.910 (sd 0.032), and the pipelined mode's lag then costs little
-    learning_rate: float = Field(1e-4, gt=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_coef: float = Field(0.02, ge=0)
-    adaptive_kl_target: float | None = Field(None, gt=0)  # None: fixed kl_coef
-    adaptive_kl_horizon: float | None = Field(None, gt=0)
-    kl_bound: float = Field(10.0, gt=0)  # per-sequence KL to the reference the run must stay under
-    entropy_coef: float = Field(0.0, ge=0)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    # The demo's reward model (held-out pairwise accuracy ~0.76) alone is exploited: its score
-    # rises while exact match falls (0.37 -> 0.03). The verifiable reward carries the gain
-    # (0.37 -> ~0.9); the RM term stays, small, as the RLHF signal a real task would weight up.
-    reward_model_weight: float = Field(0.25, ge=0)
-    verifiable_reward_weight: float = Field(1.0, ge=0)  # needs prompts the verifier can parse
+    learning_rate: float = Field(1e-4, gt=0, description='Learning rate of the policy.')
+    max_grad_norm: float = Field(1.0, gt=0, description='Gradients are clipped to this global norm.')
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Estimator of the KL to the reference policy (Schulman's k1, k2, k3).")
+    kl_coef: float = Field(0.02, ge=0,
+        description='Weight of the KL to the reference (in the reward for PPO, in the loss for GRPO).')
+    adaptive_kl_target: float | None = Field(None, gt=0,
+        description='KL the adaptive controller steers kl_coef towards; null: fixed kl_coef.')
+    adaptive_kl_horizon: float | None = Field(None, gt=0,
+        description='Horizon of the adaptive KL controller; set together with adaptive_kl_target.')
+    kl_bound: float = Field(10.0, gt=0,
+        description='Per-sequence KL to the reference the run must stay under (the circuit breaker watches it).')
+    entropy_coef: float = Field(0.0, ge=0, description='Weight of the entropy bonus.')
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description='How token losses are averaged into the batch loss.')
+    # On the demo the reward model alone is exploited: its score rises while exact match falls.
+    # The verifiable reward carries the gain; the RM term stays, small, as the RLHF signal a
+    # real task would weight up.
+    reward_model_weight: float = Field(0.25, ge=0, description="Weight of the reward model's score in the reward.")
+    verifiable_reward_weight: float = Field(1.0, ge=0,
+        description='Weight of the verifiable reward (exact answer); needs prompts the verifier can parse.')
     verifiable_reward: str | None = Field(
         "addition_exact_match",
         description="The verifiable reward: a name registered in rlhf_core.training.verifiable."
@@ -246,10 +269,12 @@ class PolicyConfig(_Strict):
         "(prompts, responses) -> tensor of 0/1 per response; null for none (then "
         "verifiable_reward_weight must be 0).",
     )
-    eval_every: int = Field(10, ge=1)  # RL steps between held-out evaluations
-    checkpoint_every: int = Field(10, ge=1)  # RL steps between checkpoints
-    max_failures: int = Field(2, ge=0)
-    min_accuracy_gain: float = Field(0.0, ge=-1, le=1)  # the stage fails below this gain
+    eval_every: int = Field(10, ge=1, description='RL steps between held-out evaluations.')
+    checkpoint_every: int = Field(10, ge=1, description='RL steps between checkpoints.')
+    max_failures: int = Field(2, ge=0,
+        description='Worker failures the run survives by resuming from its last checkpoint.')
+    min_accuracy_gain: float = Field(0.0, ge=-1, le=1,
+        description='The stage fails when held-out accuracy gains less than this over the SFT policy.')
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
@@ -325,16 +350,23 @@ class GateConfig(_Strict):
     """Promotion gates on held-out prompts (`rlhf_core.eval.gates.gate`): a trained policy
     replaces the champion only when every check passes (and `auto_promote` is on)."""
 
-    eval_prompts: int = Field(200, ge=1)  # held-out prompts evaluated
-    min_accuracy_gain: float = Field(0.0, ge=-1, le=1)  # over the reference (SFT) policy
-    max_regression_vs_champion: float = Field(0.02, ge=0, le=1)  # accuracy below the champion's
-    min_win_rate_vs_reference: float = Field(0.5, ge=0, le=1)  # reward-model win rate, ties count half
-    min_win_rate_vs_champion: float = Field(0.5, ge=0, le=1)
-    max_kl: float = Field(10.0, gt=0)  # per-sequence KL to the reference, the unit of policy.kl_bound
-    max_length_ratio: float = Field(1.5, gt=0)  # mean length / reference mean length
-    max_degenerate_rate: float = Field(0.05, ge=0, le=1)  # empty or looping responses
-    max_generation_failure_rate: float = Field(0.01, ge=0, le=1)  # prompts that failed to generate
-    auto_promote: bool = False  # False: a passing candidate still waits for a human
+    eval_prompts: int = Field(200, ge=1, description='Held-out prompts evaluated.')
+    min_accuracy_gain: float = Field(0.0, ge=-1, le=1,
+        description='Least accuracy gain over the reference (SFT) policy.')
+    max_regression_vs_champion: float = Field(0.02, ge=0, le=1,
+        description="Largest accuracy drop below the champion's.")
+    min_win_rate_vs_reference: float = Field(0.5, ge=0, le=1,
+        description='Least reward-model win rate against the reference (ties count half).')
+    min_win_rate_vs_champion: float = Field(0.5, ge=0, le=1,
+        description='Least reward-model win rate against the champion (ties count half).')
+    max_kl: float = Field(10.0, gt=0,
+        description='Largest per-sequence KL to the reference (the unit of policy.kl_bound).')
+    max_length_ratio: float = Field(1.5, gt=0, description="Largest mean response length relative to the reference's.")
+    max_degenerate_rate: float = Field(0.05, ge=0, le=1, description='Largest share of empty or looping responses.')
+    max_generation_failure_rate: float = Field(0.01, ge=0, le=1,
+        description='Largest share of prompts that failed to generate.')
+    auto_promote: bool = Field(
+        False, description='Promote a passing candidate to champion (and serve it); false: it waits for a person.')
 
 
 class ServingConfig(_Strict):
@@ -345,19 +377,24 @@ class ServingConfig(_Strict):
     endpoint (recorded in `<state_dir>/current.json`); the old server is stopped after that.
     """
 
-    enabled: bool = True  # deploy after a promotion inside the pipeline
-    host: str = "127.0.0.1"  # bind address; anything else exposes the API beyond this machine
-    ports: tuple[int, int] = (8100, 8101)  # blue / green
-    api_key_env: str = "RLHF_SERVING_API_KEY"  # unset: a key is generated into <state_dir>/api_key
-    state_dir: Path | None = None  # None: <output_dir>/serving
-    dtype: str = "float32"  # vLLM --dtype ("auto" / "bfloat16" on GPU)
-    max_model_len: int | None = Field(None, ge=8)  # None: the model's max_position_embeddings
-    kv_cache_gib: float = Field(0.5, gt=0)  # CPU backend KV cache (VLLM_CPU_KVCACHE_SPACE)
-    chunked_prefill: bool = False  # vLLM on CPU crashes on seeded requests it splits; on for GPU
-    startup_timeout_s: float = Field(300.0, gt=0)  # until /health answers 200
-    smoke_prompt: str = "Hello"  # completed once before the new server takes traffic
-    smoke_max_tokens: int = Field(8, ge=1)
-    extra_args: list[str] = []  # passed on to vllm.entrypoints.openai.api_server
+    enabled: bool = Field(True, description='Deploy after a promotion inside the pipeline.')
+    host: str = Field(
+        "127.0.0.1", description='Bind address; anything but loopback exposes the API beyond this machine.')
+    ports: tuple[int, int] = Field((8100, 8101), description='The blue and green ports.')
+    api_key_env: str = Field(
+        "RLHF_SERVING_API_KEY", description='Environment variable holding the API key; unset: a key is generated into <state_dir>/api_key.')
+    state_dir: Path | None = Field(None, description='Where the serving state lives; null: <output_dir>/serving.')
+    dtype: str = Field("float32", description='vLLM --dtype ("auto" or "bfloat16" on GPU).')
+    max_model_len: int | None = Field(None, ge=8,
+        description="Longest sequence served; null: the model's max_position_embeddings.")
+    kv_cache_gib: float = Field(0.5, gt=0,
+        description="KV cache of vLLM's CPU backend in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    chunked_prefill: bool = Field(
+        False, description='vLLM chunked prefill; off on CPU, where it crashes on seeded requests it splits.')
+    startup_timeout_s: float = Field(300.0, gt=0, description='Seconds a new server has until /health answers 200.')
+    smoke_prompt: str = Field("Hello", description='Completed once before the new server takes traffic.')
+    smoke_max_tokens: int = Field(8, ge=1, description='Tokens of the smoke completion.')
+    extra_args: list[str] = Field([], description='Passed on to vllm.entrypoints.openai.api_server.')
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> "ServingConfig":
@@ -370,24 +407,31 @@ class MonitoringConfig(_Strict):
     """Prometheus export of the training jobs: one endpoint per job (`monitoring.prometheus`),
     listed for Prometheus in a file_sd target file."""
 
-    enabled: bool = True
-    host: str = "127.0.0.1"  # the exporter's bind address; 0.0.0.0 when workers run on other nodes
-    port: int = Field(0, ge=0, le=65535)  # 0: any free port (the target file says which)
-    advertise_host: str | None = None  # the address workers and Prometheus use; None: host
-    targets_dir: Path | None = None  # None: <output_dir>/prometheus-targets
-    linger_on_failure_s: float = Field(15.0, ge=0)  # keep a failed job's endpoint up so alerts can fire
+    enabled: bool = Field(True, description="Export the training jobs' metrics to Prometheus.")
+    host: str = Field("127.0.0.1", description="The exporter's bind address; 0.0.0.0 when workers run on other nodes.")
+    port: int = Field(0, ge=0, le=65535,
+        description="The exporter's port; 0: any free port (the target file says which).")
+    advertise_host: str | None = Field(None, description='The address workers and Prometheus use; null: host.')
+    targets_dir: Path | None = Field(
+        None, description='Where the file_sd target files go; null: <output_dir>/prometheus-targets.')
+    linger_on_failure_s: float = Field(15.0, ge=0,
+        description="Seconds a failed job's endpoint stays up so its alerts can fire.")
 
 
 class TrackingConfig(_Strict):
     """MLflow. `tracking_uri` None means $MLFLOW_TRACKING_URI, else SQLite in the cwd."""
 
-    tracking_uri: str | None = None
-    experiment: str = "rlhf-pipeline"
+    tracking_uri: str | None = Field(
+        None, description='MLflow tracking URI; null: $MLFLOW_TRACKING_URI, else SQLite mlflow.db in the working directory.')
+    experiment: str = Field("rlhf-pipeline", description='MLflow experiment of the runs.')
 
 
 class PipelineConfig(_Strict):
-    name: str = "demo"
-    output_dir: Path = Path("runs")
+    """The whole pipeline: one section per stage, loaded from one YAML file."""
+
+    name: str = Field("demo", description="Name of the run; the run's MLflow name and output directory start with it.")
+    output_dir: Path = Field(
+        Path("runs"), description='Where runs write their outputs (relative paths: to the working directory).')
     data: DataConfig = DataConfig()
     validation: ValidationConfig = ValidationConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -401,65 +445,10 @@ class PipelineConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
 
 
-_MESSAGES = {
-    "greater_than": "must be > {gt}",
-    "greater_than_equal": "must be >= {ge}",
-    "less_than": "must be < {lt}",
-    "less_than_equal": "must be <= {le}",
-    "extra_forbidden": "unknown key",
-    "missing": "required key is missing",
-}
+# Loading YAML into a PipelineConfig (and its error) lives in its own module, re-exported here:
+# callers use `rlhf_core.config` for both.
+from rlhf_core.config_loading import ConfigError, apply_overrides, load_config, parse_config  # noqa: E402
 
-
-def _describe(err: dict[str, Any]) -> str:
-    path = ".".join(str(p) for p in err["loc"]) or "<root>"
-    kind = err["type"]
-    if kind in _MESSAGES:
-        ctx = {k: f"{v:g}" if isinstance(v, float) else v for k, v in err.get("ctx", {}).items()}
-        msg = _MESSAGES[kind].format(**ctx)
-    else:
-        msg = err["msg"].removeprefix("Value error, ")
-    if kind not in ("missing", "extra_forbidden") and err["loc"]:
-        msg += f", got {err['input']!r}"
-    return f"{path}: {msg}"
-
-
-def parse_config(raw: dict[str, Any] | None, source: str = "config") -> PipelineConfig:
-    """Validate a plain dict into a `PipelineConfig`, or raise `ConfigError` naming every bad key."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError([f"<root>: must be a mapping, got {type(raw).__name__}"], source)
-    try:
-        return PipelineConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError([_describe(e) for e in exc.errors()], source) from None
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a copy."""
-    out = yaml.safe_load(yaml.safe_dump(raw)) or {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError([f"override {item!r}: expected key.path=value"])
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError([f"{key}: {part} is not a mapping"])
-        node[parts[-1]] = yaml.safe_load(value)
-    return out
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
-    """Load, override and validate a pipeline config from a YAML file."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError([f"file not found: {path}"], str(path)) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"not valid YAML: {exc}"], str(path)) from None
-    return parse_config(apply_overrides(raw, overrides or []), source=str(path))
+__all__ = [name for name in dir() if name.endswith("Config")] + [
+    "ConfigError", "apply_overrides", "load_config", "parse_config",
+]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,34 +15,17 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
-from rlhf_core.data.schema import fingerprint, read_table
+from rlhf_core.data.schema import fingerprint
 from rlhf_core.data.synthetic import generate_demo_data
-from rlhf_core.data.validation import ValidationReport, validate_preferences
+from rlhf_core.data.validation import ValidationReport
+from tasks.data_contract import (
+    DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, write_report,
+)
 from tasks.tracking import PipelineRun, stage_run
 
 
-class DataValidationError(RuntimeError):
-    """Preference data broke the contract; training must not start."""
-
-
-@dataclass(frozen=True)
-class DataPaths:
-    preferences: Path
-    eval: Path | None
-    sft: Path | None  # None: SFT on the preference data's chosen responses
-    generated: bool
-
-
-@dataclass(frozen=True)
-class ValidatedData:
-    paths: DataPaths
-    fingerprint: str
-    num_rows: int
-    report_path: Path
-
-    def summary(self) -> dict:
-        return {"status": "passed", "rows": self.num_rows, "dataset_fingerprint": self.fingerprint,
-                "report": str(self.report_path)}
+__all__ = ["DataFormatError", "DataPaths", "DataValidationError", "ValidatedData", "check_files", "prepare_data",
+           "validate_data"]
 
 
 @task(name="prepare-data")
@@ -57,16 +39,14 @@ def prepare_data(cfg: PipelineConfig, out_dir: Path) -> DataPaths:
 
 
 def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:
-    path = out_dir / "validation_report.json"
-    path.write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
-    (out_dir / "validation_report.md").write_text(report.to_markdown())
+    path = write_report(report, out_dir)
     create_markdown_artifact(key="data-validation-report", markdown=f"# {title}\n\n{report.to_markdown()}",
                              description="Preference-data validation (Great Expectations)")
     return path
 
 
 # Bump when the expectations or the report's shape change: old cached reports then stop matching.
-CONTRACT_CACHE_VERSION = 1
+CONTRACT_CACHE_VERSION = 2
 
 
 def _contract_key(context, parameters: dict) -> str:
@@ -78,9 +58,7 @@ def _contract_key(context, parameters: dict) -> str:
 @task(name="check-data-contract", cache_key_fn=_contract_key, persist_result=True, cache_expiration=timedelta(days=30))
 def check_data_contract(data_fingerprint: str, paths: DataPaths, cfg: ValidationConfig) -> ValidationReport:
     """The expectations' verdict on the data whose fingerprint is `data_fingerprint`."""
-    prefs = read_table(paths.preferences)
-    evals = read_table(paths.eval) if paths.eval is not None else None
-    return validate_preferences(prefs, cfg, eval_df=evals)
+    return contract(paths, cfg)
 
 
 @task(name="validate-data")
@@ -98,7 +76,5 @@ def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> Va
         client.log_metric(stage_id, "validate/failed_checks", len(report.failed))
         client.set_tag(stage_id, "validation.verdict", "passed" if report.success else "failed")
         if not report.success:
-            raise DataValidationError(
-                f"{paths.preferences}: {len(report.failed)} data check(s) failed\n" + report.failure_message()
-            )
+            raise failure(paths, report, run.out_dir)
     return ValidatedData(paths, data_fp, report.num_rows, report_path)

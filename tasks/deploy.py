@@ -16,9 +16,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.serving import server
-from tasks.evaluate import fetch_version
 from tasks.registry import (
-    CHAMPION, POLICY, RegistryError, RollbackPlan, by_alias, complete_rollback, now_iso, start_rollback,
+    CHAMPION, POLICY, RegistryError, RollbackPlan, by_alias, complete_rollback, fetch_version, now_iso, start_rollback,
 )
 from tasks.tracking import resolve_tracking_uri
 

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import mlflow
-from mlflow.tracking import MlflowClient
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
@@ -32,7 +28,9 @@ from rlhf_core.eval.gates import Decision, gate
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import load_reward_model
 from rlhf_core.tokenizer import load_tokenizer
-from tasks.registry import CHALLENGER, CHAMPION, POLICY, by_alias, promote, register_model_version
+from tasks.registry import (
+    CHALLENGER, CHAMPION, POLICY, REWARD_MODEL, by_alias, fetch_version, get_version, promote, register_model_version,
+)
 from tasks.data import DataPaths
 from tasks.tracking import PipelineRun, stage_run
 
@@ -73,6 +71,7 @@ class Evaluation:
         }
 
 
+@task(name="eval-set")
 def eval_set(paths: DataPaths, cfg: PipelineConfig) -> tuple[list[str], list[str] | None]:
     """The held-out prompts (and answers, when the eval file has them) the gates decide on:
     the eval file, else the preference prompts the reward model held out."""
@@ -86,24 +85,6 @@ def eval_set(paths: DataPaths, cfg: PipelineConfig) -> tuple[list[str], list[str
 
 def _policy(name: str, model_dir: Path) -> Policy:
     return Policy(name, load_policy(model_dir), load_tokenizer(model_dir))
-
-
-def fetch_version(tracking_uri: str, version: str, dest_root: Path, name: str = POLICY) -> Path:
-    """Download `models:/<name>/<version>` to `<dest_root>/v<version>` (once; atomically)."""
-    dest = dest_root / f"v{version}"
-    if dest.is_dir():
-        return dest
-    dest_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=dest_root))
-    try:
-        # Ask the registry of *this* store where the version's files are: a `models:/` URI would
-        # be resolved against the process-wide registry URI, which may be another store.
-        source = MlflowClient(tracking_uri, registry_uri=tracking_uri).get_model_version_download_uri(name, version)
-        local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=tracking_uri)
-        os.replace(local, dest)  # the model directory itself, wherever the download nested it
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 def _report_json(ev_result: EvalResult, decision: Decision, candidate: Candidate, champion: str | None, cfg) -> dict:
@@ -223,3 +204,45 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     else:
         log.info("policy v%s is the %s; promote it with `rlhf promote %s` or in the MLflow UI", version, CHALLENGER, version)
     return Registration(version, promoted, previous)
+
+
+LINEAGE_TAGS = ("dataset.fingerprint", "base_model.run_id", "reward_model.version", "policy.run_id", "algorithm")
+
+
+@dataclass(frozen=True)
+class RegisteredCandidate:
+    """A registered `policy` version, downloaded with its reference policy and reward model."""
+
+    version: str
+    candidate: Candidate
+
+
+@task(name="fetch-registered-candidate", retries=2, retry_delay_seconds=2)
+def fetch_registered_candidate(name_or_alias: str, run: PipelineRun) -> RegisteredCandidate:
+    """Download a `policy` version (number or alias), the SFT policy it started from and the
+    reward model it was trained against, under the run's output directory."""
+    client = run.client
+    version = get_version(client, name_or_alias)
+    tags = version.tags
+    reference_dir = run.out_dir / "reference"
+    if not reference_dir.exists():
+        client.download_artifacts(tags["base_model.run_id"], "model", str(run.out_dir))
+        (run.out_dir / "model").rename(reference_dir)
+    candidate = Candidate(
+        fetch_version(run.tracking_uri, str(version.version), run.out_dir / "candidate"),
+        reference_dir,
+        fetch_version(run.tracking_uri, tags["reward_model.version"], run.out_dir / "reward", REWARD_MODEL),
+        {k: v for k, v in tags.items() if k in LINEAGE_TAGS} | {"pipeline.run_id": run.run_id},
+    )
+    return RegisteredCandidate(str(version.version), candidate)
+
+
+@task(name="record-gate-verdict", retries=2, retry_delay_seconds=2)
+def record_gate_verdict(version: str, evaluation: Evaluation, run: PipelineRun) -> None:
+    """Tag the registered version with the verdict (`gate.*`), so `rlhf promote` can refuse it."""
+    client = run.client
+    for key, value in {"gate.passed": str(evaluation.passed).lower(),
+                       "gate.reasons": "; ".join(evaluation.decision.reasons),
+                       "gate.vs_champion": evaluation.champion_version or "none",
+                       "eval.run_id": evaluation.run_id}.items():
+        client.set_model_version_tag(POLICY, version, key, value)

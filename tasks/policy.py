@@ -10,6 +10,7 @@ from mlflow.entities import Param
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from monitoring.progress import ProgressSink
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.schema import read_table
@@ -85,7 +86,9 @@ def optimise_policy(
         evals = read_table(data.paths.eval) if data.paths.eval is not None else None
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
         try:
-            with exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound) as on_metrics:
+            figures = {"policy/reward_mean": "reward", "policy/kl": "KL"}
+            with ProgressSink("policy", cfg.policy.steps, figures) as progress, \
+                    exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
                 result = train_policy(
                     training_prompts(data),
                     list(evals["prompt"]) if evals is not None else [],

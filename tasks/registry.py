@@ -18,15 +18,21 @@ What is recorded, so that a person in the MLflow UI and the rollback flow agree:
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
+import mlflow
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 POLICY = "policy"
+REWARD_MODEL = "reward-model"
 CHALLENGER = "challenger"
 CHAMPION = "champion"
 _INCIDENT_ID = re.compile(r"^[A-Za-z0-9_.\-:]{1,120}$")
@@ -204,3 +210,21 @@ def complete_rollback(client: MlflowClient, plan: RollbackPlan, served_version: 
     record = {**plan.record, "status": "completed", "served_version": served_version, "completed_at": now_iso()}
     record_incident(client, plan.incident, record, name)
     return record
+
+
+def fetch_version(tracking_uri: str, version: str, dest_root: Path, name: str = POLICY) -> Path:
+    """Download `models:/<name>/<version>` to `<dest_root>/v<version>` (once; atomically)."""
+    dest = dest_root / f"v{version}"
+    if dest.is_dir():
+        return dest
+    dest_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=dest_root))
+    try:
+        # Ask the registry of *this* store where the version's files are: a `models:/` URI would
+        # be resolved against the process-wide registry URI, which may be another store.
+        source = MlflowClient(tracking_uri, registry_uri=tracking_uri).get_model_version_download_uri(name, version)
+        local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=tracking_uri)
+        os.replace(local, dest)  # the model directory itself, wherever the download nested it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

@@ -8,18 +8,19 @@ from mlflow.entities import Param
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from monitoring.progress import ProgressSink
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data.pairs import split_by_prompt
+from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
 from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
 from rlhf_core.distributed.reward_trainer import RewardTrainResult, train_reward_model
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
-from tasks.registry import register_model_version
+from tasks.registry import REWARD_MODEL, register_model_version
 from tasks.sft import BasePolicy
 from tasks.tracking import PipelineRun, flatten, stage_run
 
-REGISTERED_NAME = "reward-model"
+REGISTERED_NAME = REWARD_MODEL
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,10 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         rows = read_table(data.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
         train, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
-        with exported(cfg, stage_id, "reward", sink) as on_metrics:
+        total = steps_per_epoch(len(train), cfg.reward.global_batch_size) * cfg.reward.epochs
+        figures = {"reward/loss": "loss", "reward/accuracy": "accuracy"}
+        with ProgressSink("reward", total, figures) as progress, \
+                exported(cfg, stage_id, "reward", sink, progress=progress) as on_metrics:
             result = train_reward_model(
                 train, held_out, base.path, cfg.reward,
                 out_dir=run.out_dir / "models" / "reward",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 from mlflow.entities import Param
 from prefect import get_run_logger, task
 
+from monitoring.progress import ProgressSink
+from monitoring.prometheus import FanOut
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.schema import fingerprint, read_table
@@ -88,16 +91,18 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
         for section in ("sft", "model", "tokenizer"):
             params = flatten(getattr(cfg, section).model_dump(mode="json"), f"{section}.")
             client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
-        result = make_base_policy(
-            prompts,
-            completions,
-            texts,
-            list(evals["prompt"]) if evals is not None else [],
-            list(evals["answer"]) if evals is not None else [],
-            cfg,
-            run.out_dir / "models" / "sft",
-            on_metrics=_with_progress(MlflowMetricsSink(run.tracking_uri, stage_id), log),
-        )
+        total = math.ceil(len(prompts) / cfg.sft.batch_size) * cfg.sft.epochs  # as the SFT loop counts steps
+        with ProgressSink("sft", total, {"sft/loss": "loss"}) as progress:
+            result = make_base_policy(
+                prompts,
+                completions,
+                texts,
+                list(evals["prompt"]) if evals is not None else [],
+                list(evals["answer"]) if evals is not None else [],
+                cfg,
+                run.out_dir / "models" / "sft",
+                on_metrics=FanOut(_with_progress(MlflowMetricsSink(run.tracking_uri, stage_id), log), progress),
+            )
         client.log_metric(stage_id, "sft/num_parameters", result.num_parameters)
         client.log_metric(stage_id, "sft/seconds", result.sft_seconds)
         if result.eval_accuracy is not None:

@@ -30,6 +30,11 @@ def resolve_tracking_uri(cfg: PipelineConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / DEFAULT_DB}"
 
 
+def tracking_client(cfg: PipelineConfig) -> MlflowClient:
+    """A client of the run's tracking store (and its model registry)."""
+    return MlflowClient(resolve_tracking_uri(cfg))
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(
@@ -132,12 +137,15 @@ def summary_header(run: PipelineRun, pipeline: str, config_source: str) -> dict:
 
 def run_stage(stages: dict, name: str, task_fn, *args):
     """Call a stage task, recording in `stages[name]` its status and, on success, the figures
-    of the result's `summary()`; a failure is recorded with its error and re-raised."""
+    of the result's `summary()`; a failure is recorded with its error (and the exception's
+    `report_path`, when it has one) and re-raised."""
     stages[name] = {"status": "running"}
     try:
         result = task_fn(*args)
     except Exception as exc:
         stages[name] = {"status": "failed", "error": str(exc)}
+        if getattr(exc, "report_path", None) is not None:  # where the stage wrote what went wrong
+            stages[name]["report"] = str(exc.report_path)
         raise
     stages[name] = result.summary()
     return result

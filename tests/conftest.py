@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,24 @@ def tiny_config(tmp_path) -> Path:
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path)))
     return path
+
+
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago (all bound at once, so distinct)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@pytest.fixture(scope="session")
+def free_ports():
+    """`free_ports(n)`: `n` distinct free loopback ports, for servers a test starts."""
+    return _free_ports
 
 
 @pytest.fixture(scope="session")

@@ -1,43 +1,87 @@
-"""rlhf_core/ holds the algorithms; Prefect and MLflow never appear in it."""
+"""The layers of ARCHITECTURE.md, checked on every import statement:
+
+- `rlhf_core/` holds the algorithms: no Prefect, no MLflow, and none of the layers above it
+  (`tasks`, `flows`, `monitoring`); Ray, DeepSpeed and vLLM only in the modules that drive them.
+- `tasks/` are the I/O adapters: they may import everything.
+- `flows/` compose tasks: Prefect, `tasks` and the typed config, nothing that computes (no
+  torch, transformers, engines, MLflow or Great Expectations, no other `rlhf_core` module).
+  The command line (`flows/cli.py`) also answers two commands that need no flow: `serving`
+  (status and stop of the serving process) and `make-demo-data`.
+- `monitoring/` is where metrics leave the process: it never imports `flows` or `tasks`.
+"""
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FORBIDDEN_IN_CORE = {"prefect", "mlflow"}
+FORBIDDEN_IN_CORE = {"prefect", "mlflow", "tasks", "flows", "monitoring"}
 # Heavy engines are allowed only in the modules whose job is to drive them.
 ENGINE_MODULES = {"deepspeed", "vllm", "ray"}
+COMPUTE_LIBRARIES = {"torch", "transformers", "deepspeed", "vllm", "ray", "mlflow", "great_expectations", "numpy",
+                     "pandas"}
+CORE_MODULES_FOR_FLOWS = {"rlhf_core.config", "rlhf_core.default_config"}
+CORE_MODULES_FOR_THE_CLI = CORE_MODULES_FOR_FLOWS | {"rlhf_core.serving.server", "rlhf_core.serving",
+                                                     "rlhf_core.data.synthetic"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module an import statement names, anywhere in the file (function bodies too);
+    `from a import b` counts as `a` and, when `b` may be a module, `a.b`."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+            modules |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return modules
 
 
 def imported_roots(path: Path) -> set[str]:
-    roots = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
+    return {m.split(".")[0] for m in imported_modules(path)}
 
 
-def test_no_core_module_imports_prefect_or_mlflow():
-    offenders = {
-        str(p.relative_to(REPO)): sorted(imported_roots(p) & FORBIDDEN_IN_CORE)
-        for p in (REPO / "rlhf_core").rglob("*.py")
-        if imported_roots(p) & FORBIDDEN_IN_CORE
-    }
-    assert offenders == {}
+def offenders(folder: str, bad) -> dict[str, list[str]]:
+    found = {}
+    for p in sorted((REPO / folder).rglob("*.py")):
+        wrong = sorted(m for m in imported_modules(p) if bad(p, m))
+        if wrong:
+            found[str(p.relative_to(REPO))] = wrong
+    return found
+
+
+def test_no_core_module_imports_prefect_mlflow_or_a_layer_above():
+    assert offenders("rlhf_core", lambda p, m: m.split(".")[0] in FORBIDDEN_IN_CORE) == {}
 
 
 def test_engines_are_confined_to_their_driver_modules():
     allowed_dirs = {"distributed", "rollout"}
-    offenders = {
-        str(p.relative_to(REPO)): sorted(imported_roots(p) & ENGINE_MODULES)
-        for p in (REPO / "rlhf_core").rglob("*.py")
-        if imported_roots(p) & ENGINE_MODULES and not allowed_dirs & set(p.relative_to(REPO).parts)
-    }
-    assert offenders == {}
+    assert offenders("rlhf_core", lambda p, m: m.split(".")[0] in ENGINE_MODULES
+                     and not allowed_dirs & set(p.relative_to(REPO).parts)) == {}
 
 
-def test_the_checker_sees_imports(tmp_path):
+def _not_for_flows(path: Path, module: str) -> bool:
+    root = module.split(".")[0]
+    if root in COMPUTE_LIBRARIES:
+        return True
+    if root != "rlhf_core" or module == "rlhf_core":
+        return False
+    allowed = CORE_MODULES_FOR_THE_CLI if path.name == "cli.py" else CORE_MODULES_FOR_FLOWS
+    return not any(module == a or module.startswith(a + ".") for a in allowed)
+
+
+def test_flows_import_prefect_tasks_and_the_config_only():
+    assert offenders("flows", _not_for_flows) == {}
+
+
+def test_monitoring_never_imports_flows_or_tasks():
+    assert offenders("monitoring", lambda p, m: m.split(".")[0] in {"flows", "tasks"}) == {}
+
+
+def test_the_checker_sees_imports_anywhere_in_a_file(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("import mlflow.tracking\nfrom prefect import flow\nimport os\n")
-    assert imported_roots(probe) == {"mlflow", "prefect", "os"}
+    probe.write_text("import mlflow.tracking\nfrom prefect import flow\nimport os\n"
+                     "def f():\n    from rlhf_core.models import llama\n")
+    assert imported_roots(probe) == {"mlflow", "prefect", "os", "rlhf_core"}
+    assert "rlhf_core.models.llama" in imported_modules(probe)
+    assert _not_for_flows(probe, "rlhf_core.models.llama") and _not_for_flows(probe, "torch.nn")
+    assert not _not_for_flows(probe, "rlhf_core.config") and not _not_for_flows(probe, "tasks.data")

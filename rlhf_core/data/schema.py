@@ -10,9 +10,15 @@ decoded with `errors="replace"`, so undecodable UTF-8 becomes U+FFFD (as do lone
 escapes like `"\\ud800"`), which validation then reports with its line number. Every row
 keeps `_line`, its 1-based line in the file (row number for Parquet), so reports can point
 at the offending rows.
+
+Files written by Windows tools often start with a UTF-8 byte-order mark and end lines with
+CRLF: both are read as plain UTF-8 lines, and `df.attrs[READ_NOTES]` says so, for the
+validation report. Columns beyond the contract's are kept in the frame and named by the
+report; training reads the contract's columns by name only.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -28,6 +34,7 @@ PREFERENCE_COLUMNS: tuple[str, ...] = ("prompt", "chosen", "rejected")
 OPTIONAL_PREFERENCE_COLUMNS: tuple[str, ...] = ("id", "source")
 EVAL_COLUMNS: tuple[str, ...] = ("prompt", "answer")
 LINE_COLUMN = "_line"
+READ_NOTES = "read_notes"  # key in DataFrame.attrs: how a file was read, when worth saying
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -58,8 +65,12 @@ def read_table(path: str | Path) -> pd.DataFrame:
 
 def _read_jsonl(path: Path) -> pd.DataFrame:
     rows: list[dict] = []
+    bom = crlf = False
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, bom = raw[len(codecs.BOM_UTF8):], True
+            crlf = crlf or raw.endswith(b"\r\n")
             text = raw.decode("utf-8", errors="replace")
             if not text.strip():
                 continue  # blank lines (e.g. a trailing one) carry no row
@@ -74,9 +85,10 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
             obj = {k: replace_surrogates(v) for k, v in obj.items() if k != LINE_COLUMN}
             obj[LINE_COLUMN] = lineno
             rows.append(obj)
-    if not rows:
-        return pd.DataFrame({LINE_COLUMN: pd.Series([], dtype="int64")})
-    return pd.DataFrame.from_records(rows)
+    df = pd.DataFrame.from_records(rows) if rows else pd.DataFrame({LINE_COLUMN: pd.Series([], dtype="int64")})
+    df.attrs[READ_NOTES] = [note for note, seen in (("UTF-8 byte-order mark skipped", bom),
+                                                    ("CRLF line ends", crlf)) if seen]
+    return df
 
 
 def replace_surrogates(value: Any) -> Any:

@@ -2,9 +2,9 @@
 
 `validate_preferences(df, cfg, eval_df)` builds an ephemeral GX context, runs one suite over
 the preference rows (and a small one over the eval set when given) and returns a
-`ValidationReport`: one `CheckResult` per expectation, with the offending rows' file line
-numbers and a few sample rows, renderable as a dict, a Markdown table or a one-line-per-failure
-message.
+`ValidationReport` (`rlhf_core.data.validation_report`): one `CheckResult` per expectation,
+with the offending rows' file line numbers and a few sample rows, the columns outside the
+contract, and how the file was read.
 
 The checks, by stable name (`<col>` is prompt, chosen, rejected):
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import great_expectations as gx
@@ -50,10 +50,15 @@ from rlhf_core.config import ValidationConfig
 from rlhf_core.data.schema import (
     EVAL_COLUMNS,
     LINE_COLUMN,
+    OPTIONAL_PREFERENCE_COLUMNS,
     PREFERENCE_COLUMNS,
+    READ_NOTES,
     REPLACEMENT_CHAR,
     replace_surrogates,
 )
+from rlhf_core.data.validation_report import CheckResult, ValidationReport
+
+__all__ = ["CheckResult", "ValidationReport", "validate_preferences"]
 
 # GX's INFO chatter (stores, data sources) is noise in pipeline logs; keep its warnings.
 logging.getLogger("great_expectations").setLevel(logging.WARNING)
@@ -65,88 +70,6 @@ LISTED_LINES = 20  # offending line numbers kept per check (beyond sample_rows)
 # Unicode spaces explicitly so "\u00a0" or "\u3000" alone also counts as blank.
 _BLANK = r"^[\s" + "\u00a0\u1680\u2000-\u200b\u2028\u2029\u202f\u205f\u3000\ufeff" + r"]*$"
 _PROMPT_KEY = "_prompt_key"  # helper column: prompt with whitespace runs collapsed
-
-
-@dataclass
-class CheckResult:
-    """The outcome of one expectation, in terms a person can act on."""
-
-    name: str  # stable, e.g. "chosen_differs_from_rejected"
-    expectation: str  # GX expectation type
-    column: str | None
-    success: bool
-    expected: str
-    observed: str  # e.g. "3 of 500 rows (0.6%)"
-    unexpected_count: int | None = None  # offending rows, for row-level checks
-    lines: list[int] = field(default_factory=list)  # first offending line numbers
-    sample: list[dict[str, Any]] = field(default_factory=list)  # first offending rows
-    dataset: str = "preferences"  # or "eval"
-    problem: str = ""  # what is wrong, e.g. "2 rows where chosen == rejected"
-
-    def message(self) -> str:
-        """One line naming the check, the problem and the offending lines."""
-        text = f"{self.name}: {self.problem or f'expected {self.expected}, observed {self.observed}'}"
-        if self.lines:
-            where = ("eval " if self.dataset == "eval" else "") + ("line" if len(self.lines) == 1 else "lines")
-            listed = ", ".join(str(n) for n in self.lines)
-            more = (self.unexpected_count or len(self.lines)) - len(self.lines)
-            text += f" ({where} {listed}{f', … +{more} more' if more > 0 else ''})"
-        return text
-
-
-@dataclass
-class ValidationReport:
-    """All checks of one validation; `success` only if every check that ran passed."""
-
-    checks: list[CheckResult]
-    num_rows: int
-    eval_rows: int | None = None
-    skipped: dict[str, str] = field(default_factory=dict)  # check name -> why it did not run
-
-    @property
-    def success(self) -> bool:
-        return all(c.success for c in self.checks)
-
-    @property
-    def failed(self) -> list[CheckResult]:
-        return [c for c in self.checks if not c.success]
-
-    def check(self, name: str) -> CheckResult:
-        for c in self.checks:
-            if c.name == name:
-                return c
-        raise KeyError(f"no check named {name!r}; ran: {', '.join(c.name for c in self.checks)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "success": self.success,
-            "num_rows": self.num_rows,
-            "eval_rows": self.eval_rows,
-            "checks": [asdict(c) for c in self.checks],
-            "skipped": dict(self.skipped),
-        }
-
-    def failure_message(self) -> str:
-        return "\n".join(c.message() for c in self.failed)
-
-    def to_markdown(self) -> str:
-        n_failed = len(self.failed)
-        verdict = "✅ passed" if self.success else f"❌ {n_failed} of {len(self.checks)} checks failed"
-        rows = f"{self.num_rows} rows" + (f", eval set {self.eval_rows} rows" if self.eval_rows is not None else "")
-        out = [f"### Preference data validation: {verdict} ({rows})", ""]
-        out += ["| check | result | expected | observed |", "|---|---|---|---|"]
-        for c in self.checks:
-            mark = "✅" if c.success else "❌"
-            out.append(f"| `{c.name}` | {mark} | {_cell(c.expected)} | {_cell(c.observed)} |")
-        if self.skipped:
-            out += ["", "Skipped: " + "; ".join(f"`{k}` ({v})" for k, v in self.skipped.items())]
-        for c in self.failed:
-            out += ["", f"#### ❌ `{c.name}`", "", _cell(c.message())]
-            if c.sample:
-                cols = list(c.sample[0])
-                out += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                out += ["| " + " | ".join(_cell(r.get(k)) for k in cols) + " |" for r in c.sample]
-        return "\n".join(out) + "\n"
 
 
 def validate_preferences(
@@ -182,7 +105,16 @@ def validate_preferences(
         num_rows=len(prefs),
         eval_rows=None if evals is None else len(evals),
         skipped=skipped,
+        extra_columns=extra_columns(df),
+        read_notes=list(df.attrs.get(READ_NOTES, [])),
     )
+
+
+def extra_columns(df: pd.DataFrame) -> list[str]:
+    """Columns of preference data outside the contract, in file order; training reads only
+    the contract's columns, so these are reported, not used."""
+    known = set(PREFERENCE_COLUMNS) | set(OPTIONAL_PREFERENCE_COLUMNS) | {LINE_COLUMN}
+    return [str(c) for c in df.columns if c not in known]
 
 
 # --- the suite -----------------------------------------------------------------------
@@ -477,13 +409,3 @@ def _share(n: int, total: int) -> str:
 
 def _rows(n: int) -> str:
     return f"{n} row" if n == 1 else f"{n} rows"
-
-
-def _cell(value: Any) -> str:
-    """A value as a Markdown table cell: visible whitespace, no pipes or newlines."""
-    if value is None:
-        return "*null*"
-    text = str(value)
-    if not text.strip():
-        return f"`{text!r}`"
-    return text.replace("|", "\\|").replace("\r", " ").replace("\n", "↵")

@@ -1,20 +1,51 @@
+import argparse
+import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from flows.cli import main
+from flows import cli
+from flows.cli import _parser, main
+from rlhf_core.default_config import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_help_lists_the_subcommands():
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True, check=True)
-    for command in ("run", "demo", "validate", "check-config", "make-demo-data"):
-        assert command in out.stdout
+def _subcommands() -> dict[str, str]:
+    """Every subcommand of `rlhf` and its one-line help, as the parser defines them."""
+    action = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {choice.dest: choice.help for choice in action._choices_actions}
+
+
+def test_help_lists_every_subcommand_with_its_help_line():
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "COLUMNS": "200"})
+    commands = _subcommands()
+    assert {"run", "demo", "validate", "check-config", "make-demo-data", "evaluate", "promote", "deploy",
+            "rollback", "serving"} == set(commands)
+    for name, help_line in commands.items():
+        assert re.search(rf"^\s+{re.escape(name)}\s+{re.escape(help_line)}$", out.stdout, re.M), (name, out.stdout)
+
+
+def test_the_module_docstring_lists_exactly_the_parsers_subcommands():
+    listed = re.findall(r"^    rlhf ([a-z-]+)", cli.__doc__, re.M)
+    assert listed == list(_subcommands())
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_subcommand_takes_debug_and_a_config_that_defaults_to_the_packaged_demo(command):
+    required = {"validate": ["x.jsonl"], "check-config": ["c.yaml"], "make-demo-data": ["out"], "promote": ["3"],
+                "rollback": ["--incident", "i", "--reason", "r"]}.get(command, [])
+    args = _parser().parse_args([command, *required, "--debug"])
+    assert args.debug is True
+    if command != "check-config":
+        assert args.config == DEFAULT_CONFIG and Path(DEFAULT_CONFIG).is_absolute() and Path(DEFAULT_CONFIG).is_file()
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path, capsys):
@@ -42,7 +73,7 @@ def test_a_flow_command_without_a_prefect_server_starts_one_temporary_server(tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "validate", str(tmp_path / "data" / "preferences.jsonl"),
+        [sys.executable, "-m", "flows.cli", "validate", "--record", str(tmp_path / "data" / "preferences.jsonl"),
          "--config", str(tmp_path / "config.yaml")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
@@ -50,3 +81,83 @@ def test_a_flow_command_without_a_prefect_server_starts_one_temporary_server(tmp
     assert out.returncode == 0, log[-3000:]
     assert log.count("Starting temporary server") == 1, log[-3000:]
     assert "validate-data: COMPLETED" in out.stdout
+
+
+def _rows(n: int = 150, same: int = 0) -> list[dict]:
+    """`n` distinct addition pairs; the first `same` have chosen == rejected."""
+    return [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 1) if i < same else str(i)}
+            for i in range(n)]
+
+
+def _rlhf_from(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`rlhf ARGS` in a fresh process started in `cwd` (outside the checkout), with its default config."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(cwd / "prefect"), PYTHONPATH=str(REPO), MLFLOW_TRACKING_URI=f"sqlite:///{cwd / 'mlflow.db'}")
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _bad_file(tmp_path: Path) -> None:
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(same=3)))
+
+
+def _paths_in(block: str, *names: str) -> list[Path]:
+    return [Path(re.search(rf"{name}:\s+(\S+)", block).group(1)) for name in names]
+
+
+def test_validate_of_bad_data_from_another_directory_prints_one_block_and_no_traceback(tmp_path):
+    _bad_file(tmp_path)
+    started = time.perf_counter()
+    out = _rlhf_from(tmp_path, "validate", "bad.jsonl")
+    seconds = time.perf_counter() - started
+    terminal = out.stdout + out.stderr
+    assert out.returncode == 1, terminal[-3000:]
+    assert "Traceback" not in terminal and "ERROR" not in terminal, terminal[-3000:]
+    assert "validate: FAILED at stage 'validate'" in out.stdout
+    assert "chosen_differs_from_rejected: 3 rows where chosen == rejected (lines 1, 2, 3)" in out.stdout
+    assert "exit code 1" in out.stdout
+    report, summary = _paths_in(out.stdout, "report", "summary")
+    assert report.is_file() and report.is_relative_to(tmp_path)
+    assert json.loads(summary.read_text())["failed_stage"] == "validate"
+    assert seconds < 60, seconds  # no Prefect server, no MLflow: Great Expectations' time, not a pipeline's
+
+
+def test_validate_reads_a_bom_crlf_file_from_another_directory(tmp_path):
+    (tmp_path / "windows.jsonl").write_bytes(
+        b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\r\n" for r in _rows()))
+    out = _rlhf_from(tmp_path, "validate", "windows.jsonl")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "validate: PASSED  150 rows" in out.stdout
+    (report,) = _paths_in(out.stdout, "report")
+    report = json.loads(report.read_text())
+    assert report["success"] and report["read_notes"] == ["UTF-8 byte-order mark skipped", "CRLF line ends"]
+
+
+@pytest.mark.slow
+def test_a_recorded_validation_failure_keeps_its_tracebacks_in_the_log_file(tmp_path):
+    _bad_file(tmp_path)
+    out = _rlhf_from(tmp_path, "validate", "--record", "bad.jsonl")
+    terminal = out.stdout + out.stderr
+    assert out.returncode == 1, terminal[-3000:]
+    assert "Traceback" not in terminal and "ERROR" not in terminal, terminal[-3000:]
+    assert "validate-data: FAILED at stage 'validate'" in out.stdout
+    assert "chosen_differs_from_rejected: 3 rows where chosen == rejected (lines 1, 2, 3)" in out.stdout
+    report, summary, log = _paths_in(out.stdout, "report", "summary", "log")
+    assert report.is_file() and json.loads(summary.read_text())["failed_stage"] == "validate"
+    assert log.is_relative_to(tmp_path) and "Traceback" in log.read_text()  # the tracebacks went there
+
+
+def test_a_command_run_outside_the_checkout_finds_the_packaged_default_config(tmp_path):
+    out = _rlhf_from(tmp_path, "make-demo-data", "data")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "data" / "preferences.jsonl").is_file() and "file not found" not in out.stderr
+
+
+def test_validate_of_a_file_that_is_not_jsonl_names_file_and_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n{not json\n")
+    assert main(["validate", "broken.jsonl"]) == 1
+    out = capsys.readouterr().out
+    assert "cause:    broken.jsonl:2: not valid JSON" in out and "report:" not in out and "exit code 1" in out
+    (summary,) = _paths_in(out, "summary")
+    assert json.loads(summary.read_text())["status"] == "failed"

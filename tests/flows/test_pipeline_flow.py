@@ -5,7 +5,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from flows.cli import main as cli_main
 from flows.pipeline import rlhf_pipeline
-from rlhf_core.data.schema import write_jsonl
+from rlhf_core.data.schema import read_table, write_jsonl
 from tasks.tracking import PipelineFailed
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -34,16 +33,6 @@ async def artifact_keys() -> set[str]:
 
     async with get_client() as client:
         return {a.key for a in await client.read_artifacts() if a.key}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +78,7 @@ def flat(d: dict, prefix: str = "") -> dict:
 
 
 @pytest.fixture(scope="module")
-def full_run(deployed, tmp_path_factory, tiny_config_factory):
+def full_run(deployed, tmp_path_factory, tiny_config_factory, free_ports):
     """One run of the `rlhf-pipeline/nightly` deployment on configs/demo.yaml (with overrides
     that make it test-sized), started through the Prefect API and executed by the process worker, through every stage, serving included (gates loose: a
     2-step tiny policy cannot be expected to beat its SFT policy; the gate math has its own
@@ -148,7 +137,9 @@ def test_pipeline_runs_every_stage_and_records_lineage(full_run):
     assert summary["status"] == "completed"
     assert summary["stages"]["validate"]["status"] == "passed"
     assert summary["stages"]["validate"]["dataset_fingerprint"].startswith("sha256:")
-    assert 0.0 <= summary["stages"]["sft"]["eval_accuracy"] <= 1.0
+    n_eval = len(read_table(Path(summary["output_dir"]) / "data" / "eval.jsonl"))
+    correct = summary["stages"]["sft"]["eval_accuracy"] * n_eval  # exact matches among every eval prompt
+    assert n_eval == 24 and 0 <= round(correct) <= n_eval and abs(correct - round(correct)) < 1e-9
     on_disk = json.loads(open(summary["summary_path"]).read())
     assert on_disk["status"] == "completed" and on_disk["mlflow_run_id"] == summary["mlflow_run_id"]
 
@@ -236,7 +227,7 @@ def test_validation_report_is_a_prefect_artifact(tiny_config, tmp_path, capsys):
     from rlhf_core.data.synthetic import generate_demo_data
 
     files = generate_demo_data(DemoDataConfig(n_sft=10, n_pairs=300, n_eval=20), tmp_path / "d")
-    assert cli_main(["validate", str(files.preferences), "--config", str(tiny_config)]) == 0
+    assert cli_main(["validate", "--record", str(files.preferences), "--config", str(tiny_config)]) == 0
     assert "data-validation-report" in asyncio.run(artifact_keys())
 
 

@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,12 +29,6 @@ RULES = REPO / "infra" / "prometheus" / "rules" / "rlhf.rules.yml"
 ALERTMANAGER_CONFIG = REPO / "infra" / "alertmanager" / "alertmanager.yml"
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout: float, every: float = 0.5, diagnose=None):
@@ -65,7 +58,7 @@ def short_rules(text: str) -> str:
 class Stack:
     """Prometheus + Alertmanager + the receiver, started for one test and stopped after."""
 
-    def __init__(self, tools, tmp: Path, trigger):
+    def __init__(self, tools, tmp: Path, trigger, ports: list[int]):
         from monitoring.receiver import Receiver, serve_in_thread
 
         self.tmp = tmp
@@ -85,7 +78,7 @@ class Stack:
         hook["url"] = f"http://127.0.0.1:{receiver_port}/alerts"
         hook["http_config"]["authorization"]["credentials_file"] = str(tmp / "token")
         (tmp / "alertmanager.yml").write_text(yaml.safe_dump(am))
-        self.am_port = free_port()
+        self.am_port, self.prom_port = ports
         self.alertmanager = subprocess.Popen(
             [tools.alertmanager, f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am-data'}",
              f"--web.listen-address=127.0.0.1:{self.am_port}", "--cluster.listen-address="],
@@ -102,7 +95,6 @@ class Stack:
                                 "file_sd_configs": [{"files": [str(self.targets / "*.json")], "refresh_interval": "1s"}]}],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(prom))
-        self.prom_port = free_port()
         self.prometheus = subprocess.Popen(
             [tools.prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'prom-data'}",
              f"--web.listen-address=127.0.0.1:{self.prom_port}"],
@@ -157,13 +149,13 @@ class Stack:
 
 
 @pytest.fixture
-def stack_factory(monitoring_tools, tmp_path):
+def stack_factory(monitoring_tools, tmp_path, free_ports):
     if monitoring_tools.prometheus is None or monitoring_tools.alertmanager is None:
         pytest.fail("prometheus / prometheus-alertmanager not on PATH (apt-get install prometheus prometheus-alertmanager)")
     stacks = []
 
     def make(trigger):
-        stacks.append(Stack(monitoring_tools, tmp_path / f"stack{len(stacks)}", trigger))
+        stacks.append(Stack(monitoring_tools, tmp_path / f"stack{len(stacks)}", trigger, free_ports(2)))
         return stacks[-1]
 
     (tmp_path / "stack0").mkdir()

@@ -292,7 +292,10 @@ def test_the_same_alert_in_another_group_triggers_once(serve):
     other = s.post(notification(alert(), group_key='{}:{alertname="PolicyKLExplosion", run="r1", stage="policy"}'))
     assert other.status_code == 200 and other.json()["results"][0]["result"] == "duplicate"
     assert len(trigger.calls) == 1
-    assert s.decisions()[-1]["replay"] is False  # new to that group, still the same incidentdef test_rollback_alerts_new_in_one_notification_start_one_rollback(serve):
+    assert s.decisions()[-1]["replay"] is False  # new to that group, still the same incident
+
+
+def test_rollback_alerts_new_in_one_notification_start_one_rollback(serve):
     trigger = RecordingTrigger()
     s = serve(trigger)
     # alerts that name no run: each is its own incident, and one notification starts one rollback

@@ -134,7 +134,7 @@ def test_fetch_version_reads_the_given_store_not_the_process_wide_one(registry, 
     started by `rlhf promote --deploy` looked for `policy` in the wrong store."""
     import mlflow
 
-    from tasks.evaluate import fetch_version
+    from tasks.registry import fetch_version
 
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'another-store.db'}")

@@ -9,6 +9,7 @@ import pytest
 
 from rlhf_core.data.schema import (
     LINE_COLUMN,
+    READ_NOTES,
     PREFERENCE_COLUMNS,
     DataFormatError,
     fingerprint,
@@ -135,3 +136,24 @@ def test_fingerprint_of_several_files_depends_on_each_and_on_order(tmp_path):
     assert both != fingerprint([evals, prefs])
     evals.rename(tmp_path / "eval-renamed.jsonl")
     assert fingerprint([prefs, tmp_path / "eval-renamed.jsonl"]) == both
+
+
+def test_bom_and_crlf_jsonl_is_read_and_says_so(tmp_path):
+    """What Windows tools write: a UTF-8 byte-order mark, then CRLF line ends."""
+    path = tmp_path / "prefs.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\r\n" for r in ROWS))
+    df = read_table(path)
+    assert df.drop(columns=LINE_COLUMN).to_dict("records") == ROWS
+    assert df[LINE_COLUMN].tolist() == [1, 2, 3]
+    assert df.attrs[READ_NOTES] == ["UTF-8 byte-order mark skipped", "CRLF line ends"]
+
+
+def test_plain_jsonl_has_no_read_notes(tmp_path):
+    assert read_table(write_jsonl(ROWS, tmp_path / "prefs.jsonl")).attrs[READ_NOTES] == []
+
+
+def test_a_byte_order_mark_after_the_first_line_is_still_bad_json(tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b"\n\xef\xbb\xbf" + json.dumps(ROWS[1]).encode() + b"\n")
+    with pytest.raises(DataFormatError, match=r"prefs.jsonl:2: not valid JSON"):
+        read_table(path)

@@ -291,3 +291,29 @@ def test_five_thousand_rows_validate_quickly(tmp_path):
     elapsed = time.perf_counter() - start
     assert report.success
     assert elapsed < 10.0, f"validation of 5000 rows took {elapsed:.1f}s"  # ~0.7s when the machine is idle
+
+
+def test_bom_and_crlf_file_passes_and_the_report_says_how_it_was_read(tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\r\n" for r in good_rows()))
+    report = validate_preferences(read_table(path), CFG)
+    assert report.success, report.failure_message()
+    assert report.num_rows == 200
+    assert report.read_notes == ["UTF-8 byte-order mark skipped", "CRLF line ends"]
+    assert report.to_dict()["read_notes"] == report.read_notes
+    assert "Read with: UTF-8 byte-order mark skipped; CRLF line ends" in report.to_markdown()
+
+
+def test_extra_columns_are_named_in_the_report_and_not_checked(tmp_path):
+    rows = [{**r, "annotator": "a1", "score": None} for r in good_rows()]
+    report = validate_file(tmp_path, rows)
+    assert report.success, report.failure_message()
+    assert report.extra_columns == ["annotator", "score"]  # id and source belong to the contract
+    assert report.to_dict()["extra_columns"] == ["annotator", "score"]
+    assert "Extra columns, not used in training: `annotator`, `score`" in report.to_markdown()
+    assert not any("annotator" in (c.column or "") for c in report.checks)
+
+
+def test_a_contract_only_file_has_no_extra_columns_or_read_notes(tmp_path):
+    report = validate_file(tmp_path, good_rows())
+    assert report.extra_columns == [] and report.read_notes == []

@@ -1,0 +1,43 @@
+"""The `evaluate` flow: re-run the gates on a registered `policy` version (default: the
+challenger) against its reference policy and the current champion, and record the verdict on
+the version (tags `gate.*`): a version that now fails is refused by `rlhf promote`.
+
+It lives apart from the deploy and rollback flows because its tasks load the models (torch,
+transformers), which an incident's rollback should not wait for.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from rlhf_core.config import load_config
+from rlhf_core.default_config import DEFAULT_CONFIG
+from tasks.data import prepare_data
+from tasks.evaluate import eval_set, evaluate_candidate, fetch_registered_candidate, record_gate_verdict
+from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate_flow(
+    candidate: str = "challenger", config_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """Evaluate a registered policy version against its reference policy and the champion.
+
+    Args:
+        candidate: a version number of `policy`, or an alias (`challenger`, `champion`).
+        config_path: pipeline config whose eval data and `gates` thresholds apply.
+        overrides: `key.path=value` items applied on top of the file.
+    """
+    cfg = load_config(config_path, overrides)
+    run = start_pipeline_run(cfg, config_source=str(config_path), flow_name="evaluate")
+    summary = summary_header(run, "evaluate", str(config_path))
+    with recorded_outcome(run, summary) as stages:
+        registered = fetch_registered_candidate(candidate, run)
+        prompts, answers = eval_set(prepare_data(cfg, run.out_dir), cfg)
+        evaluation = run_stage(stages, "evaluate", evaluate_candidate, registered.candidate, prompts, answers, cfg, run)
+        record_gate_verdict(registered.version, evaluation, run)
+        summary["candidate_version"] = registered.version
+        if not evaluation.passed:
+            summary.update(status="rejected", reasons=list(evaluation.decision.reasons))
+    return summary

@@ -1,0 +1,11 @@
+"""Where the embedded demo config lives, wherever the code runs from.
+
+`configs/` sits beside `rlhf_core/` both in a checkout and in an installed wheel (pyproject.toml
+packages `configs/*.yaml` as package data), so the path is resolved from this file, never from
+the working directory: `rlhf validate data.jsonl` works from any directory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml")

@@ -1,0 +1,91 @@
+"""What `rlhf` shows on the terminal when a run fails, and what goes to the log file only."""
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from flows.console import log_file_path, print_failure, route_logs, unroute_logs
+
+
+@pytest.fixture
+def terminal():
+    """The root logger with one terminal handler only; restored afterwards."""
+    root, prefect = logging.getLogger(), logging.getLogger("prefect")
+    saved_handlers, saved_level, saved_prefect = root.handlers[:], root.level, (prefect.level, prefect.propagate)
+    stream = io.StringIO()
+    root.handlers = [logging.StreamHandler(stream)]
+    root.setLevel(logging.INFO)
+    prefect.setLevel(logging.INFO)  # the suite runs with PREFECT_LOGGING_LEVEL=WARNING
+    prefect.propagate = True
+    run_loggers = [logging.getLogger(f"prefect.{kind}") for kind in ("flow_runs", "task_runs")]
+    api_handlers = [logger.handlers[:] for logger in run_loggers]
+    for logger in run_loggers:
+        logger.handlers = []  # Prefect's API handler: no flow run here to send to
+    yield stream
+    unroute_logs()
+    for logger, handlers in zip(run_loggers, api_handlers):
+        logger.handlers = handlers
+    root.handlers, root.level = saved_handlers, saved_level
+    prefect.level, prefect.propagate = saved_prefect
+
+
+def _log_a_failure() -> None:
+    logging.getLogger("prefect.task_runs").info("Finished in state Completed()")
+    try:
+        raise ValueError("the cause")
+    except ValueError:
+        logging.getLogger("prefect.task_runs").error("Task run failed with exception", exc_info=True)
+    logging.getLogger("prefect.flow_runs").info("Finished in state Failed('Flow run encountered an exception')")
+
+
+def test_errors_and_failed_states_go_to_the_log_file_only(tmp_path, terminal):
+    log = tmp_path / "logs" / "rlhf.log"
+    route_logs(log, debug=False)
+    _log_a_failure()
+    shown = terminal.getvalue()
+    assert "Finished in state Completed()" in shown
+    assert "Traceback" not in shown and "Task run failed" not in shown and "Failed(" not in shown
+    written = log.read_text()
+    assert "Traceback" in written and "ValueError: the cause" in written and "Finished in state Failed(" in written
+
+
+def test_debug_shows_the_tracebacks_on_the_terminal_too(tmp_path, terminal):
+    log = tmp_path / "rlhf.log"
+    route_logs(log, debug=True)
+    _log_a_failure()
+    assert "Traceback" in terminal.getvalue() and "Traceback" in log.read_text()
+
+
+def test_the_failure_block_names_stage_cause_report_summary_log_and_exit_code(tmp_path, capsys):
+    summary = {"pipeline": "validate-data", "failed_stage": "validate", "summary_path": "/runs/r/summary.json",
+               "error": "bad.jsonl: 1 data check(s) failed\nchosen_differs_from_rejected: 3 rows (lines 1, 2, 3)",
+               "stages": {"validate": {"status": "failed", "report": "/runs/r/validation_report.md"}}}
+    print_failure(summary, 1, tmp_path / "x.log")
+    out = capsys.readouterr().out.splitlines()
+    block = [line for line in out if line.strip() and not line.startswith("=")]
+    assert block == [
+        "validate-data: FAILED at stage 'validate'",
+        "  cause:    bad.jsonl: 1 data check(s) failed",
+        "            chosen_differs_from_rejected: 3 rows (lines 1, 2, 3)",
+        "  report:   /runs/r/validation_report.md",
+        "  summary:  /runs/r/summary.json",
+        f"  log:      {tmp_path / 'x.log'}  (tracebacks; add --debug to see them here)",
+        "  exit code 1",
+    ]
+
+
+def test_log_files_are_per_invocation_under_the_output_dir(tmp_path):
+    path = log_file_path(tmp_path / "runs", "validate")
+    assert path.parent == (tmp_path / "runs" / "logs").resolve()
+    assert path.name.startswith("rlhf-validate-") and path.suffix == ".log"
+    assert path != log_file_path(tmp_path / "runs", "validate")
+
+
+def test_unrouting_closes_the_log_file_and_shows_errors_again(tmp_path, terminal):
+    handler = route_logs(tmp_path / "rlhf.log", debug=False)
+    unroute_logs()
+    logging.getLogger("rlhf.test").error("shown again")
+    assert "shown again" in terminal.getvalue()
+    assert handler not in logging.getLogger().handlers and handler.stream is None

@@ -1,0 +1,27 @@
+"""The on-call path stays light: the deploy-champion and rollback flows (what the alert
+receiver starts) move aliases and processes, so importing them must not load the model stack."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_STACK = ("torch", "transformers", "great_expectations", "ray", "vllm", "deepspeed")
+
+
+def loaded_after_import(module: str) -> set[str]:
+    code = f"import sys, json, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return {m.split(".")[0] for m in json.loads(out.stdout.splitlines()[-1])}
+
+
+def test_the_deploy_and_rollback_flows_load_no_model_stack():
+    assert loaded_after_import("flows.serving") & set(MODEL_STACK) == set()
+
+
+def test_the_check_sees_the_model_stack_where_it_is_loaded():
+    assert "torch" in loaded_after_import("flows.evaluate")

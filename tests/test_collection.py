@@ -1,0 +1,56 @@
+"""The suite runs every test function written in the tree.
+
+A `def test_...` that pytest does not collect never runs: glued to the end of a comment line,
+nested in another function, or in a file pytest does not pick up. The source text is searched
+with a regular expression rather than parsed, because a definition inside a comment is exactly
+what a parser would miss too.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+DEFINITION = re.compile(r"def (test_\w+)\s*\(")  # no \b before def: it may follow a comment's last word
+
+
+def written() -> dict[str, set[str]]:
+    """Test function names per file (path relative to the repository), as the text defines them."""
+    found = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        names = set(DEFINITION.findall(path.read_text(encoding="utf-8")))
+        if names:
+            found[path.relative_to(REPO).as_posix()] = names
+    return found
+
+
+def collected() -> dict[str, set[str]]:
+    """Test function names per file, as `pytest --collect-only` finds them (parameters dropped)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    found = defaultdict(set)
+    for line in out.stdout.splitlines():
+        if "::" in line:
+            path, *_, name = line.split("::")
+            found[path].add(name.split("[", 1)[0])
+    return found
+
+
+def test_every_test_function_in_the_tree_is_collected():
+    got = collected()
+    missing = {path: sorted(names - got.get(path, set())) for path, names in written().items()}
+    assert {path: names for path, names in missing.items() if names} == {}
+
+
+def test_the_source_search_finds_a_test_glued_to_a_comment():
+    glued = "de" + "f test_hidden(serve):"  # split, so this file defines no such test itself
+    text = f"    assert x  # a comment that ends here{glued}\n"
+    assert DEFINITION.findall(text) == ["test_hidden"]

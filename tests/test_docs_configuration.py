@@ -1,0 +1,44 @@
+"""docs/configuration.md is generated from the config models and kept in step with them."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlhf_core import config_doc
+from rlhf_core.config import PipelineConfig, _Strict
+
+
+def test_every_key_and_section_is_described():
+    assert config_doc.undocumented() == []
+
+
+def test_the_committed_page_is_what_the_generator_writes_now():
+    assert config_doc.PAGE.read_text(encoding="utf-8") == config_doc.render(), "run `make docs`"
+
+
+def test_the_page_lists_every_key_with_type_default_and_meaning():
+    page = config_doc.render()
+    for prefix, section in config_doc.sections():
+        for name, field in section.model_fields.items():
+            if not config_doc._is_section(field):
+                assert f"| `{prefix}{name}` | " in page, prefix + name
+    assert ("| `policy.ppo.clip_range` | float, > 0, < 1 | 0.2 | Clip range of the policy's probability ratio. |"
+            in page)
+    assert "| `serving.ports` | tuple[int, int] | [8100, 8101] |" in page
+    assert '| `policy.algorithm` | "ppo" \\| "grpo" | "grpo" |' in page
+    assert PipelineConfig.__doc__.strip() in page
+
+
+def test_a_field_without_description_is_reported_by_its_dotted_path():
+    class Inner(_Strict):
+        """A section."""
+
+        described: int = Field(1, description="Has one.")
+        bare: int = 2
+
+    class Outer(_Strict):
+        """The top."""
+
+        inner: Inner = Inner()
+        name: str = Field("x", description="Has one.")
+
+    assert config_doc.undocumented(Outer) == ["inner.bare"]
