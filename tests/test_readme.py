@@ -14,9 +14,6 @@ from bench import report
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 MAX_README_LINES = 250
-# Generated from the config models by its own script and kept in step by its own test; a link
-# to it is valid wherever that page is built.
-GENERATED_PAGES = {REPO / "docs" / "configuration.md"}
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
@@ -52,8 +49,6 @@ def broken_links(page: Path, text: str) -> list[str]:
                 broken.append(f"{target}: no heading with the anchor #{anchor}")
             continue
         dest = (page.parent / file_part).resolve()
-        if dest in GENERATED_PAGES:
-            continue
         if not dest.exists():
             broken.append(f"{target}: no such file")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
