@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import textwrap
@@ -48,12 +47,6 @@ TRAIN = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(*cmd: str, **kwargs) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)
     assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -81,8 +74,8 @@ def cluster_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
-    port = free_port()
+def two_nodes(free_ports):
+    (port,) = free_ports(1)
     temp_dir = f"/tmp/raymn{port}"  # short: Ray's unix socket paths must stay under 107 characters
     env = cluster_env()
     env.pop("RAY_ADDRESS", None)

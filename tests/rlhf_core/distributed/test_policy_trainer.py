@@ -62,12 +62,15 @@ class JsonlSink:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
+N_EVAL = 48  # held-out prompts of the test's demo data
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """Demo data, a tiny SFT policy and an (untrained-head) reward model, built once."""
     tmp = tmp_path_factory.mktemp("policy-demo")
     cfg = PipelineConfig.model_validate({
-        "data": {"demo": {"seed": 0, "n_sft": 2000, "n_pairs": 400, "n_eval": 48}},
+        "data": {"demo": {"seed": 0, "n_sft": 2000, "n_pairs": 400, "n_eval": N_EVAL}},
         "model": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
         "sft": {"epochs": 3, "batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 5},
     })
@@ -102,7 +105,12 @@ def check_finite_run(result, cfg: PolicyConfig) -> None:
         for name in FINITE:
             assert math.isfinite(m[name]), (name, m)
     assert [e["step"] for e in result.evaluations] == [0, *range(cfg.eval_every, cfg.steps + 1, cfg.eval_every)]
-    assert 0 <= result.accuracy_before <= 1 and 0 <= result.accuracy_after <= 1
+    # the headline accuracies are the first and last held-out evaluations, each a count of
+    # exact matches over the eval prompts
+    evals = [e["eval/accuracy"] for e in result.evaluations]
+    assert (result.accuracy_before, result.accuracy_after) == (evals[0], evals[-1])
+    for accuracy in evals:
+        assert 0 <= accuracy <= 1 and math.isclose(accuracy * N_EVAL, round(accuracy * N_EVAL))
     assert math.isfinite(result.rm_score_before) and math.isfinite(result.rm_score_after)
     assert 0 <= result.kl_final <= result.kl_max < cfg.kl_bound
     assert {"config.json", "model.safetensors", "tokenizer.json", "rlhf_meta.json"} <= {p.name for p in result.path.iterdir()}

@@ -56,17 +56,6 @@ POLICY = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_he
 KEY_ENV = "RLHF_TEST_SERVING_API_KEY"  # never set by the slow tests: the key comes from the state dir
 
 
-def free_ports(n: int) -> tuple[int, ...]:
-    socks = [socket.socket() for _ in range(n)]  # all open at once: n different ports
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return tuple(s.getsockname()[1] for s in socks)
-    finally:
-        for s in socks:
-            s.close()
-
-
 def servers_on(port: int) -> list[int]:
     """Pids of vLLM API servers started with `--port port`."""
     pids = []
@@ -161,7 +150,7 @@ def test_current_endpoint_ignores_a_live_pid_that_is_not_the_server(tmp_path):
     assert current_endpoint(tmp_path) is None
 
 
-def test_deploy_fails_before_starting_anything_when_the_port_is_taken(tmp_path):
+def test_deploy_fails_before_starting_anything_when_the_port_is_taken(tmp_path, free_ports):
     port, other = free_ports(2)
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", port))
@@ -172,9 +161,9 @@ def test_deploy_fails_before_starting_anything_when_the_port_is_taken(tmp_path):
     assert not (tmp_path / "s" / "deployments.jsonl").exists()
 
 
-def test_deploy_needs_a_max_model_len(tmp_path):
+def test_deploy_needs_a_max_model_len(tmp_path, free_ports):
     (tmp_path / "model").mkdir()
-    cfg = ServingConfig(ports=free_ports(2), api_key_env=KEY_ENV)
+    cfg = ServingConfig(ports=tuple(free_ports(2)), api_key_env=KEY_ENV)
     with pytest.raises(ServingError, match="max_position_embeddings"):
         deploy(tmp_path / "model", "1", cfg, tmp_path / "s")
 
@@ -289,7 +278,7 @@ class Serving:
 
 
 @pytest.fixture(scope="module")
-def serving(tmp_path_factory) -> Serving:
+def serving(tmp_path_factory, free_ports) -> Serving:
     tmp = tmp_path_factory.mktemp("serving")
     rng = random.Random(0)
     pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(256)]
@@ -299,7 +288,7 @@ def serving(tmp_path_factory) -> Serving:
     shutil.copytree(model_dir, corrupt_dir)
     (corrupt_dir / "model.safetensors").write_bytes(random.Random(1).randbytes(4096))
     cfg = ServingConfig(
-        ports=free_ports(2), api_key_env=KEY_ENV, smoke_prompt="12+34=", kv_cache_gib=0.25, startup_timeout_s=300
+        ports=tuple(free_ports(2)), api_key_env=KEY_ENV, smoke_prompt="12+34=", kv_cache_gib=0.25, startup_timeout_s=300
     )
     os.environ.pop(KEY_ENV, None)
     yield Serving(cfg, tmp / "state", model_dir, corrupt_dir)
