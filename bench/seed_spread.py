@@ -207,8 +207,8 @@ def main() -> None:
                     print(table(rows[-1:], columns), flush=True)
                     write(args, rows)  # a long run interrupted keeps the rows it finished
     summary = write(args, rows)
-    print(f"\nThe demo recipe ({args.config.name}{' ' + ' '.join(args.overrides) if args.overrides else ''}) "
-          f"over {len(args.seeds)} seeds x threads {args.threads}:")
+    print(f"\nThe demo recipe ({args.config.name}{' ' + ' '.join(args.overrides) if args.overrides else ''}), "
+          f"{len(rows)} runs:")
     print(table(rows, columns))
     print(f"\n{summary['successes']} of {summary['rows']} met every bar")
     for key in ("sft_plateau_share", "base_accuracy", "final_accuracy", "gain", "wall_s"):
