@@ -1,6 +1,7 @@
 """The shipped demo config's bars: a base policy that did not learn stops the run at SFT."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -42,3 +43,23 @@ def test_a_base_policy_that_did_not_learn_stops_the_demo_at_sft(prefect_server, 
     assert set(summary["stages"]) == {"validate", "sft"}  # the reward and policy stages never started
     client = MlflowClient(summary["mlflow_tracking_uri"])
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FAILED"
+
+
+def test_the_tiny_test_config_given_as_overrides_to_the_demo_config_is_itself(tmp_path, tiny_config_factory):
+    """The deployment tests start the demo config made small by overrides; any key the demo
+    sets and the test config does not would leak the demo's value (and its bars) into them."""
+    from rlhf_core.config import parse_config
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in d.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return out
+
+    raw = tiny_config_factory(tmp_path)
+    overrides = [f"{key}={json.dumps(value)}" for key, value in flat(raw).items()]
+    as_overrides = flat(load_config(DEMO, overrides).model_dump(mode="json"))
+    alone = flat(parse_config(raw).model_dump(mode="json"))
+    # the deployment test sets these two itself
+    differ = {k for k in alone if as_overrides[k] != alone[k]} - {"gates.auto_promote", "serving.smoke_prompt"}
+    assert differ == set()
