@@ -1,5 +1,5 @@
-"""The `rlhf-pipeline` flow: validate → SFT base policy → reward model → PPO | GRPO →
-evaluation gates → registry → deployment.
+"""The `rlhf-pipeline` flow: (pretrained model) → validate → SFT base policy (or the pretrained
+model as it is) → reward model → PPO | GRPO → evaluation gates → registry → deployment.
 
 The flow only composes tasks. Every run writes `summary.json` (stage verdicts and headline
 figures) into its output directory, so that schedulers and scripts can read the outcome
@@ -24,8 +24,9 @@ from tasks.data import prepare_data, validate_data
 from tasks.deploy import deploy_champion
 from tasks.evaluate import Candidate, eval_set, evaluate_candidate, register_candidate
 from tasks.policy import optimise_policy
+from tasks.pretrained import prepare_pretrained
 from tasks.reward import train_reward_model_task
-from tasks.sft import train_base_policy
+from tasks.sft import train_base_policy, use_pretrained_base
 from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
 
@@ -41,15 +42,23 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
     run = start_pipeline_run(cfg, config_source=str(config_path))
     summary = summary_header(run, "rlhf-pipeline", str(config_path))
     with recorded_outcome(run, summary) as stages:
-        paths = prepare_data(cfg, run.out_dir)
-        data = run_stage(stages, "validate", validate_data, paths, cfg, run)
-        base = run_stage(stages, "sft", train_base_policy, data, cfg, run)
-        if not base.path.is_dir():  # cached, but its files are gone: train it again
-            base = run_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg, run)
-        if base.pipeline_run_id != run.run_id:
-            stages["sft"]["status"] = "cached"
+        pretrained = None  # the demo builds its own model
+        if cfg.model.pretrained is not None:
+            pretrained = run_stage(stages, "pretrained", prepare_pretrained, cfg, run.out_dir)
+        paths = run_stage(stages, "validate", prepare_data, cfg, run.out_dir, pretrained)  # format, rendering, lengths
+        data = run_stage(stages, "validate", validate_data, paths, cfg, run)  # the data contract
+        if cfg.sft.enabled:
+            base = run_stage(stages, "sft", train_base_policy, data, cfg, run, pretrained)
+            if not base.path.is_dir():  # cached, but its files are gone: train it again
+                base = run_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg, run,
+                                 pretrained)
+            if base.pipeline_run_id != run.run_id:
+                stages["sft"]["status"] = "cached"
+        else:
+            base = run_stage(stages, "sft", use_pretrained_base, pretrained, cfg, run)
+        backbone = pretrained.reward if pretrained is not None and cfg.reward.base_model else None
         with training_cluster():  # one Ray cluster for both training stages
-            reward = run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run)
+            reward = run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run, backbone)
             policy = run_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
         candidate = Candidate(policy.path, base.path, reward.path, {
             "dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,

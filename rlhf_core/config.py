@@ -11,107 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from rlhf_core.config_inputs import (  # noqa: F401 - re-exported: callers import every config from here
+    DataConfig, DemoDataConfig, ModelConfig, TokenizerConfig, ValidationConfig, _Strict,
+)
 from rlhf_core.training.verifiable import check_verifiable_reward
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DemoDataConfig(_Strict):
-    """The synthetic arithmetic task that the embedded demo generates locally.
-
-    Prompts are `07+48=` with operands in [0, max_operand], zero-padded to its width; the
-    answer is the sum padded to one more digit (`055`). The SFT
-    corpus teaches a plausible systematic mistake, adding digit by digit without carrying,
-    in `wrong_share` of its examples, so the SFT policy is clearly imperfect and RL has a
-    real gain to find. Preference pairs always prefer the correct sum.
-    """
-
-    seed: int = Field(0, description='Seed of the generator: the same seed writes the same files.')
-    max_operand: int = Field(99, ge=9, le=9999,
-        description='Largest operand of the addition prompts (operands are in [0, max_operand]).')
-    n_sft: int = Field(8000, ge=10, description='Examples in the SFT corpus.')
-    n_pairs: int = Field(3000, ge=10, description='Preference pairs (prompt, chosen, rejected).')
-    n_eval: int = Field(200, ge=10,
-        description='Held-out eval prompts with their answers; none of them appears in training.')
-    wrong_share: float = Field(0.6, ge=0.0, le=1.0,
-        description='Share of SFT answers that forget to carry: the flaw RL must fix.')
-    near_miss_share: float = Field(0.1, ge=0.0, le=1.0,
-        description='Share of pairs whose rejected answer is off by ±1 or ±10 rather than the no-carry mistake.')
-
-
-class DataConfig(_Strict):
-    """Where preference data comes from. Without paths, the demo generator writes them."""
-
-    preferences_path: Path | None = Field(
-        None, description='Preference data (JSONL or Parquet with prompt, chosen, rejected); null: generate the demo task.')
-    eval_path: Path | None = Field(
-        None, description='Held-out eval set (prompt, answer) for accuracy and the leakage check; needs preferences_path.')
-    sft_path: Path | None = Field(
-        None, description="SFT corpus (prompt, completion); null: SFT on the preference pairs' chosen responses. Needs preferences_path.")
-    demo: DemoDataConfig = DemoDataConfig()
-
-    @model_validator(mode="after")
-    def _eval_needs_preferences(self) -> "DataConfig":
-        if self.preferences_path is None and (self.eval_path or self.sft_path):
-            raise ValueError("eval_path or sft_path is set but preferences_path is not")
-        return self
-
-
-class ValidationConfig(_Strict):
-    """Thresholds of the preference-data contract (Great Expectations suite)."""
-
-    min_rows: int = Field(100, ge=1, description='Fewest preference rows accepted.')
-    min_chars: int = Field(1, ge=1, description='Shortest prompt, chosen or rejected text accepted, in characters.')
-    max_chars: int = Field(4000, ge=1, description='Longest prompt, chosen or rejected text accepted, in characters.')
-    max_duplicate_prompt_share: float = Field(0.5, ge=0.0, le=1.0,
-        description='Largest share of rows that may repeat an earlier prompt.')
-    check_eval_leakage: bool = Field(
-        True, description='Fail when a preference prompt is also in the eval set (whitespace-insensitive).')
-    sample_rows: int = Field(5, ge=1, le=100, description='Offending rows shown per failed check in the report.')
-
-    @model_validator(mode="after")
-    def _bounds_ordered(self) -> "ValidationConfig":
-        if self.min_chars > self.max_chars:
-            raise ValueError(f"min_chars ({self.min_chars}) must be <= max_chars ({self.max_chars})")
-        return self
-
-
-class TokenizerConfig(_Strict):
-    """The tokenizer trained locally for the run's models."""
-
-    vocab_size: int = Field(320, ge=32, le=65536, description='Vocabulary size of the tokenizer trained for the run.')
-
-
-class ModelConfig(_Strict):
-    """A tiny Llama-architecture causal LM, created locally (no hub)."""
-
-    hidden_size: int = Field(128, ge=8, description='Width of the residual stream.')
-    intermediate_size: int = Field(384, ge=8, description="Width of the MLP's hidden layer.")
-    num_layers: int = Field(4, ge=1, description='Transformer blocks.')
-    num_heads: int = Field(4, ge=1, description='Attention heads; must divide hidden_size.')
-    num_kv_heads: int = Field(4, ge=1, description='Key/value heads (grouped-query attention); must divide num_heads.')
-    max_position_embeddings: int = Field(64, ge=16, description='Longest sequence the model handles, in tokens.')
-    initializer_range: float = Field(0.02, gt=0, le=1, description=(
-        "Std of the initial weights (Hugging Face's initializer_range). At 0.02 a tiny model's attention "
-        "starts near uniform and escapes that saddle at a step that moves with the seed and the CPU; a "
-        "larger scale escapes it early."))
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
-        return self
-
-
 class SFTConfig(_Strict):
-    """Supervised fine-tuning of the base policy on the SFT corpus (loss on answer tokens)."""
+    """Supervised fine-tuning of the base policy on the SFT corpus (loss on answer tokens only).
 
+    From scratch for the demo; from `model.pretrained` when set. Off (`enabled: false`), the
+    pretrained model itself is the base policy."""
+
+    enabled: bool = Field(True, description='Fine-tune the base policy; false: model.pretrained is the base as it is.')
     seed: int = Field(0, description='Seed of initialisation and data order.')
     epochs: int = Field(14, ge=1, description='Passes over the SFT corpus.')
     batch_size: int = Field(64, ge=1, description='Sequences per optimizer step.')
@@ -131,6 +45,9 @@ class RewardConfig(_Strict):
     (`global_batch_size`); each worker reads a disjoint shard of the training pairs.
     """
 
+    base_model: str | None = Field(None, description=(
+        "Hugging Face directory (or hub id) whose backbone the reward model starts from; null: the base "
+        "policy's. Its tokenizer reads the same rendered text."))
     seed: int = Field(0, description='Seed of initialisation, the held-out split and data order.')
     num_workers: int = Field(2, ge=1, description='Ray Train workers (data-parallel ranks).')
     use_gpu: bool | None = Field(None, description='Train on GPUs; null: use GPUs when the cluster has them.')
@@ -443,6 +360,12 @@ class PipelineConfig(_Strict):
     serving: ServingConfig = ServingConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _sft_off_needs_a_pretrained_model(self) -> "PipelineConfig":
+        if not self.sft.enabled and self.model.pretrained is None:
+            raise ValueError("sft.enabled is false but model.pretrained is not set: there is no base policy")
+        return self
 
 
 # Loading YAML into a PipelineConfig (and its error) lives in its own module, re-exported here:

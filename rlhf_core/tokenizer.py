@@ -42,4 +42,11 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
 
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    """The tokenizer of a model directory (the demo's or any family's), with a pad token: the
+    EOS token when the tokenizer names none, as is common for pretrained causal LMs."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

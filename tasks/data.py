@@ -15,12 +15,15 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
+from rlhf_core.data.prepare import Limits, prepare_inputs
 from rlhf_core.data.schema import fingerprint
 from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.data.validation import ValidationReport
+from rlhf_core.tokenizer import load_tokenizer
 from tasks.data_contract import (
     DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, write_report,
 )
+from tasks.pretrained import PretrainedBase
 from tasks.tracking import PipelineRun, stage_run
 
 
@@ -29,10 +32,21 @@ __all__ = ["DataFormatError", "DataPaths", "DataValidationError", "ValidatedData
 
 
 @task(name="prepare-data")
-def prepare_data(cfg: PipelineConfig, out_dir: Path) -> DataPaths:
-    """The configured files, or the embedded demo task generated under `out_dir/data`."""
+def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase | None = None) -> DataPaths:
+    """The configured data checked and rendered (`rlhf_core.data.prepare`), or the embedded demo
+    task generated under `out_dir/data`."""
     if cfg.data.preferences_path is not None:
-        return DataPaths(cfg.data.preferences_path, cfg.data.eval_path, cfg.data.sft_path, generated=False)
+        d = cfg.data
+        tokenizer = load_tokenizer(pretrained.policy) if pretrained is not None else None
+        context = pretrained.context_length if pretrained is not None else None
+        limits = Limits(cfg.reward.max_length, cfg.reward.on_overlength,
+                        None if context is None else context - cfg.policy.max_new_tokens, d.on_overlength)
+        files = prepare_inputs(d.preferences_path, d.eval_path, d.sft_path, d.prompts_path, tokenizer, limits,
+                               out_dir / "data")
+        for note in files.notes:
+            get_run_logger().warning("%s", note)
+        return DataPaths(files.preferences, files.eval, files.sft, generated=False, prompts=files.prompts,
+                         notes=tuple(files.notes))
     files = generate_demo_data(cfg.data.demo, out_dir / "data")
     get_run_logger().info("generated demo data under %s", files.preferences.parent)
     return DataPaths(files.preferences, files.eval, files.sft, generated=True)
@@ -64,7 +78,7 @@ def check_data_contract(data_fingerprint: str, paths: DataPaths, cfg: Validation
 @task(name="validate-data")
 def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> ValidatedData:
     """Run the data contract; record the report in MLflow and Prefect; raise when it fails."""
-    data_fp = fingerprint([p for p in (paths.preferences, paths.eval) if p is not None])
+    data_fp = fingerprint([p for p in (paths.preferences, paths.eval, paths.prompts) if p is not None])
     with stage_run(run, "validate", {"dataset.fingerprint": data_fp}) as stage_id:
         client = run.client
         client.set_tag(run.run_id, "dataset.fingerprint", data_fp)

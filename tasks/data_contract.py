@@ -35,6 +35,11 @@ class DataPaths:
     eval: Path | None
     sft: Path | None  # None: SFT on the preference data's chosen responses
     generated: bool
+    prompts: Path | None = None  # the RL prompt set; None: the SFT and preference prompts
+    notes: tuple[str, ...] = ()  # what preparing the data did to it (rows truncated or left out)
+
+    def summary(self) -> dict:
+        return {"status": "prepared", "preferences": str(self.preferences), "notes": list(self.notes)}
 
 
 @dataclass(frozen=True)

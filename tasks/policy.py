@@ -17,6 +17,7 @@ from rlhf_core.data.schema import read_table
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult, train_policy
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
 from tasks.data import ValidatedData
+from tasks.evaluate import eval_set
 from tasks.monitoring import exported
 from tasks.reward import RewardModel
 from tasks.sft import BasePolicy
@@ -49,7 +50,10 @@ def _round(x: float | None) -> float | None:
 
 
 def training_prompts(data: ValidatedData) -> list[str]:
-    """Distinct prompts of the SFT corpus and the preference data, in first-seen order."""
+    """The prompt set (`data.prompts_path`), else the distinct prompts of the SFT corpus and the
+    preference data, in first-seen order."""
+    if data.paths.prompts is not None:
+        return list(dict.fromkeys(read_table(data.paths.prompts)["prompt"]))
     prompts = list(read_table(data.paths.preferences)["prompt"])
     if data.paths.sft is not None:
         prompts = list(read_table(data.paths.sft)["prompt"]) + prompts
@@ -59,7 +63,7 @@ def training_prompts(data: ValidatedData) -> list[str]:
 def _report(r: PolicyTrainResult) -> str:
     rows = [
         ("algorithm", r.algorithm),
-        ("held-out accuracy before → after", f"{r.accuracy_before:.3f} → {r.accuracy_after:.3f}"),
+        ("held-out accuracy before → after", f"{_round(r.accuracy_before)} → {_round(r.accuracy_after)}"),
         ("reward-model score before → after", f"{_round(r.rm_score_before)} → {_round(r.rm_score_after)}"),
         ("KL to reference, max / final (bound)", f"{r.kl_max:.3f} / {r.kl_final:.3f} ({r.kl_bound})"),
         ("iterations", r.steps),
@@ -83,7 +87,7 @@ def optimise_policy(
         client = run.client
         params = flatten(cfg.policy.model_dump(mode="json"), "policy.")
         client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
-        evals = read_table(data.paths.eval) if data.paths.eval is not None else None
+        prompts, answers = eval_set(data.paths, cfg)
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
         try:
             figures = {"policy/reward_mean": "reward", "policy/kl": "KL"}
@@ -91,8 +95,8 @@ def optimise_policy(
                     exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
                 result = train_policy(
                     training_prompts(data),
-                    list(evals["prompt"]) if evals is not None else [],
-                    list(evals["answer"]) if evals is not None else [],
+                    prompts,
+                    answers or [],
                     base.path,
                     reward.path,
                     cfg.policy,
@@ -117,5 +121,7 @@ def optimise_policy(
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         client.set_tag(stage_id, "checkpoint.path", str(result.checkpoint_path))
         create_markdown_artifact(key="policy-metrics", markdown=_report(result), description="Policy optimisation")
-        log.info("%s: held-out accuracy %.3f -> %.3f", result.algorithm, result.accuracy_before, result.accuracy_after)
+        log.info("%s: held-out accuracy %s -> %s, reward-model score %s -> %s", result.algorithm,
+                 _round(result.accuracy_before), _round(result.accuracy_after),
+                 _round(result.rm_score_before), _round(result.rm_score_after))
     return TrainedPolicy(result, stage_id)

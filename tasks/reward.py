@@ -58,10 +58,13 @@ def _report(r: RewardTrainResult, version: str) -> str:
 
 
 @task(name="train-reward-model")
-def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, run: PipelineRun) -> RewardModel:
+def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, run: PipelineRun,
+                            backbone: Path | None = None) -> RewardModel:
+    """The reward model from `backbone` (reward.base_model's directory), else from the base policy."""
     log = get_run_logger()
+    backbone = backbone or base.path
     lineage = {"dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
-               "base_model.path": str(base.path), "pipeline.run_id": run.run_id}
+               "base_model.path": str(backbone), "pipeline.run_id": run.run_id}
     with stage_run(run, "reward", lineage) as stage_id:
         client = run.client
         params = flatten(cfg.reward.model_dump(mode="json"), "reward.")
@@ -75,7 +78,7 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         with ProgressSink("reward", total, figures) as progress, \
                 exported(cfg, stage_id, "reward", sink, progress=progress) as on_metrics:
             result = train_reward_model(
-                train, held_out, base.path, cfg.reward,
+                train, held_out, backbone, cfg.reward,
                 out_dir=run.out_dir / "models" / "reward",
                 storage_path=run.out_dir / "ray",
                 on_metrics=on_metrics,

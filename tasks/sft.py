@@ -26,6 +26,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.data.schema import fingerprint, read_table
 from rlhf_core.training.base_policy import BasePolicyResult, make_base_policy
 from tasks.data import ValidatedData
+from tasks.pretrained import PretrainedBase
 from tasks.tracking import PipelineRun, flatten, stage_run
 
 
@@ -38,6 +39,7 @@ class BasePolicy:
     result: BasePolicyResult
     run_id: str  # the stage's MLflow run
     pipeline_run_id: str = ""  # the pipeline run that trained it (another one's when cached)
+    skipped: bool = False  # sft.enabled is false: the pretrained model as it is
 
     @property
     def path(self) -> Path:
@@ -45,6 +47,9 @@ class BasePolicy:
 
     def summary(self) -> dict:
         r = self.result
+        if self.skipped:
+            return {"status": "skipped", "reason": "sft.enabled is false", "num_parameters": r.num_parameters,
+                    "model_path": str(r.path)}
         return {"status": "completed", "trained_by_run": self.pipeline_run_id, "eval_accuracy": r.eval_accuracy, "num_parameters": r.num_parameters,
                 "seconds": round(r.sft_seconds, 1), "model_path": str(r.path)}
 
@@ -68,13 +73,34 @@ def sft_cache_key(context, parameters: dict) -> str:
         "data": data.fingerprint,
         "sft_corpus": fingerprint(data.paths.sft) if data.paths.sft is not None else None,
         "settings": {k: getattr(cfg, k).model_dump(mode="json") for k in ("sft", "model", "tokenizer")},
+        "pretrained": _files_stamp(parameters.get("pretrained")),
         "tracking_uri": run.tracking_uri,
     }
     return "sft-" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
+def _files_stamp(pretrained: PretrainedBase | None) -> list | None:
+    """Name, size and modification time of the pretrained files: a changed model is trained again."""
+    if pretrained is None:
+        return None
+    files = sorted(p for p in pretrained.policy.iterdir() if p.is_file())
+    return [(p.name, p.stat().st_size, p.resolve().stat().st_mtime_ns) for p in files]
+
+
+@task(name="use-pretrained-base")
+def use_pretrained_base(pretrained: PretrainedBase, cfg: PipelineConfig, run: PipelineRun) -> BasePolicy:
+    """sft.enabled is false: the pretrained model is the base policy; the stage records that."""
+    with stage_run(run, "sft", {"model.pretrained": str(cfg.model.pretrained)}) as stage_id:
+        run.client.set_tag(stage_id, "sft.skipped", "true")
+        run.client.set_tag(stage_id, "model.path", str(pretrained.policy))
+    info = pretrained.info
+    result = BasePolicyResult(pretrained.policy, info.num_parameters, info.vocab_size, 0, float("nan"), 0.0, None)
+    return BasePolicy(result, stage_id, run.run_id, skipped=True)
+
+
 @task(name="train-base-policy", cache_key_fn=sft_cache_key, persist_result=True, cache_expiration=timedelta(days=30))
-def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun) -> BasePolicy:
+def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun,
+                      pretrained: PretrainedBase | None = None) -> BasePolicy:
     log = get_run_logger()
     with stage_run(run, "sft", {"dataset.fingerprint": data.fingerprint}) as stage_id:
         client = run.client
@@ -85,6 +111,8 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
         else:  # no SFT corpus: imitate the preferred responses
             prompts, completions = list(prefs["prompt"]), list(prefs["chosen"])
         evals = read_table(data.paths.eval) if data.paths.eval is not None else None
+        if evals is not None and "answer" not in evals.columns:
+            evals = None  # no answers: no held-out accuracy
         texts = [p + c for p, c in zip(prompts, completions)] + list(prefs["prompt"] + prefs["chosen"]) + list(
             prefs["prompt"] + prefs["rejected"]
         )
@@ -102,6 +130,7 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
                 cfg,
                 run.out_dir / "models" / "sft",
                 on_metrics=FanOut(_with_progress(MlflowMetricsSink(run.tracking_uri, stage_id), log), progress),
+                pretrained=pretrained.policy if pretrained is not None else None,
             )
         client.log_metric(stage_id, "sft/num_parameters", result.num_parameters)
         client.log_metric(stage_id, "sft/seconds", result.sft_seconds)

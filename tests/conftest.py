@@ -103,3 +103,15 @@ def ray_cluster():
             os.environ.pop(key)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(name="make_pretrained", scope="session")
+def make_pretrained_fixture():
+    """`make_pretrained(tmp, family, ...)`: a random-weight model directory of `family`
+    (tests/pretrained_models.py)."""
+    import importlib.util  # tests/ is not a package: load the helper module by path
+
+    spec = importlib.util.spec_from_file_location("pretrained_models", REPO / "tests" / "pretrained_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_pretrained

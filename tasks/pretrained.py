@@ -1,0 +1,68 @@
+"""Prefect task that makes a user's pretrained model the run's own, checked before anything trains.
+
+The run's copy (`<output_dir>/models/base`, and `models/reward-base` for `reward.base_model`)
+links the weights and completes the tokenizer and config (`rlhf_core.models.pretrained.materialise`);
+`preflight` then names every reason the run could not use it: context, head size, memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from prefect import get_run_logger, task
+
+from rlhf_core.chat import read_chat_template
+from rlhf_core.config import PipelineConfig
+from rlhf_core.models.pretrained import (
+    VLLM_CPU_HEAD_SIZES, PretrainedError, PretrainedInfo, inspect_pretrained, is_hub_id, materialise, preflight,
+)
+
+
+@dataclass(frozen=True)
+class PretrainedBase:
+    policy: Path  # base of the policy, the reference and the critic
+    reward: Path  # backbone of the reward model (the policy's unless reward.base_model is set)
+    info: PretrainedInfo
+
+    @property
+    def context_length(self) -> int | None:
+        return self.info.context_length
+
+    def summary(self) -> dict:
+        i = self.info
+        return {"status": "ready", "model_type": i.model_type, "num_parameters": i.num_parameters,
+                "context_length": i.context_length, "path": str(self.policy), "reward_backbone": str(self.reward)}
+
+
+def _materialise(source: str, out_dir: Path, template: str | None, where: str) -> Path:
+    if not is_hub_id(source):
+        inspect_pretrained(source, where)  # a clear error for a directory that is not a model
+    return materialise(source, out_dir, template)
+
+
+@task(name="prepare-pretrained")
+def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | None:
+    """The run's pretrained base (None: the demo builds its own); raises `PretrainedError` naming
+    every problem."""
+    if cfg.model.pretrained is None:
+        return None
+    template = read_chat_template(cfg.model.chat_template) if cfg.model.chat_template else None
+    policy = _materialise(cfg.model.pretrained, out_dir / "models" / "base", template, "model.pretrained")
+    info = inspect_pretrained(policy)
+    reward = policy
+    if cfg.reward.base_model is not None:
+        reward = _materialise(cfg.reward.base_model, out_dir / "models" / "reward-base", template, "reward.base_model")
+    workers = max(cfg.policy.num_workers, cfg.reward.num_workers)
+    problems = preflight(
+        info, max_total_tokens=cfg.reward.max_length,
+        supported_head_sizes=None if cfg.policy.use_gpu else VLLM_CPU_HEAD_SIZES,
+        needs_chat_template=False,  # the data stage knows whether the data is conversational
+        workers=workers, with_critic=cfg.policy.algorithm == "ppo",
+        memory_bytes=psutil.virtual_memory().total,
+    )
+    if problems:
+        raise PretrainedError("\n".join(problems))
+    get_run_logger().info("pretrained %s: %s, %.1fM parameters, context %s", cfg.model.pretrained, info.model_type,
+                          info.num_parameters / 1e6, info.context_length)
+    return PretrainedBase(policy, reward, info)
