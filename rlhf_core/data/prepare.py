@@ -229,7 +229,8 @@ def _over_limit(s: _Set, over: list[int], what: str, reject: bool, fate: str, se
     shown = ", ".join(str(s.lines[i]) for i in over[:SHOWN_ROWS]) + (" ..." if len(over) > SHOWN_ROWS else "")
     head = f"{s.spec}: {len(over)} of {len(s.rows)} rows have {what} (lines {shown})"
     if reject:
-        raise InputError(f"{head}; {setting} is reject. Shorten them, raise the limit, or set {setting}")
+        raise InputError(f"{head}; {setting} is reject. Shorten them, raise the limit, or set {setting} to "
+                         f"{'drop' if setting.startswith('data') else 'truncate'}")
     return [f"{head}: {fate}"]
 
 

@@ -54,7 +54,26 @@ class WeightSyncExtension:
 
         weights = load_file(path, device="cpu")
         self.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
+        _repack_tied_head(self.model_runner.model)  # type: ignore[attr-defined]
         return len(weights)
+
+
+def _repack_tied_head(model: Any) -> None:
+    """Process a tied LM head again after its embeddings changed.
+
+    vLLM's CPU backend packs every linear weight for its GEMM kernels once the weights are
+    loaded, the LM head included. A reload repacks the modules whose weights it loaded; a tied
+    head loads none of its own (its weight is the embeddings'), so without this it keeps
+    computing logits with the packed copy of the first weights (measured: log-probs off by
+    more than 1 nat after one sync of a tied Llama or Qwen2)."""
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    if head is None or not getattr(text, "tie_word_embeddings", False):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
 
 
 class WeightTransport(ABC):
@@ -70,6 +89,20 @@ class WeightTransport(ABC):
 
 def _default_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def without_tied_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with each shared storage named once, by its first name: a model with tied
+    embeddings holds `lm_head.weight` as a view of `model.embed_tokens.weight`; safetensors
+    refuses to write both, and vLLM loads a tied head from the embeddings."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = {}
+    for name, t in tensors.items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
+    return out
 
 
 class SafetensorsFileTransport(WeightTransport):
@@ -88,7 +121,7 @@ class SafetensorsFileTransport(WeightTransport):
 
         path = self.dir / WEIGHTS_FILE
         tmp = path.with_name(path.name + ".tmp")
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+        tensors = without_tied_copies({name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()})
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
         loaded = llm.collective_rpc("rlhf_load_weights_file", args=(str(path),))

@@ -1,0 +1,74 @@
+"""Every stage's model code on three families that transformers and vLLM both run, each made
+locally with random weights and a chat template: Llama (tied embeddings, grouped-query
+attention), Qwen2 (tied, GQA) and Mistral (untied). SFT of the pretrained model on rendered
+conversations, reward-model scoring on its backbone, and a vLLM rollout engine that loads it,
+takes new weights in place and then answers as the trainer's weights do."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.chat import render_pairs
+from rlhf_core.config import PipelineConfig
+from rlhf_core.models.llama import load_policy
+from rlhf_core.models.pretrained import materialise
+from rlhf_core.models.reward import reward_model_from_base, score
+from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.base_policy import make_base_policy
+
+ZEPHYR = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+QUESTIONS = [f"{a}+{b}=" for a in range(8) for b in range(8)]
+
+
+def conversations():
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    answers = [[{"role": "assistant", "content": str(eval(q[:-1]))}] for q in QUESTIONS]  # noqa: S307 - our own sums
+    return prompts, answers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_sft_reward_scoring_and_a_synced_vllm_engine_run_on_the_family(family, tmp_path, make_pretrained):
+    from rlhf_core.rollout.vllm_engine import RolloutEngine
+
+    src, _ = make_pretrained(tmp_path, family, chat_template=ZEPHYR, texts=QUESTIONS + ["<|user|> <|assistant|>"])
+    base = materialise(str(src), tmp_path / "base")
+    tokenizer = load_tokenizer(base)
+    prompts, completions = render_pairs(tokenizer, *conversations())
+    cfg = PipelineConfig.model_validate({"sft": {"epochs": 2, "batch_size": 16, "warmup_steps": 1}})
+    sft = make_base_policy(prompts, completions, [], [], [], cfg, tmp_path / "sft", pretrained=base)
+    assert sft.sft_steps == 8 and sft.sft_final_loss == sft.sft_final_loss  # trained, finite
+
+    reward = reward_model_from_base(sft.path)
+    scores = score(reward, tokenizer, prompts[:8], completions[:8], max_length=64)
+    assert scores.shape == (8,) and torch.isfinite(scores).all()
+
+    policy = load_policy(sft.path).eval()
+    engine = RolloutEngine(sft.path, max_model_len=128, max_num_seqs=16)
+    try:
+        # the engine's log-probabilities of its own samples are the trainer's, before and after a sync
+        before = engine.generate(prompts[:8], n=2, temperature=1.0, max_tokens=6, seed=0)
+        assert engine_vs_trainer(before, policy) < 1e-3
+        with torch.no_grad():  # a different policy: the engine must follow it
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        assert engine_vs_trainer(before, policy) > 1e-2  # the change is visible
+        engine.sync_weights(policy.state_dict())
+        after = engine.generate(prompts[:8], n=2, temperature=1.0, max_tokens=6, seed=0)
+        assert engine_vs_trainer(after, policy) < 1e-3
+    finally:
+        engine.close()
+
+
+@torch.no_grad()
+def engine_vs_trainer(rollouts, model) -> float:
+    """Largest |engine log-prob - trainer log-prob| over the sampled tokens."""
+    worst = 0.0
+    for r in rollouts:
+        ids = torch.tensor([r.prompt_token_ids + r.response_token_ids])
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)  # (L-1, V): predicts token t+1
+        n = len(r.prompt_token_ids)
+        ours = logp[n - 1:, :].gather(-1, ids[0, n:, None]).squeeze(-1)
+        worst = max(worst, (ours - torch.tensor(r.logprobs)).abs().max().item())
+    return worst
