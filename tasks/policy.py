@@ -60,6 +60,17 @@ def training_prompts(data: ValidatedData) -> list[str]:
     return list(dict.fromkeys(prompts))
 
 
+def prompt_answers(data: ValidatedData) -> dict[str, str]:
+    """prompt -> answer of the prompt set, when it has an `answer` column (for verifiable rewards
+    that check against it)."""
+    if data.paths.prompts is None:
+        return {}
+    table = read_table(data.paths.prompts)
+    if "answer" not in table.columns:
+        return {}
+    return {p: str(a) for p, a in zip(table["prompt"], table["answer"]) if a is not None and a == a}
+
+
 def _report(r: PolicyTrainResult) -> str:
     rows = [
         ("algorithm", r.algorithm),
@@ -104,6 +115,7 @@ def optimise_policy(
                     storage_path=run.out_dir / "ray",
                     on_metrics=on_metrics,
                     run_name=f"policy-{stage_id[:8]}",
+                    answers=prompt_answers(data),
                 )
         except CircuitBreakerTripped as exc:
             for key, value in {"circuit_breaker.reason": exc.trip.reason, "circuit_breaker.step": exc.trip.step,

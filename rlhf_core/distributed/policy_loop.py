@@ -26,6 +26,7 @@ class PolicyLoop:
     eval_prompts: tuple[str, ...]
     eval_answers: tuple[str, ...]
     score_verifiable: bool  # every prompt parses for cfg.verifiable_reward
+    answers: tuple[tuple[str, str], ...] = ()  # (prompt, answer) of the prompt set, for answer-checking rewards
     nan_at: NanAtStep | None = None  # fault injection (tests)
     check_sync: bool = False  # compare the engine's greedy answers with the trainer's (tests)
 
@@ -42,7 +43,7 @@ class PolicyWorker:
     reference: torch.nn.Module
     reward_model: torch.nn.Module | None
     rm_stats: Any
-    verifiable: Any  # fn(prompts, responses) -> (B,) tensor, or None
+    verifiable: Any  # fn(prompts, responses[, answers]) -> (B,) tensor, or None
     kl_controller: Any
     rank: int
     world: int
@@ -50,6 +51,7 @@ class PolicyWorker:
     pipeline: Any = None  # RolloutPipeline on rank 0 when cfg.pipeline.max_lag > 0
     meter: WorkerMeter = field(default_factory=WorkerMeter)
     sync_checks: list[dict[str, Any]] = field(default_factory=list)  # rank 0, with loop.check_sync
+    reward_tokenizer: Any = None  # the reward model's own (reward.base_model may differ from the policy)
 
     @property
     def cfg(self) -> PolicyConfig:

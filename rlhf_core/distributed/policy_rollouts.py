@@ -112,7 +112,7 @@ def evaluate(w: PolicyWorker, step: int) -> dict[str, float]:
     if answers:
         out["eval/accuracy"] = exact_match(responses, answers)
     if w.reward_model is not None:
-        raw = score(w.reward_model, w.tokenizer, prompts, responses, max_length=w.max_length)
+        raw = score(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)
         out["eval/rm_score"] = normalise(raw, w.rm_stats).mean().item()
     out["eval/seconds"] = time.perf_counter() - start
     return out

@@ -22,7 +22,7 @@ Only checkpoint steps call `ray.train.report`; per-step metrics go to the pickla
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from rlhf_core.distributed.stage import MetricsCallback, StageRuntime, run_stage
 from rlhf_core.models.pretrained import VLLM_CPU_HEAD_SIZES
 from rlhf_core.training.base_policy import StageFailed
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped, Trip
-from rlhf_core.training.verifiable import resolve_verifiable_reward
+from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,15 @@ def train_policy(
     on_metrics: MetricsCallback | None = None,
     run_name: str = "policy",
     *,
+    answers: Mapping[str, str] | None = None,
     _kill_once: KillWorkerOnce | None = None,
     _nan_at: NanAtStep | None = None,
     _check_sync: bool = False,
 ) -> PolicyTrainResult:
     """Optimise the SFT policy in `sft_dir` on `prompts` with `cfg.algorithm`, rewarded by the
     reward model in `reward_dir` and/or the verifiable reward `cfg.verifiable_reward`, and
-    save it to `out_dir`.
+    save it to `out_dir`. `answers` (prompt -> answer, from the prompt set) feed a verifiable
+    reward that checks against them (`rlhf_core.training.verifiable.answer_exact_match`).
 
     Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
     already holds a run is resumed. `on_metrics(step, {"policy/...": v})` runs on rank 0 and
@@ -93,7 +95,8 @@ def train_policy(
     `cfg.min_accuracy_gain`. `_check_sync` (tests): after the first and the last weight sync,
     compare the engine's greedy answers with the trainer's (`sync_checks`).
     """
-    score_verifiable = _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg)
+    answers = dict(answers or {})
+    score_verifiable = _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg, answers)
 
     def loop_for(runtime: StageRuntime) -> PolicyLoop:
         return PolicyLoop(
@@ -101,6 +104,7 @@ def train_policy(
             reward_dir=str(Path(reward_dir).resolve()) if reward_dir is not None else None,
             out_dir=str(Path(out_dir).resolve()), prompts=tuple(prompts), eval_prompts=tuple(eval_prompts),
             eval_answers=tuple(eval_answers), score_verifiable=score_verifiable, nan_at=_nan_at, check_sync=_check_sync,
+            answers=tuple(answers.items()),
         )
 
     run = run_stage(
@@ -141,7 +145,7 @@ def train_policy(
     return out
 
 
-def _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg: PolicyConfig) -> bool:
+def _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg: PolicyConfig, answers=None) -> bool:
     """Raise ValueError for input that cannot train; -> whether the verifiable reward can be scored."""
     if len(prompts) == 0:
         raise ValueError("policy: no training prompts")
@@ -163,7 +167,7 @@ def _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg:
     verifiable = resolve_verifiable_reward(cfg.verifiable_reward)
     if verifiable is None:
         return False
-    parses = all(_parses(verifiable, p) for p in prompts)
+    parses = all(_parses(verifiable, p, answers or {}) for p in prompts)
     if cfg.verifiable_reward_weight > 0 and not parses:
         raise ValueError(
             f"policy: verifiable_reward_weight > 0 but not every training prompt is one "
@@ -172,9 +176,9 @@ def _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg:
     return parses
 
 
-def _parses(verifiable, prompt: str) -> bool:
+def _parses(verifiable, prompt: str, answers: dict[str, str]) -> bool:
     try:
-        verifiable([prompt], [""])
+        score_verifiable(verifiable, [prompt], [""], answers)
         return True
     except ValueError:
         return False

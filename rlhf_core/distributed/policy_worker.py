@@ -60,7 +60,7 @@ from rlhf_core.training.ppo_step import (
     update_minibatches,
 )
 from rlhf_core.training.rewards import combine_rewards
-from rlhf_core.training.verifiable import resolve_verifiable_reward
+from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
 
 
 def train_loop(loop: PolicyLoop) -> dict[str, Any] | None:
@@ -110,9 +110,9 @@ def _build_worker(loop: PolicyLoop) -> PolicyWorker:
         critic = _engine(worker.deepspeed, value_model_from(loop.sft_dir), cfg, cfg.ppo.critic_learning_rate,
                          loop.runtime.use_gpu)
     reference = load_policy(loop.sft_dir).eval().requires_grad_(False)
-    reward_model = rm_stats = None
+    reward_model = rm_stats = reward_tokenizer = None
     if loop.reward_dir is not None:
-        reward_model, _, rm_stats = load_reward_model(loop.reward_dir)
+        reward_model, reward_tokenizer, rm_stats = load_reward_model(loop.reward_dir)
         reward_model.requires_grad_(False)
     kl_controller = (
         FixedKLController(cfg.kl_coef)
@@ -121,7 +121,7 @@ def _build_worker(loop: PolicyLoop) -> PolicyWorker:
     )
     verifiable = resolve_verifiable_reward(cfg.verifiable_reward) if loop.score_verifiable else None
     return PolicyWorker(loop, spec, tokenizer, actor, critic, reference, reward_model, rm_stats, verifiable,
-                        kl_controller, worker.rank, worker.world)
+                        kl_controller, worker.rank, worker.world, reward_tokenizer=reward_tokenizer)
 
 
 def deepspeed_config(cfg: PolicyConfig, learning_rate: float, use_gpu: bool) -> dict[str, Any]:
@@ -254,9 +254,9 @@ def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch) 
     prompts, responses = [s.prompt for s in samples], [s.response_text for s in samples]
     rm = verifiable = None
     if w.reward_model is not None:
-        rm = score(w.reward_model, w.tokenizer, prompts, responses, max_length=w.max_length)
+        rm = score(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)
     if w.verifiable is not None:
-        verifiable = w.verifiable(prompts, responses)
+        verifiable = score_verifiable(w.verifiable, prompts, responses, dict(w.loop.answers))
     batch.scores = combine_rewards(rm, w.rm_stats, verifiable, cfg.reward_model_weight, cfg.verifiable_reward_weight)
     return {
         "scores": batch.scores.tolist(),

@@ -10,6 +10,7 @@ import datasets
 import httpx
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 
 from flows.pipeline import rlhf_pipeline
 from rlhf_core.chat import render_prompt
@@ -36,7 +37,7 @@ def user_data(tmp):
     evals = [as_conversational(r) for r in read_table(files.eval)[["prompt", "answer"]].to_dict("records")]
     write_jsonl(pairs, tmp / "pairs.jsonl")
     datasets.Dataset.from_list(evals).save_to_disk(str(tmp / "eval"))
-    prompts = [{"prompt": r["prompt"]} for r in pairs[:64]]
+    prompts = [{"prompt": r["prompt"], "answer": r["chosen"][0]["content"]} for r in pairs[:64]]
     datasets.Dataset.from_list(prompts).to_parquet(str(tmp / "prompts.parquet"))
     return tmp / "pairs.jsonl", tmp / "eval", tmp / "prompts.parquet"
 
@@ -54,7 +55,8 @@ def own_run(tmp_path_factory, tiny_config_factory, make_pretrained, free_ports):
     raw["model"] = {"pretrained": str(model_dir)}
     raw["sft"] = {"enabled": False}
     raw["reward"].update(max_length=96)
-    raw["policy"].update(verifiable_reward=None, verifiable_reward_weight=0.0, reward_model_weight=1.0)
+    # the reward model, and exact match against the prompt set's answer column
+    raw["policy"].update(verifiable_reward="answer_exact_match", verifiable_reward_weight=1.0, reward_model_weight=1.0)
     raw["gates"] = LOOSE_GATES
     raw["serving"] = {"ports": free_ports(2), "smoke_prompt": "Hello"}
     config = tmp / "own.yaml"
@@ -77,6 +79,10 @@ def test_a_pretrained_qwen2_on_conversational_data_goes_through_every_stage(own_
     assert stages["sft"]["status"] == "skipped"
     assert stages["policy"]["status"] == "completed" and stages["policy"]["accuracy_before"] is not None
     assert stages["deploy"]["status"] == "serving"
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    [policy_run] = client.search_runs([client.get_run(summary["mlflow_run_id"]).info.experiment_id],
+                                      f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and tags.stage = 'policy'")
+    assert "policy/verifiable_reward_mean" in policy_run.data.metrics and "policy/rm_score_mean" in policy_run.data.metrics
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ from rlhf_core.data.demo_task import addition_exact_match, addition_target
 from rlhf_core.data.synthetic import answer_for, prompt_for
 from rlhf_core.models.reward import RewardStats
 from rlhf_core.training.rewards import combine_rewards
-from rlhf_core.training.verifiable import VERIFIABLE_REWARDS, resolve_verifiable_reward
+from rlhf_core.training.verifiable import (
+    VERIFIABLE_REWARDS, resolve_verifiable_reward, score_verifiable, takes_answers,
+)
 
 
 def test_addition_target_is_the_demo_answer_for_every_width():
@@ -32,7 +34,7 @@ def test_unknown_verifiable_reward_names_the_known_ones():
 
 
 def test_verifiable_reward_resolves_a_registered_name_a_module_function_and_none():
-    assert set(VERIFIABLE_REWARDS) == {"addition_exact_match"}
+    assert set(VERIFIABLE_REWARDS) == {"addition_exact_match", "answer_exact_match"}
     assert resolve_verifiable_reward("rlhf_core.data.demo_task:addition_exact_match") is addition_exact_match
     assert resolve_verifiable_reward(None) is None
     with pytest.raises(ValueError, match="'rlhf_core.data.demo_task:nothing' cannot be imported"):
@@ -43,6 +45,17 @@ def test_verifiable_reward_resolves_a_registered_name_a_module_function_and_none
         resolve_verifiable_reward("rlhf_core.data.demo_task:_ADDITION")
     with pytest.raises(ValueError, match="expected module:function"):
         resolve_verifiable_reward(":addition_exact_match")
+
+
+def test_answer_exact_match_scores_against_each_prompts_answer():
+    fn = resolve_verifiable_reward("answer_exact_match")
+    assert takes_answers(fn) and not takes_answers(addition_exact_match)
+    got = score_verifiable(fn, ["a", "b", "c"], [" 4 ", "5", "x"], {"a": "4", "b": "6", "c": "x"})
+    assert got.tolist() == [1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="1 prompts have no answer, e.g. 'd'"):
+        score_verifiable(fn, ["a", "d"], ["4", "4"], {"a": "4"})
+    # a reward without answers is called as before
+    assert score_verifiable(addition_exact_match, ["07+48="], ["055"], {"07+48=": "ignored"}).tolist() == [1.0]
 
 
 def _policy_config_problems(policy: dict) -> list[str]:
