@@ -269,15 +269,15 @@ def _flow_command(args, cfg) -> int:
 def _validate_here(args, cfg) -> int:
     """`rlhf validate` without --record: the data contract and its report, no Prefect or MLflow,
     so the answer comes in about the time Great Expectations takes."""
-    from tasks.data_contract import DataFormatError, DataPaths, DataValidationError, check_files
+    from tasks.data_contract import DataFormatError, DataValidationError, check_files, prepare_files
 
     out_dir = Path(cfg.output_dir).resolve() / f"validate-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
-    paths = DataPaths(Path(args.path), Path(args.eval_path) if args.eval_path else None, None, generated=False)
     summary = {"pipeline": "validate", "config": args.config, "output_dir": str(out_dir),
                "summary_path": str(out_dir / "summary.json")}
-    try:
+    try:  # a conversational file is rendered with model.pretrained's tokenizer first, as a run would
+        paths = prepare_files(cfg, args.path, args.eval_path, None, None, out_dir / "data", cfg.model.pretrained)
         summary.update(status="completed", stages={"validate": check_files(paths, cfg.validation, out_dir).summary()})
-    except (DataValidationError, DataFormatError) as exc:
+    except (DataValidationError, DataFormatError, ValueError) as exc:  # InputError, ChatTemplateError are ValueErrors
         stage = {"status": "failed", "error": str(exc)}
         if getattr(exc, "report_path", None) is not None:
             stage["report"] = str(exc.report_path)
@@ -292,9 +292,11 @@ def _validate_here(args, cfg) -> int:
 
 
 def _check_inputs(args) -> None:
+    from rlhf_core.models.pretrained import is_hub_id  # light: no transformers until it is called
+
     for p in filter(None, (args.path, args.eval_path)):
-        if not Path(p).is_file():
-            raise ConfigError([f"no such file: {p}"], "rlhf validate")
+        if not Path(p).exists() and not is_hub_id(p.partition(":")[0]):
+            raise ConfigError([f"no such file or directory: {p}"], "rlhf validate")
 
 
 def main(argv: list[str] | None = None) -> int:

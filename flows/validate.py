@@ -1,14 +1,13 @@
 """The `validate-data` flow: run the preference-data contract on given files, nothing else."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
 from rlhf_core.config import load_config
 from rlhf_core.default_config import DEFAULT_CONFIG
-from tasks.data import DataPaths, validate_data
+from tasks.data import prepare_files, validate_data
 from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
 
@@ -20,8 +19,8 @@ def validate_data_flow(
     thresholds of `config_path`; the report goes to MLflow and to a Prefect artifact."""
     cfg = load_config(config_path)
     run = start_pipeline_run(cfg, config_source=str(config_path), flow_name="validate-data")
-    paths = DataPaths(Path(preferences_path), Path(eval_path) if eval_path else None, None, generated=False)
     summary = summary_header(run, "validate-data", str(config_path))
     with recorded_outcome(run, summary) as stages:
+        paths = prepare_files(cfg, preferences_path, eval_path, None, None, run.out_dir / "data", cfg.model.pretrained)
         run_stage(stages, "validate", validate_data, paths, cfg, run)
     return summary

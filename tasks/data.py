@@ -15,13 +15,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
-from rlhf_core.data.prepare import Limits, prepare_inputs
 from rlhf_core.data.schema import fingerprint
 from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.data.validation import ValidationReport
-from rlhf_core.tokenizer import load_tokenizer
 from tasks.data_contract import (
-    DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, write_report,
+    DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, prepare_files,
+    write_report,
 )
 from tasks.pretrained import PretrainedBase
 from tasks.tracking import PipelineRun, stage_run
@@ -37,16 +36,11 @@ def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase 
     task generated under `out_dir/data`."""
     if cfg.data.preferences_path is not None:
         d = cfg.data
-        tokenizer = load_tokenizer(pretrained.policy) if pretrained is not None else None
-        context = pretrained.context_length if pretrained is not None else None
-        limits = Limits(cfg.reward.max_length, cfg.reward.on_overlength,
-                        None if context is None else context - cfg.policy.max_new_tokens, d.on_overlength)
-        files = prepare_inputs(d.preferences_path, d.eval_path, d.sft_path, d.prompts_path, tokenizer, limits,
-                               out_dir / "data")
-        for note in files.notes:
+        paths = prepare_files(cfg, d.preferences_path, d.eval_path, d.sft_path, d.prompts_path, out_dir / "data",
+                              pretrained.policy if pretrained is not None else None)
+        for note in paths.notes:
             get_run_logger().warning("%s", note)
-        return DataPaths(files.preferences, files.eval, files.sft, generated=False, prompts=files.prompts,
-                         notes=tuple(files.notes))
+        return paths
     files = generate_demo_data(cfg.data.demo, out_dir / "data")
     get_run_logger().info("generated demo data under %s", files.preferences.parent)
     return DataPaths(files.preferences, files.eval, files.sft, generated=True)

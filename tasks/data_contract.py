@@ -9,7 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf_core.config import ValidationConfig
+from rlhf_core.config import PipelineConfig, ValidationConfig
+from rlhf_core.data.prepare import Limits, prepare_inputs
 from rlhf_core.data.schema import DataFormatError, fingerprint, read_table
 from rlhf_core.data.validation import ValidationReport, validate_preferences
 
@@ -76,6 +77,30 @@ def failure(paths: DataPaths, report: ValidationReport, out_dir: Path) -> DataVa
         f"{paths.preferences}: {len(report.failed)} data check(s) failed\n" + report.failure_message(),
         out_dir / "validation_report.md",
     )
+
+
+def prepare_files(cfg: PipelineConfig, preferences: str | Path, eval_path: str | Path | None,
+                  sft: str | Path | None, prompts: str | Path | None, out_dir: Path,
+                  model_dir: str | Path | None = None) -> DataPaths:
+    """The files checked and rendered for the run (`rlhf_core.data.prepare`) into `out_dir`, with
+    the tokenizer and context of `model_dir` (the run's pretrained model; None for the demo,
+    whose tokenizer is trained later)."""
+    tokenizer = context = None
+    if model_dir is not None:
+        from transformers import AutoConfig  # noqa: PLC0415 - only for a pretrained model
+
+        from rlhf_core.chat import read_chat_template  # noqa: PLC0415
+        from rlhf_core.models.pretrained import run_tokenizer  # noqa: PLC0415
+
+        template = read_chat_template(cfg.model.chat_template) if cfg.model.chat_template else None
+        tokenizer = run_tokenizer(model_dir, template)
+        text = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
+        context = getattr(text, "max_position_embeddings", None)
+    limits = Limits(cfg.reward.max_length, cfg.reward.on_overlength,
+                    None if context is None else context - cfg.policy.max_new_tokens, cfg.data.on_overlength)
+    files = prepare_inputs(preferences, eval_path, sft, prompts, tokenizer, limits, out_dir)
+    return DataPaths(files.preferences, files.eval, files.sft, generated=False, prompts=files.prompts,
+                     notes=tuple(files.notes))
 
 
 def check_files(paths: DataPaths, cfg: ValidationConfig, out_dir: Path) -> ValidatedData:

@@ -151,6 +151,17 @@ def preflight(
     return problems
 
 
+def run_tokenizer(source: str | Path, chat_template: str | None = None):
+    """The tokenizer a run uses for the model at `source`: a pad token (EOS when it has none) and
+    `chat_template` in place of its own when given."""
+    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(source)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 # What `materialise` writes itself rather than links: the completed tokenizer and config.
 _REWRITTEN = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "chat_template.jinja", "chat_template.json", "added_tokens.json")
@@ -167,17 +178,13 @@ def materialise(source: str, out_dir: Path, chat_template: str | None = None) ->
     """
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
-
     src = Path(source)
     if not src.exists() and is_hub_id(source):
         from huggingface_hub import snapshot_download  # noqa: PLC0415
 
         src = Path(snapshot_download(source))
     src = src.resolve()
-    tokenizer = load_tokenizer(src)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
+    tokenizer = run_tokenizer(src, chat_template)
     config = AutoConfig.from_pretrained(str(src))
     config.pad_token_id = tokenizer.pad_token_id
     out_dir = Path(out_dir)

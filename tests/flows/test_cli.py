@@ -58,7 +58,7 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys):
 
 def test_validate_of_a_missing_file_is_a_usage_error(capsys):
     assert main(["validate", "/nonexistent/prefs.jsonl"]) == 2
-    assert "no such file: /nonexistent/prefs.jsonl" in capsys.readouterr().err
+    assert "no such file or directory: /nonexistent/prefs.jsonl" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -161,3 +161,26 @@ def test_validate_of_a_file_that_is_not_jsonl_names_file_and_line(tmp_path, caps
     assert "cause:    broken.jsonl:2: not valid JSON" in out and "report:" not in out and "exit code 1" in out
     (summary,) = _paths_in(out, "summary")
     assert json.loads(summary.read_text())["status"] == "failed"
+
+
+def test_validate_renders_conversational_data_with_the_configured_model(tmp_path, capsys, make_pretrained):
+    """`rlhf validate` on conversational rows: rendered with model.pretrained's template, then the
+    contract; a roles-out-of-order row is named before any contract runs."""
+    from rlhf_core.data.schema import write_jsonl
+
+    chatml = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    model, _ = make_pretrained(tmp_path, "qwen2", chat_template=chatml)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
+             "chosen": [{"role": "assistant", "content": str(2 * i)}],
+             "rejected": [{"role": "assistant", "content": str(2 * i + 1)}]} for i in range(120)]
+    write_jsonl(rows, tmp_path / "chat.jsonl")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'runs'}\nmodel:\n  pretrained: {model}\nreward:\n  max_length: 64\n")
+    assert main(["validate", str(tmp_path / "chat.jsonl"), "--config", str(config)]) == 0
+    [rendered] = (tmp_path / "runs").glob("validate-*/data/preferences.jsonl")
+    assert rendered.read_text().startswith('{"prompt": "<|im_start|>user\\nWhat is 0 plus 0?<|im_end|>\\n')
+    rows[7]["prompt"].append({"role": "user", "content": "again"})
+    write_jsonl(rows, tmp_path / "chat.jsonl")
+    assert main(["validate", str(tmp_path / "chat.jsonl"), "--config", str(config)]) == 1
+    assert "row 8 (line 8), column 'prompt': turn 1 is 'user' where 'assistant' was expected" in capsys.readouterr().out
