@@ -2,7 +2,8 @@
 locally with random weights and a chat template: Llama (tied embeddings, grouped-query
 attention), Qwen2 (tied, GQA) and Mistral (untied). SFT of the pretrained model on rendered
 conversations, reward-model scoring on its backbone, and a vLLM rollout engine that loads it,
-takes new weights in place and then answers as the trainer's weights do."""
+takes new weights in place and then answers as the trainer's weights do, and vLLM's OpenAI
+server answering a chat rendered token for token as in training."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,8 @@ def conversations():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_sft_reward_scoring_and_a_synced_vllm_engine_run_on_the_family(family, tmp_path, make_pretrained):
+def test_sft_reward_scoring_a_synced_engine_and_serving_run_on_the_family(family, tmp_path, make_pretrained,
+                                                                          free_ports):
     from rlhf_core.rollout.vllm_engine import RolloutEngine
 
     src, _ = make_pretrained(tmp_path, family, chat_template=ZEPHYR, texts=QUESTIONS + ["<|user|> <|assistant|>"])
@@ -59,6 +61,33 @@ def test_sft_reward_scoring_and_a_synced_vllm_engine_run_on_the_family(family, t
         assert engine_vs_trainer(after, policy) < 1e-3
     finally:
         engine.close()
+    served_chat_is_rendered_as_in_training(sft.path, tokenizer, free_ports(2), tmp_path / "serving")
+
+
+def served_chat_is_rendered_as_in_training(model_dir, tokenizer, ports, state_dir) -> None:
+    """vLLM's OpenAI server on the model answers a chat through the `openai` client, and its
+    rendering of the conversation is the trainer's, token for token."""
+    import httpx
+    from openai import OpenAI
+
+    from rlhf_core.chat import render_prompt
+    from rlhf_core.config import ServingConfig
+    from rlhf_core.serving import server
+
+    cfg = ServingConfig(ports=tuple(ports), smoke_prompt="1+2=")
+    deployed = server.deploy(model_dir, "1", cfg, state_dir)
+    try:
+        url, key = deployed.endpoint.url, server.resolve_api_key(cfg, state_dir)
+        messages = [{"role": "user", "content": "3+4="}]
+        reply = OpenAI(base_url=f"{url}/v1", api_key=key).chat.completions.create(
+            model="policy-v1", messages=messages, max_tokens=4, temperature=0.0)
+        assert isinstance(reply.choices[0].message.content, str)
+        served = httpx.post(f"{url}/tokenize", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                            json={"model": "policy-v1", "messages": messages, "add_generation_prompt": True}).json()
+        assert served["tokens"] == tokenizer(render_prompt(tokenizer, messages))["input_ids"]
+        assert reply.usage.prompt_tokens == len(served["tokens"])
+    finally:
+        server.stop(state_dir)
 
 
 @torch.no_grad()

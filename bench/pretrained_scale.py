@@ -1,0 +1,158 @@
+"""The policy stage on a pretrained-format model of about 100-150M parameters, the largest this
+2-core, 24 GiB machine takes through GRPO in reasonable time.
+
+The model is made locally (random weights, a Llama with tied embeddings and grouped-query
+attention, a 32,000-row vocabulary, a chat template), saved as Hugging Face writes one, and
+made the run's own by `rlhf_core.models.pretrained.materialise` exactly as `model.pretrained`
+does. Its reward model is its backbone with a fresh head (the scores are not trained: the
+timing is the point). A few GRPO steps run on conversational prompts through
+`train_policy` (Ray Train + DeepSpeed, two workers, rollouts from vLLM's CPU engine).
+
+Reported: seconds per RL step and per phase (from the stage's own metrics), weight-sync
+seconds, and peak resident memory of every process of the run (sampled every 0.5 s).
+
+    .venv/bin/python bench/pretrained_scale.py                 # ~113M parameters
+    .venv/bin/python bench/pretrained_scale.py --layers 8      # a smaller one
+
+Writes bench/results/pretrained_scale.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import save, table  # noqa: E402
+from bench.scaling import JsonlSink  # noqa: E402
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+class PeakMemory:
+    """Peak RSS of this process and every descendant, by role, sampled in a thread."""
+
+    def __init__(self, every: float = 0.5):
+        self.every, self.peaks, self._stop = every, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    key = f"{role(proc)} (pid {proc.pid})"
+                    self.peaks[key] = max(self.peaks.get(key, 0), proc.memory_info().rss)
+                except psutil.Error:
+                    pass
+            self._stop.wait(self.every)
+
+    def by_role(self) -> list[dict]:
+        rows = [{"process": k, "peak_rss_gib": round(v / 2**30, 2)} for k, v in self.peaks.items() if v > 200 * 2**20]
+        return sorted(rows, key=lambda r: -r["peak_rss_gib"])
+
+
+def role(proc: psutil.Process) -> str:
+    name = " ".join(proc.cmdline())[:200]
+    for marker, label in (("RayTrainWorker", "Ray Train worker"), ("EngineCore", "vLLM engine core"),
+                          ("VLLM::Worker", "vLLM worker"), ("TrainTrainable", "Ray Train controller"),
+                          ("raylet", "raylet"), ("gcs_server", "Ray GCS"), ("pretrained_scale", "driver")):
+        if marker in name or marker in proc.name():
+            return label
+    return proc.name()
+
+
+def make_model(out: Path, layers: int, hidden: int, vocab: int) -> Path:
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: PLC0415
+
+    from rlhf_core.tokenizer import train_tokenizer  # noqa: PLC0415
+
+    texts = [f"<|user|>\nWhat is {a} plus {b}?</s>\n<|assistant|>\n{a + b}</s>" for a in range(60) for b in range(60)]
+    tok = train_tokenizer(texts, vocab_size=2000)
+    tok.chat_template = TEMPLATE
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+                         vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=True,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=14)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    from rlhf_core.chat import render_prompt  # noqa: PLC0415
+    from rlhf_core.config import PolicyConfig  # noqa: PLC0415
+    from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+    from rlhf_core.models.pretrained import inspect_pretrained, materialise, training_bytes  # noqa: PLC0415
+    from rlhf_core.models.reward import RewardStats, reward_model_from_base, save_reward_model  # noqa: PLC0415
+    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="pretrained-scale-") as tmp:
+        tmp = Path(tmp)
+        base = materialise(str(make_model(tmp / "user-model", args.layers, args.hidden, args.vocab)), tmp / "base")
+        info = inspect_pretrained(base)
+        tokenizer = load_tokenizer(base)
+        save_reward_model(reward_model_from_base(base), tokenizer, tmp / "reward", RewardStats(0.0, 1.0))
+        prompts = [render_prompt(tokenizer, [{"role": "user", "content": f"What is {a} plus {b}?"}])
+                   for a in range(40) for b in range(3)]
+        cfg = PolicyConfig(algorithm="grpo", num_workers=args.workers, steps=args.steps, prompts_per_step=8,
+                           grpo={"group_size": 4}, max_new_tokens=16, minibatch_size=32, micro_batch_size=8,
+                           epochs_per_step=1, eval_every=args.steps, checkpoint_every=args.steps,
+                           verifiable_reward=None, verifiable_reward_weight=0.0, reward_model_weight=1.0)
+        sink = JsonlSink(tmp / "metrics.jsonl")
+        start = time.perf_counter()
+        with PeakMemory() as memory:
+            result = train_policy(prompts, prompts[:16], [], base, tmp / "reward", cfg, tmp / "policy", tmp / "ray",
+                                  on_metrics=sink, run_name="scale")
+        wall = time.perf_counter() - start
+        steps = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+    timed = steps[1:] or steps  # the first step pays for warm-up
+    step_s = [max(v for k, v in s.items() if k.startswith("policy/step_time_s/")) for s in timed]
+    phases = sorted({k for s in timed for k in s if k.startswith("timing/")})
+    figures = {
+        "parameters_m": round(info.num_parameters / 1e6, 1), "layers": info.num_layers, "hidden": info.hidden_size,
+        "vocab": info.vocab_size, "kv_heads": info.num_kv_heads, "tied_embeddings": info.tie_word_embeddings,
+        "workers": args.workers, "rollouts_per_step": cfg.rollouts_per_step, "max_new_tokens": cfg.max_new_tokens,
+        "steps": result.steps, "seconds_per_step": round(statistics.median(step_s), 1),
+        "first_step_s": round(max(v for k, v in steps[0].items() if k.startswith("policy/step_time_s/")), 1),
+        "weight_sync_s": round(statistics.median(s["rollout/sync_s"] for s in timed), 3),
+        "phases_s": {p: round(statistics.median(s[p] for s in timed if p in s), 2) for p in phases},
+        "stage_wall_s": round(wall, 1),
+        "estimated_gib": round(training_bytes(info.num_parameters, workers=args.workers, with_critic=False,
+                                              reward_parameters=info.num_parameters) / 2**30, 1),
+        "peak_rss": memory.by_role(),
+    }
+    print(table([{k: v for k, v in figures.items() if not isinstance(v, (dict, list))}],
+                [k for k, v in figures.items() if not isinstance(v, (dict, list))]))
+    print("phases (s, median):", figures["phases_s"])
+    print(table(figures["peak_rss"], ["process", "peak_rss_gib"]))
+    print("written:", save("pretrained_scale", figures))
+
+
+if __name__ == "__main__":
+    main()
