@@ -41,7 +41,7 @@ class PeakMemory:
     """Peak RSS of this process and every descendant, by role, sampled in a thread."""
 
     def __init__(self, every: float = 0.5):
-        self.every, self.peaks, self._stop = every, {}, threading.Event()
+        self.every, self.peaks, self.roles, self._stop = every, {}, {}, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
@@ -57,25 +57,28 @@ class PeakMemory:
         while not self._stop.is_set():
             for proc in [me, *me.children(recursive=True)]:
                 try:
-                    key = f"{role(proc)} (pid {proc.pid})"
-                    self.peaks[key] = max(self.peaks.get(key, 0), proc.memory_info().rss)
+                    rss, label = proc.memory_info().rss, role(proc)
                 except psutil.Error:
-                    pass
+                    continue
+                self.peaks[proc.pid] = max(self.peaks.get(proc.pid, 0), rss)
+                if label in ROLES.values() or proc.pid not in self.roles:  # Ray workers start as ray::IDLE
+                    self.roles[proc.pid] = label
             self._stop.wait(self.every)
 
     def by_role(self) -> list[dict]:
-        rows = [{"process": k, "peak_rss_gib": round(v / 2**30, 2)} for k, v in self.peaks.items() if v > 200 * 2**20]
+        rows = [{"process": f"{self.roles[pid]} (pid {pid})", "peak_rss_gib": round(v / 2**30, 2)}
+                for pid, v in self.peaks.items() if v > 200 * 2**20]
         return sorted(rows, key=lambda r: -r["peak_rss_gib"])
+
+
+ROLES = {"RayTrainWorker": "Ray Train worker", "EngineCore": "vLLM engine core", "VLLM::Worker": "vLLM worker",
+         "TrainController": "Ray Train controller", "raylet": "raylet", "gcs_server": "Ray GCS",
+         "pretrained_scale": "driver"}
 
 
 def role(proc: psutil.Process) -> str:
     name = " ".join(proc.cmdline())[:200]
-    for marker, label in (("RayTrainWorker", "Ray Train worker"), ("EngineCore", "vLLM engine core"),
-                          ("VLLM::Worker", "vLLM worker"), ("TrainTrainable", "Ray Train controller"),
-                          ("raylet", "raylet"), ("gcs_server", "Ray GCS"), ("pretrained_scale", "driver")):
-        if marker in name or marker in proc.name():
-            return label
-    return proc.name()
+    return next((label for marker, label in ROLES.items() if marker in name or marker in proc.name()), proc.name())
 
 
 def make_model(out: Path, layers: int, hidden: int, vocab: int) -> Path:
@@ -130,7 +133,8 @@ def main() -> None:
             result = train_policy(prompts, prompts[:16], [], base, tmp / "reward", cfg, tmp / "policy", tmp / "ray",
                                   on_metrics=sink, run_name="scale")
         wall = time.perf_counter() - start
-        steps = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+        records = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+    steps = [r for r in records if any(k.startswith("policy/step_time_s/") for k in r)]  # not the evaluations
     timed = steps[1:] or steps  # the first step pays for warm-up
     step_s = [max(v for k, v in s.items() if k.startswith("policy/step_time_s/")) for s in timed]
     phases = sorted({k for s in timed for k in s if k.startswith("timing/")})

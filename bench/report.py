@@ -220,6 +220,40 @@ def seed_spread(results: Path) -> list[str]:
     return lines
 
 
+def conversational_demo(results: Path) -> list[str]:
+    if (r := load("conversational_demo", results)) is None:
+        return not_run("conversational_demo", "conversational_demo.py --sft-dir runs/demo-<stamp>/models/sft")
+    columns = [("variant", "data", ""), ("seed", "seed", ""), ("status", "status", ""),
+               ("reward_accuracy", "reward-model accuracy", ".3f"), ("accuracy_before", "base accuracy", ".3f"),
+               ("accuracy_after", "final accuracy", ".3f"), ("gain", "gain", "+.3f")]
+    lines = [measured_on(r, "conversational_demo"), "", md_table(r["rows"], columns), ""]
+    for variant in ("standard", "conversational"):
+        if (g := r.get(variant)) is not None:
+            lines.append(f"- {variant}: gain {g['mean']:+.3f} over {g['n']} seed(s) "
+                         f"(from {g['min']:+.3f} to {g['max']:+.3f}).")
+    if (demo := r.get("demo_seed_spread", {}).get("gain")) is not None:
+        lines.append(f"- the demo itself (`seed_spread`): gain {demo['mean']:+.3f} "
+                     f"(from {demo['min']:+.3f} to {demo['max']:+.3f}).")
+    return lines
+
+
+def pretrained_scale(results: Path) -> list[str]:
+    if (r := load("pretrained_scale", results)) is None:
+        return not_run("pretrained_scale", "pretrained_scale.py")
+    model = (f"{r['parameters_m']:.0f}M parameters ({r['layers']} layers, width {r['hidden']}, vocabulary "
+             f"{r['vocab']:,}, {r['kv_heads']} key/value heads, tied embeddings: {r['tied_embeddings']})")
+    rows = [{"figure": k, "value": v} for k, v in (
+        ("workers", r["workers"]), ("rollouts per step x tokens", f"{r['rollouts_per_step']} x {r['max_new_tokens']}"),
+        ("seconds per RL step (median after the first)", r["seconds_per_step"]),
+        ("first step, s", r["first_step_s"]), ("weight sync, s", r["weight_sync_s"]),
+        ("policy stage wall time, s", r["stage_wall_s"]),
+        ("memory estimate of the preflight, GiB", r["estimated_gib"]))]
+    rows += [{"figure": f"phase {k.removeprefix('timing/')}, s", "value": v} for k, v in r["phases_s"].items() if v]
+    return [measured_on(r, "pretrained_scale") + f" Model: {model}.", "",
+            md_table(rows, [("figure", "figure", ""), ("value", "value", "")]), "",
+            md_table(r["peak_rss"], [("process", "process", ""), ("peak_rss_gib", "peak resident memory, GiB", "")])]
+
+
 def targets(results: Path) -> list[str]:
     rows = [row for make in (_rollout_target, _sync_target, _trl_target, _demo_targets) for row in make(results)]
     if not rows:
@@ -268,6 +302,7 @@ SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
     "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
+    "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale,
 }
 
 

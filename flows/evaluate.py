@@ -15,6 +15,7 @@ from rlhf_core.config import load_config
 from rlhf_core.default_config import DEFAULT_CONFIG
 from tasks.data import prepare_data
 from tasks.evaluate import eval_set, evaluate_candidate, fetch_registered_candidate, record_gate_verdict
+from tasks.pretrained import prepare_pretrained
 from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
 
 
@@ -34,7 +35,8 @@ def evaluate_flow(
     summary = summary_header(run, "evaluate", str(config_path))
     with recorded_outcome(run, summary) as stages:
         registered = fetch_registered_candidate(candidate, run)
-        prompts, answers = eval_set(prepare_data(cfg, run.out_dir), cfg)
+        pretrained = prepare_pretrained(cfg, run.out_dir) if cfg.model.pretrained is not None else None
+        prompts, answers = eval_set(prepare_data(cfg, run.out_dir, pretrained), cfg)  # rendered as in training
         evaluation = run_stage(stages, "evaluate", evaluate_candidate, registered.candidate, prompts, answers, cfg, run)
         record_gate_verdict(registered.version, evaluation, run)
         summary["candidate_version"] = registered.version

@@ -108,16 +108,25 @@ def count_parameters(path: Path, where: str = "model.pretrained") -> int:
     return total
 
 
-def training_bytes(num_parameters: int, *, workers: int, with_critic: bool, reward_parameters: int) -> int:
-    """A plain estimate of the policy stage's resident bytes, fp32 with AdamW, ZeRO stage 1-2.
+# Resident memory a process holds beyond its tensors (torch, DeepSpeed, Ray; vLLM's CPU backend
+# and its KV cache), from the peaks bench/pretrained_scale.py measured on a 111M model:
+# 4.1 GiB per Ray Train worker, 2.4 GiB for the vLLM worker.
+WORKER_OVERHEAD = int(1.5 * 2**30)
+ENGINE_OVERHEAD = 2 * 2**30
 
-    Each worker holds the actor's weights and gradients (8 bytes a parameter) and a frozen
-    reference (4); the optimizer's two moments (8) are sharded across the workers; the critic,
-    when there is one, costs the same as the actor again; each worker also holds the reward
-    model (4 a parameter), and the rollout engine one more copy of the actor (4)."""
-    actor = num_parameters * (8 * workers + 8)
-    critic = actor if with_critic else 0
-    return actor + critic + num_parameters * 4 * (workers + 1) + reward_parameters * 4 * workers
+
+def training_bytes(num_parameters: int, *, workers: int, with_critic: bool, reward_parameters: int) -> int:
+    """An estimate of the policy stage's resident bytes, fp32 with AdamW, ZeRO stage 1-2.
+
+    Each worker holds the actor's weights, gradients and ZeRO's gradient buffers (12 bytes a
+    parameter), a frozen reference (4) and its shard of the optimizer's two moments (8 / workers);
+    the critic, when there is one, costs the same as the actor again; each worker also holds
+    the reward model (4 a parameter), plus `WORKER_OVERHEAD`. The rollout engine holds one more
+    copy of the actor (4) plus `ENGINE_OVERHEAD`."""
+    actor = num_parameters * (16 * workers + 8)
+    critic = num_parameters * (12 * workers + 8) if with_critic else 0
+    engine = num_parameters * 4 + ENGINE_OVERHEAD
+    return actor + critic + reward_parameters * 4 * workers + workers * WORKER_OVERHEAD + engine
 
 
 def preflight(

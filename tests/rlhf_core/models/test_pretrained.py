@@ -1,8 +1,12 @@
 """Pretrained-format directories of several families, made locally with random weights."""
+from pathlib import Path
+
 import pytest
 from transformers import DistilBertConfig
 
 from rlhf_core.models.pretrained import (
+    ENGINE_OVERHEAD,
+    WORKER_OVERHEAD,
     PretrainedError,
     count_parameters,
     inspect_pretrained,
@@ -75,6 +79,19 @@ def test_preflight_names_every_problem_with_its_fix(tmp_path, make_pretrained):
 
 
 def test_training_bytes_closed_form():
-    # 1M parameters, 2 workers, no critic: actor 8*2+8 = 24 B/param, reference+engine 4*3 = 12, reward 4*2 = 8
-    assert training_bytes(10**6, workers=2, with_critic=False, reward_parameters=10**6) == 44 * 10**6
-    assert training_bytes(10**6, workers=2, with_critic=True, reward_parameters=0) == (24 + 24 + 12) * 10**6
+    # 1M parameters, 2 workers: actor (12 + reference 4) * 2 + Adam 8 = 40 B/param, engine 4, reward 4 * 2;
+    # a critic adds 12 * 2 + 8; fixed: 1.5 GiB a worker and 2 GiB for the engine
+    fixed = 2 * WORKER_OVERHEAD + ENGINE_OVERHEAD
+    assert training_bytes(10**6, workers=2, with_critic=False, reward_parameters=10**6) == 52 * 10**6 + fixed
+    assert training_bytes(10**6, workers=2, with_critic=True, reward_parameters=0) == (44 + 32) * 10**6 + fixed
+
+
+def test_the_estimate_is_within_a_fifth_of_the_measured_peaks():
+    """The benchmark's 111M model: the sum of the stage's measured peaks against the estimate."""
+    import json
+
+    result = json.loads((Path(__file__).resolve().parents[3] / "bench/results/pretrained_scale.json").read_text())
+    measured = sum(p["peak_rss_gib"] for p in result["peak_rss"] if "driver" not in p["process"]) * 2**30
+    estimate = training_bytes(int(result["parameters_m"] * 1e6), workers=result["workers"], with_critic=False,
+                              reward_parameters=int(result["parameters_m"] * 1e6))
+    assert abs(estimate - measured) / measured < 0.2, (estimate / 2**30, measured / 2**30)
