@@ -292,10 +292,10 @@ def _validate_here(args, cfg) -> int:
 
 
 def _check_inputs(args) -> None:
-    from rlhf_core.models.pretrained import is_hub_id  # light: no transformers until it is called
+    from tasks.data_contract import could_exist
 
     for p in filter(None, (args.path, args.eval_path)):
-        if not Path(p).exists() and not is_hub_id(p.partition(":")[0]):
+        if not could_exist(p):
             raise ConfigError([f"no such file or directory: {p}"], "rlhf validate")
 
 

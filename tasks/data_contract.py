@@ -12,10 +12,11 @@ from pathlib import Path
 from rlhf_core.config import PipelineConfig, ValidationConfig
 from rlhf_core.data.prepare import Limits, prepare_inputs
 from rlhf_core.data.schema import DataFormatError, fingerprint, read_table
+from rlhf_core.data.sources import could_exist
 from rlhf_core.data.validation import ValidationReport, validate_preferences
 
 __all__ = ["DataFormatError", "DataPaths", "DataValidationError", "ValidatedData", "check_files", "contract",
-           "failure", "write_report"]
+           "could_exist", "failure", "prepare_files", "write_report"]
 
 
 class DataValidationError(RuntimeError):

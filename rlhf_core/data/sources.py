@@ -20,8 +20,11 @@ from rlhf_core.data.schema import LINE_COLUMN, DataFormatError, read_table
 HUB_SPLIT = "train"
 
 
-def is_local(spec: str | Path) -> bool:
-    return Path(spec).exists()
+def could_exist(spec: str | Path) -> bool:
+    """A local file or directory, or a name that may be a hub dataset (org/name[:split])."""
+    name = str(spec).partition(":")[0]
+    return Path(spec).exists() or (name.count("/") == 1 and not str(spec).startswith((".", "/", "~"))
+                                   and not Path(name).suffix)
 
 
 def read_source(spec: str | Path) -> pd.DataFrame:
