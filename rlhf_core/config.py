@@ -72,6 +72,12 @@ class RewardConfig(_Strict):
         description='Worker failures the run survives by resuming from its last checkpoint.')
     min_eval_accuracy: float = Field(0.9, ge=0, le=1,
         description='The stage fails when held-out pairwise accuracy is below this.')
+    ensemble_size: int = Field(1, ge=1, le=16, description=(
+        'Reward-model ensemble members: score heads on one backbone, each trained on its own Poisson '
+        'bootstrap of the pairs (1: one plain reward model). The policy combines them by policy.shaping.aggregate.'))
+    audit_share: float = Field(0.0, ge=0, lt=1, description=(
+        'Share of the training pairs (split by prompt) held back to train a separate audit reward model, '
+        'which the policy never trains against; it is measured on every step and judged by the gates. 0: no audit.'))
 
     @property
     def global_batch_size(self) -> int:
@@ -99,6 +105,30 @@ class GRPOConfig(_Strict):
     clip_range: float = Field(0.2, gt=0, lt=1, description="Clip range of the policy's probability ratio.")
 
 
+class RewardShapingConfig(_Strict):
+    """How the reward models' scores become the policy's reward-model term
+    (`rlhf_core.training.reward_shaping.proxy_reward`), in this order:
+
+        aggregate   the ensemble members' normalised scores -> one score per response
+        clip        to [-clip, clip]
+        bounded     sigmoid((score - reference score) / bounded_scale): bounded above, and
+                    flat once the policy beats the reference by a wide margin (PAR, Fu et al. 2025)
+        length      minus length_penalty per token beyond the reference's mean length, and/or
+                    the batch's linear dependence on length removed (length_decorrelate)
+
+    With one member and every option off the term is the normalised score, as it always was.
+    """
+
+    aggregate: Literal["mean", "min", "mean_minus_std"] = Field(
+        "mean", description="How the ensemble's members are combined: mean, worst case (min), or mean - std_coef * std (Coste et al. 2023).")
+    std_coef: float = Field(1.0, ge=0, description="lambda of mean_minus_std.")
+    clip: float | None = Field(None, gt=0, description="Clip the aggregated normalised score to [-clip, clip]; null: no clip.")
+    bounded: bool = Field(False, description="Sigmoid of the score relative to the reference policy's mean score (bounded shaping).")
+    bounded_scale: float = Field(1.0, gt=0, description="Temperature of the bounded shaping's sigmoid.")
+    length_penalty: float = Field(0.0, ge=0, description="Reward subtracted per response token beyond the reference's mean length.")
+    length_decorrelate: bool = Field(False, description="Remove the batch's least-squares dependence of the score on response length.")
+
+
 class CircuitBreakerConfig(_Strict):
     """When RL training stops itself (`rlhf_core.training.circuit_breaker.should_trip`)."""
 
@@ -113,6 +143,12 @@ class CircuitBreakerConfig(_Strict):
     max_reward_drop: float | None = Field(None, gt=0,
         description="Largest drop of the windowed mean reward below the run's best; null: off.")
     reward_window: int = Field(3, ge=1, description='Steps averaged for the reward check.')
+    max_audit_drop: float | None = Field(None, gt=0,
+        description="Largest drop of the windowed mean audit reward-model score below its best while the proxy "
+                    "score has not fallen (over-optimisation); null: off.")
+    max_disagreement: float | None = Field(None, gt=0,
+        description="Largest windowed mean std across the reward-model ensemble's members; null: off.")
+    audit_window: int = Field(3, ge=1, description='Steps averaged for the over-optimisation checks.')
 
 
 class RolloutPipelineConfig(_Strict):
@@ -194,6 +230,7 @@ class PolicyConfig(_Strict):
         description='The stage fails when held-out accuracy gains less than this over the SFT policy.')
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    shaping: RewardShapingConfig = RewardShapingConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
     pipeline: RolloutPipelineConfig = RolloutPipelineConfig()
 
@@ -276,6 +313,9 @@ class GateConfig(_Strict):
         description='Least reward-model win rate against the reference (ties count half).')
     min_win_rate_vs_champion: float = Field(0.5, ge=0, le=1,
         description='Least reward-model win rate against the champion (ties count half).')
+    min_audit_win_rate_vs_reference: float = Field(0.5, ge=0, le=1, description=(
+        'Least win rate against the reference under the audit reward model (reward.audit_share), which '
+        'the policy never trained against; skipped without an audit model.'))
     max_kl: float = Field(10.0, gt=0,
         description='Largest per-sequence KL to the reference (the unit of policy.kl_bound).')
     max_length_ratio: float = Field(1.5, gt=0, description="Largest mean response length relative to the reference's.")

@@ -23,10 +23,9 @@ from prefect.artifacts import create_table_artifact
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.pairs import split_by_prompt
 from rlhf_core.data.schema import read_table
-from rlhf_core.eval.evaluate import EvalResult, Policy, Scorer, evaluate
+from rlhf_core.eval.evaluate import EvalResult, Policy, evaluate, scorers_for
 from rlhf_core.eval.gates import Decision, gate
 from rlhf_core.models.llama import load_policy
-from rlhf_core.models.reward import load_reward_model
 from rlhf_core.tokenizer import load_tokenizer
 from tasks.registry import (
     CHALLENGER, CHAMPION, POLICY, REWARD_MODEL, by_alias, fetch_version, get_version, promote, register_model_version,
@@ -127,16 +126,16 @@ def evaluate_candidate(
     champion = by_alias(client, CHAMPION)
     champion_version = None if champion is None else str(champion.version)
     with stage_run(run, "evaluate", {**candidate.lineage, "champion.version": champion_version or ""}) as stage_id:
-        reward_model, reward_tok, stats = load_reward_model(candidate.reward_dir)
+        scorer, audit = scorers_for(candidate.reward_dir, cfg.reward.max_length)
         champion_policy = None
         if champion is not None:
             champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion"))
         n = min(cfg.gates.eval_prompts, len(prompts))
         result = evaluate(
             _policy("candidate", candidate.model_dir), _policy("reference", candidate.reference_dir), champion_policy,
-            Scorer(reward_model, reward_tok, stats, cfg.reward.max_length),
-            prompts[:n], None if answers is None else answers[:n],
+            scorer, prompts[:n], None if answers is None else answers[:n],
             max_new_tokens=cfg.policy.max_new_tokens, temperature=cfg.policy.temperature, seed=cfg.policy.seed,
+            audit=audit,
         )
         decision = gate(
             result.candidate.figures, result.reference.figures,

@@ -13,7 +13,7 @@ from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
 from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
-from rlhf_core.distributed.reward_trainer import RewardTrainResult, train_reward_model
+from rlhf_core.distributed.reward_trainer import RewardModels, RewardTrainResult, train_reward_models
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
 from tasks.registry import REWARD_MODEL, register_model_version
@@ -25,36 +25,52 @@ REGISTERED_NAME = REWARD_MODEL
 
 @dataclass(frozen=True)
 class RewardModel:
-    result: RewardTrainResult
+    models: RewardModels
     run_id: str  # the stage's MLflow run
     version: str  # registered version of `reward-model`
+
+    @property
+    def result(self) -> RewardTrainResult:
+        return self.models.proxy
 
     @property
     def path(self) -> Path:
         return self.result.path
 
     def summary(self) -> dict:
-        r = self.result
-        return {"status": "completed", "eval_accuracy": round(r.eval_accuracy, 4), "registered_version": self.version,
-                "steps": r.steps, "attempts": r.attempts, "seconds": round(r.seconds, 1), "model_path": str(r.path)}
+        r, audit = self.result, self.models.audit
+        out = {"status": "completed", "eval_accuracy": round(r.eval_accuracy, 4), "registered_version": self.version,
+               "steps": r.steps, "attempts": r.attempts, "seconds": round(r.seconds, 1), "model_path": str(r.path)}
+        if len(r.member_eval_accuracy) > 1:
+            out["members"] = len(r.member_eval_accuracy)
+        if audit is not None:
+            out["audit_eval_accuracy"] = round(audit.eval_accuracy, 4)
+            out["seconds"] = round(r.seconds + audit.seconds, 1)
+        out["labels"] = self.models.proxy_pairs + self.models.audit_pairs
+        return out
 
 
-def _report(r: RewardTrainResult, version: str) -> str:
-    return "\n".join(
-        [
-            f"# Reward model v{version}",
-            "",
-            "| figure | value |",
-            "|---|---|",
-            f"| held-out pairwise accuracy | {r.eval_accuracy:.3f} |",
-            f"| held-out Bradley-Terry loss | {r.eval_loss:.4f} |",
-            f"| reward mean / std (normalisation) | {r.reward_mean:.3f} / {r.reward_std:.3f} |",
-            f"| optimizer steps | {r.steps} |",
-            f"| pairs truncated to max_length | {r.truncated} |",
-            f"| attempts (1 + restarts) | {r.attempts} |",
-            f"| seconds | {r.seconds:.1f} |",
-        ]
-    )
+def _report(models: RewardModels, version: str) -> str:
+    r, audit = models.proxy, models.audit
+    lines = [
+        f"# Reward model v{version}",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| held-out pairwise accuracy | {r.eval_accuracy:.3f} |",
+        f"| held-out Bradley-Terry loss | {r.eval_loss:.4f} |",
+        f"| reward mean / std (normalisation) | {r.reward_mean:.3f} / {r.reward_std:.3f} |",
+        f"| optimizer steps | {r.steps} |",
+        f"| pairs truncated to max_length | {r.truncated} |",
+        f"| attempts (1 + restarts) | {r.attempts} |",
+        f"| seconds | {r.seconds:.1f} |",
+        f"| training pairs (labels) | {models.proxy_pairs} |",
+    ]
+    if len(r.member_eval_accuracy) > 1:
+        lines.append(f"| ensemble members' held-out accuracy | {', '.join(f'{a:.3f}' for a in r.member_eval_accuracy)} |")
+    if audit is not None:
+        lines.append(f"| audit model: held-out accuracy (its own {models.audit_pairs} pairs) | {audit.eval_accuracy:.3f} |")
+    return "\n".join(lines)
 
 
 @task(name="train-reward-model")
@@ -77,14 +93,19 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         figures = {"reward/loss": "loss", "reward/accuracy": "accuracy"}
         with ProgressSink("reward", total, figures) as progress, \
                 exported(cfg, stage_id, "reward", sink, progress=progress) as on_metrics:
-            result = train_reward_model(
+            models = train_reward_models(
                 train, held_out, backbone, cfg.reward,
                 out_dir=run.out_dir / "models" / "reward",
                 storage_path=run.out_dir / "ray",
                 on_metrics=on_metrics,
                 run_name=f"reward-{stage_id[:8]}",
             )
-        sink(result.steps, {
+        result = models.proxy
+        audit_figures = {} if models.audit is None else {
+            "reward_audit/eval_accuracy": models.audit.eval_accuracy, "reward_audit/seconds": models.audit.seconds}
+        member_figures = {f"reward/eval_accuracy/member_{k}": a for k, a in enumerate(result.member_eval_accuracy)}
+        sink(result.steps, audit_figures | member_figures | {
+            "reward/labels": models.proxy_pairs + models.audit_pairs,
             "reward/eval_accuracy": result.eval_accuracy, "reward/eval_loss": result.eval_loss,
             "reward/norm_mean": result.reward_mean, "reward/norm_std": result.reward_std,
             "reward/truncated_pairs": result.truncated, "reward/attempts": result.attempts,
@@ -98,7 +119,7 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         )
         client.set_tag(stage_id, "registered_model", f"{REGISTERED_NAME}/{version}")
         client.set_tag(run.run_id, "reward_model.version", version)
-        create_markdown_artifact(key="reward-model-metrics", markdown=_report(result, version),
+        create_markdown_artifact(key="reward-model-metrics", markdown=_report(models, version),
                                  description="Reward-model training")
         log.info("reward model v%s: held-out accuracy %.3f", version, result.eval_accuracy)
-    return RewardModel(result, stage_id, version)
+    return RewardModel(models, stage_id, version)

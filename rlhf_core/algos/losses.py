@@ -292,6 +292,47 @@ def bradley_terry_loss(
     return loss, metrics
 
 
+def ensemble_bradley_terry_loss(
+    r_chosen: torch.Tensor, r_rejected: torch.Tensor, weights: torch.Tensor | None = None, margin: float = 0.0
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Bradley-Terry loss of K reward heads at once, each on its own bootstrap weights.
+
+    r_chosen, r_rejected: (B, K) rewards of K ensemble members; weights: (B, K) non-negative
+    pair weights of each member (a Poisson(1) bootstrap: member k sees pair b weights[b, k]
+    times), None = all 1. -> (loss (), metrics) where
+
+        loss = mean_k [ sum_b w_bk * -log sigmoid(r_c,bk - r_r,bk - margin) / sum_b w_bk ]
+
+    A member whose weights in this batch sum to 0 adds 0. With K = 1 and no weights this is
+    `bradley_terry_loss` exactly. metrics: the members' mean (unweighted) pairwise accuracy,
+    reward margin, chosen and rejected reward.
+
+    Source: the online (Poisson) bootstrap, Oza & Russell 2001; ensembles of reward models,
+    Coste et al. 2023 (members from different seeds), Zhang et al. 2024 (members sharing a backbone).
+    """
+    if r_chosen.shape != r_rejected.shape or r_chosen.dim() != 2:
+        raise ValueError(f"r_chosen and r_rejected must both be (B, K), got {tuple(r_chosen.shape)} and "
+                         f"{tuple(r_rejected.shape)}")
+    diff = r_chosen - r_rejected  # (B, K)
+    per_pair = -F.logsigmoid(diff - margin)  # (B, K)
+    if weights is None:
+        loss = per_pair.mean(0).mean()
+    else:
+        if weights.shape != per_pair.shape:
+            raise ValueError(f"weights must be (B, K) = {tuple(per_pair.shape)}, got {tuple(weights.shape)}")
+        weights = weights.to(per_pair.dtype)
+        totals = weights.sum(0)  # (K,)
+        loss = ((weights * per_pair).sum(0) / totals.clamp_min(1e-12)).mean()
+    with torch.no_grad():
+        metrics = {
+            "accuracy": (diff > 0).float().mean().item(),
+            "reward_margin": diff.mean().item(),
+            "chosen_reward": r_chosen.mean().item(),
+            "rejected_reward": r_rejected.mean().item(),
+        }
+    return loss, metrics
+
+
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
     """Log-probability of each label under softmax(logits).
 

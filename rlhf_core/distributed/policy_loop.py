@@ -52,6 +52,8 @@ class PolicyWorker:
     meter: WorkerMeter = field(default_factory=WorkerMeter)
     sync_checks: list[dict[str, Any]] = field(default_factory=list)  # rank 0, with loop.check_sync
     reward_tokenizer: Any = None  # the reward model's own (reward.base_model may differ from the policy)
+    member_stats: tuple = ()  # RewardStats of each ensemble member (one: the model's own)
+    audit: tuple | None = None  # (model, tokenizer, RewardStats) of the audit reward model, never trained against
 
     @property
     def cfg(self) -> PolicyConfig:

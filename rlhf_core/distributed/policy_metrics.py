@@ -37,6 +37,14 @@ def step_metrics(gathered: list[Any], timings: dict[str, float], kl_coef: float,
         "policy/grad_norm": update[0].get("grad_norm", math.nan),  # the global norm: the same on every rank
         "policy/nonfinite_skipped": update[0]["nonfinite_skipped"],  # a skip is collective
     }
+    if any("ensemble_disagreement" in m for m in local):  # a reward model scored the rollouts
+        metrics |= {
+            "policy/proxy_score_mean": mean_of("proxy_score_mean", local),
+            "policy/shaped_reward_mean": mean_of("shaped_reward_mean", local),
+            "policy/ensemble_disagreement": mean_of("ensemble_disagreement", local),
+        }
+    if any(m.get("audit") for m in local):  # the audit reward model, never trained against
+        metrics["policy/audit_score_mean"] = _mean([s for m in local for s in m["audit"]])
     if any("is_weight_mean" in m for m in local):  # pipelined mode
         metrics |= {
             "pipeline/is_weight_mean": mean_of("is_weight_mean", local),

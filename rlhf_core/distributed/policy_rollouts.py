@@ -19,6 +19,7 @@ from rlhf_core.rng import derive_seed
 from rlhf_core.training.ppo_step import prompt_indices
 
 SYNC_CHECK_PROMPTS = 32
+EVAL_SAMPLES = 4  # greedy answers kept with each evaluation: what the policy learned to say
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,19 @@ def evaluate(w: PolicyWorker, step: int) -> dict[str, float]:
     if w.reward_model is not None:
         raw = score(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)
         out["eval/rm_score"] = normalise(raw, w.rm_stats).mean().item()
+    if w.audit is not None:
+        audit_model, audit_tokenizer, audit_stats = w.audit
+        raw = score(audit_model, audit_tokenizer, prompts, responses, max_length=w.max_length)
+        out["eval/audit_score"] = normalise(raw, audit_stats).mean().item()
+    out["eval/response_length"] = sum(len(r) for r in responses) / max(len(responses), 1)
+    out["eval/samples"] = [[p, r] for p, r in zip(prompts[:EVAL_SAMPLES], responses[:EVAL_SAMPLES])]
     out["eval/seconds"] = time.perf_counter() - start
     return out
+
+
+def evaluation_metrics(evaluation: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's figures as flat metrics: without its step and its sample answers."""
+    return {k: v for k, v in evaluation.items() if k not in ("step", "eval/samples")}
 
 
 def sync_check(w: PolicyWorker, state_dict: dict[str, torch.Tensor], step: int) -> dict[str, Any]:

@@ -24,6 +24,11 @@ class PolicyState:
     history: list[dict[str, float]] = field(default_factory=list)  # metrics of every committed step
     kl_controller: dict[str, float] = field(default_factory=dict)
     trip: dict[str, Any] | None = None  # the circuit breaker's Trip (as a dict) once it tripped
+    # The reference policy's mean aggregated reward-model score and response length (tokens),
+    # measured on the first step's rollouts (sampled from the SFT policy itself): what bounded
+    # shaping and the length penalty are relative to.
+    reference_score: float | None = None
+    reference_length: float | None = None
 
 
 def _engines(w: PolicyWorker) -> dict[str, Any]:

@@ -7,7 +7,10 @@ checkpoint's actor weights (`policy_rollouts`). One RL step, every phase timed
 
     generate   rank 0: the step's prompts (`prompt_indices`: a function of the step alone)
                x n samples; scattered to the ranks in whole prompt groups
-    score      reward model + verifiable reward, combined (`rlhf_core.training.rewards`)
+    score      reward model (an ensemble's members aggregated and shaped:
+               `rlhf_core.training.reward_shaping`) + verifiable reward, combined
+               (`rlhf_core.training.rewards`); the audit reward model, if any, scores the
+               same rollouts for the metrics only
     old_logprobs, ref_logprobs, values, advantages        (`rlhf_core.training.ppo_step`)
     update     K epochs of minibatches through DeepSpeed (`update_minibatches`)
     sync       rank 0 gathers the actor (ZeRO-3: `GatheredParameters`) and pushes it into
@@ -41,7 +44,10 @@ from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpo
 from rlhf_core.distributed.stage import record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
-from rlhf_core.models.reward import load_reward_model, normalise, score
+from rlhf_core.models.reward import (
+    audit_model_dir, load_reward_model, member_mean, member_stats, normalise, read_reward_meta, score,
+    score_members,
+)
 from rlhf_core.models.value import value_model_from
 from rlhf_core.rng import derive_seed
 from rlhf_core.tokenizer import load_tokenizer
@@ -59,7 +65,8 @@ from rlhf_core.training.ppo_step import (
     token_rewards,
     update_minibatches,
 )
-from rlhf_core.training.rewards import combine_rewards
+from rlhf_core.training.reward_shaping import proxy_reward
+from rlhf_core.training.rewards import mix_rewards
 from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
 
 
@@ -79,7 +86,7 @@ def train_loop(loop: PolicyLoop) -> dict[str, Any] | None:
                 w.engine.sync_weights(state_dict)
             if not state.evaluations:
                 state.evaluations.append(rollouts.evaluate(w, 0))
-                loop.runtime.emit(0, {k: v for k, v in state.evaluations[-1].items() if k != "step"})
+                loop.runtime.emit(0, rollouts.evaluation_metrics(state.evaluations[-1]))
         if w.rank == 0 and w.cfg.pipeline.max_lag > 0 and state.step < w.cfg.steps:
             w.pipeline = rollouts.start_pipeline(w, first_step=state.step + 1)
         while state.step < w.cfg.steps and state.trip is None:
@@ -110,10 +117,15 @@ def _build_worker(loop: PolicyLoop) -> PolicyWorker:
         critic = _engine(worker.deepspeed, value_model_from(loop.sft_dir), cfg, cfg.ppo.critic_learning_rate,
                          loop.runtime.use_gpu)
     reference = load_policy(loop.sft_dir).eval().requires_grad_(False)
-    reward_model = rm_stats = reward_tokenizer = None
+    reward_model = rm_stats = reward_tokenizer = audit = None
+    members: tuple = ()
     if loop.reward_dir is not None:
         reward_model, reward_tokenizer, rm_stats = load_reward_model(loop.reward_dir)
         reward_model.requires_grad_(False)
+        members = member_stats(read_reward_meta(loop.reward_dir))
+        if (audit_dir := audit_model_dir(loop.reward_dir)) is not None:
+            audit = load_reward_model(audit_dir)
+            audit[0].requires_grad_(False)
     kl_controller = (
         FixedKLController(cfg.kl_coef)
         if cfg.adaptive_kl_target is None
@@ -121,7 +133,8 @@ def _build_worker(loop: PolicyLoop) -> PolicyWorker:
     )
     verifiable = resolve_verifiable_reward(cfg.verifiable_reward) if loop.score_verifiable else None
     return PolicyWorker(loop, spec, tokenizer, actor, critic, reference, reward_model, rm_stats, verifiable,
-                        kl_controller, worker.rank, worker.world, reward_tokenizer=reward_tokenizer)
+                        kl_controller, worker.rank, worker.world, reward_tokenizer=reward_tokenizer,
+                        member_stats=members, audit=audit)
 
 
 def deepspeed_config(cfg: PolicyConfig, learning_rate: float, use_gpu: bool) -> dict[str, Any]:
@@ -166,7 +179,7 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
     batch = build_batch(samples, w.tokenizer.pad_token_id)
     with w.meter.compute():  # this worker's own forward passes, no collectives: its throughput
         with _timed(timings, "score"):
-            local = _score(w, samples, batch)
+            local = _score(w, samples, batch, state)
         with _timed(timings, "old_logprobs"):  # else the update's own forward gives them
             if not old_logprobs_from_update(w.spec, cfg):
                 batch.old_logprobs = batched_logprobs(w.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
@@ -232,7 +245,7 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
             with rollouts.engine_at_newest(w):
                 evaluation = rollouts.evaluate(w, step)
             state.evaluations.append(evaluation)
-            metrics |= {k: v for k, v in evaluation.items() if k != "step"}
+            metrics |= rollouts.evaluation_metrics(evaluation)
     trip = should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound)
     if trip is not None:
         state.trip = {"reason": trip.reason, "message": trip.message, "step": trip.step}
@@ -248,21 +261,45 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
         save_checkpoint(w, state, metrics)  # the only ray.train.report: see rlhf_core.distributed.stage
 
 
-def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch) -> dict[str, Any]:
+def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch, state: PolicyState) -> dict[str, Any]:
     """Fill batch.scores; -> this rank's raw per-sample reward terms for the step metrics."""
     cfg = w.cfg
     prompts, responses = [s.prompt for s in samples], [s.response_text for s in samples]
-    rm = verifiable = None
+    rm_reward = verifiable = None
+    out: dict[str, Any] = {"rm": [], "verifiable": [], "audit": []}
     if w.reward_model is not None:
-        rm = score(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)
+        raw = score_members(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)  # (K, B)
+        lengths = batch.response_mask.sum(-1)  # (B,) response tokens
+        if state.reference_score is None:  # the first step samples the SFT policy: the reference
+            _measure_reference(w, state, raw, lengths)
+        rm_reward, shaping = proxy_reward(raw, [m.mean for m in w.member_stats], [m.std for m in w.member_stats],
+                                          lengths, cfg.shaping, state.reference_score, state.reference_length)
+        out |= shaping
+        out["rm"] = normalise(member_mean(raw), w.rm_stats).tolist()
+    if w.audit is not None:
+        audit_model, audit_tokenizer, audit_stats = w.audit
+        out["audit"] = normalise(score(audit_model, audit_tokenizer, prompts, responses, max_length=w.max_length),
+                                 audit_stats).tolist()
     if w.verifiable is not None:
         verifiable = score_verifiable(w.verifiable, prompts, responses, dict(w.loop.answers))
-    batch.scores = combine_rewards(rm, w.rm_stats, verifiable, cfg.reward_model_weight, cfg.verifiable_reward_weight)
-    return {
-        "scores": batch.scores.tolist(),
-        "rm": normalise(rm, w.rm_stats).tolist() if rm is not None else [],
-        "verifiable": verifiable.tolist() if verifiable is not None else [],
-    }
+        out["verifiable"] = verifiable.tolist()
+    batch.scores = mix_rewards(rm_reward, verifiable, cfg.reward_model_weight, cfg.verifiable_reward_weight)
+    out["scores"] = batch.scores.tolist()
+    return out
+
+
+def _measure_reference(w: PolicyWorker, state: PolicyState, raw: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Every rank (a collective): the mean aggregated score and length of the first step's
+    rollouts over all ranks, into `state` (checkpointed with it)."""
+    off = w.cfg.shaping.model_copy(update={"clip": None, "bounded": False, "length_penalty": 0.0,
+                                            "length_decorrelate": False})
+    aggregated, _ = proxy_reward(raw, [m.mean for m in w.member_stats], [m.std for m in w.member_stats], lengths, off,
+                                 None, None)
+    totals = torch.tensor([aggregated.double().sum().item(), lengths.double().sum().item(), float(len(lengths))],
+                          dtype=torch.float64)
+    dist.all_reduce(totals)
+    state.reference_score = float(totals[0] / totals[2])
+    state.reference_length = float(totals[1] / totals[2])
 
 
 def _finish(w: PolicyWorker, state: PolicyState, state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -37,16 +37,20 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForSequenceClassification
 
-from rlhf_core.algos.losses import bradley_terry_loss
+from rlhf_core.algos.losses import bradley_terry_loss, ensemble_bradley_terry_loss
 from rlhf_core.config import RewardConfig
-from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, rank_step_indices, steps_per_epoch, tokenize_pairs
+from rlhf_core.data.pairs import (
+    TokenizedPairs, collate_pairs, rank_step_indices, split_by_prompt, steps_per_epoch, tokenize_pairs,
+)
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, kill_if_due
 from rlhf_core.distributed.stage import StageRuntime, record_attempt, run_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
-from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_pairs
+from rlhf_core.models.reward import (
+    AUDIT_DIR, member_mean, reward_model_from_base, reward_stats, save_reward_model, score_pairs_members,
+)
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.base_policy import StageFailed
 from rlhf_core.training.sft import MetricsCallback, warmup_cosine
@@ -68,6 +72,7 @@ class RewardTrainResult:
     attempts: int  # 1 + restarts after worker failures
     resumed_from_step: int | None  # checkpoint step the last attempt resumed from; None: never resumed
     checkpoint_path: str | None  # the last committed Ray Train checkpoint
+    member_eval_accuracy: list[float] = field(default_factory=list)  # per ensemble member (one: the model's own)
     consumed: list[list[int]] = field(repr=False, default_factory=list)  # per step, pair indices of all ranks
     metrics_history: list[dict[str, float]] = field(repr=False, default_factory=list)
 
@@ -128,8 +133,10 @@ def train_reward_model(
             f"grad_accum_steps {cfg.grad_accum_steps})"
         )
 
+    weights = bootstrap_weights(len(train), cfg.ensemble_size, cfg.seed)
     run = run_stage(
-        "reward", partial(_loop, cfg=cfg, base_dir=base_dir, out_dir=out_dir, train=train, evals=evals), _train_loop,
+        "reward", partial(_loop, cfg=cfg, base_dir=base_dir, out_dir=out_dir, train=train, evals=evals,
+                          weights=weights), _train_loop,
         on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
         placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures, storage_path=storage_path,
         run_name=run_name,
@@ -150,12 +157,60 @@ def train_reward_model(
         checkpoint_path=run.checkpoint_path,
         consumed=summary["consumed"],
         metrics_history=summary["history"],
+        member_eval_accuracy=summary["member_eval_accuracy"],
     )
     if out.eval_accuracy < cfg.min_eval_accuracy:
         raise StageFailed(
             f"reward: held-out accuracy {out.eval_accuracy:.3f} is below reward.min_eval_accuracy={cfg.min_eval_accuracy}"
         )
     return out
+
+
+@dataclass(frozen=True)
+class RewardModels:
+    """The reward stage's models: the one the policy trains against (one model or an
+    ensemble) and the audit model it never sees (None when `reward.audit_share` is 0)."""
+
+    proxy: RewardTrainResult
+    audit: RewardTrainResult | None
+    proxy_pairs: int  # training pairs (labels) of each
+    audit_pairs: int
+
+
+def train_reward_models(
+    train_pairs: Sequence[Mapping[str, Any]],
+    eval_pairs: Sequence[Mapping[str, Any]],
+    base_dir: Path,
+    cfg: RewardConfig,
+    out_dir: Path,
+    storage_path: Path,
+    on_metrics: MetricsCallback | None = None,
+    run_name: str = "reward",
+) -> RewardModels:
+    """`train_reward_model` for the proxy, then, when `cfg.audit_share` > 0, a plain reward
+    model on the disjoint `audit_share` of the training prompts, saved inside the proxy's
+    directory (`rlhf_core.models.reward.AUDIT_DIR`) so the two travel together. Both are
+    judged on the same held-out pairs; the audit's metrics are reported as `reward_audit/*`."""
+    audit_rows: Sequence[Mapping[str, Any]] = ()
+    if cfg.audit_share > 0:
+        train_pairs, audit_rows = split_by_prompt(train_pairs, cfg.audit_share, cfg.seed + 1)
+    proxy = train_reward_model(train_pairs, eval_pairs, base_dir, cfg, out_dir, storage_path, on_metrics, run_name)
+    audit = None
+    if audit_rows:
+        audit_cfg = cfg.model_copy(update={"ensemble_size": 1, "seed": cfg.seed + 1})
+        audit = train_reward_model(audit_rows, eval_pairs, base_dir, audit_cfg, Path(out_dir) / AUDIT_DIR,
+                                   storage_path, _renamed(on_metrics, "reward/", "reward_audit/"), f"{run_name}-audit")
+    return RewardModels(proxy, audit, len(train_pairs), len(audit_rows))
+
+
+def _renamed(on_metrics: MetricsCallback | None, old: str, new: str) -> MetricsCallback | None:
+    if on_metrics is None:
+        return None
+    return partial(_call_renamed, on_metrics, old, new)
+
+
+def _call_renamed(on_metrics: MetricsCallback, old: str, new: str, step: int, metrics: dict[str, float]) -> None:
+    on_metrics(step, {new + k[len(old):] if k.startswith(old) else k: v for k, v in metrics.items()})
 
 
 def _tokenize(which: str, rows, tokenizer, cfg: RewardConfig) -> TokenizedPairs:
@@ -175,12 +230,23 @@ class RewardLoop:
     out_dir: str
     train: ray.ObjectRef  # TokenizedPairs, in the object store
     evals: ray.ObjectRef  # TokenizedPairs, in the object store
+    weights: torch.Tensor | None = None  # (N, K) bootstrap weights of the ensemble's members; None: one model
 
 
-def _loop(runtime: StageRuntime, *, cfg, base_dir, out_dir, train, evals) -> RewardLoop:
+def _loop(runtime: StageRuntime, *, cfg, base_dir, out_dir, train, evals, weights) -> RewardLoop:
     """Called once the cluster is joined: the pairs go to its object store."""
     return RewardLoop(runtime, cfg, str(Path(base_dir).resolve()), str(Path(out_dir).resolve()),
-                      ray.put(train), ray.put(evals))
+                      ray.put(train), ray.put(evals), weights)
+
+
+def bootstrap_weights(num_pairs: int, members: int, seed: int) -> torch.Tensor | None:
+    """(N, K) Poisson(1) counts: how often member k sees pair n in each epoch (the online
+    bootstrap), drawn once from `seed`, so a resumed run trains on the same resamples.
+    None for one member: a single reward model sees every pair once."""
+    if members == 1:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    return torch.poisson(torch.ones(num_pairs, members), generator=g)
 
 # ----------------------------------------------------------------------------- worker
 
@@ -213,7 +279,7 @@ def _train_loop(loop: RewardLoop) -> dict[str, Any] | None:
     per_rank_batch = cfg.micro_batch_size * cfg.grad_accum_steps
     steps_epoch = steps_per_epoch(len(train), cfg.global_batch_size)
     total_steps = steps_epoch * cfg.epochs
-    model = reward_model_from_base(loop.base_dir, seed=cfg.seed)
+    model = reward_model_from_base(loop.base_dir, seed=cfg.seed, num_members=cfg.ensemble_size)
     engine, *_ = worker.deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -232,7 +298,7 @@ def _train_loop(loop: RewardLoop) -> dict[str, Any] | None:
             plan, plan_epoch = rank_step_indices(len(train), cfg.seed, pos.epoch, rank, world, per_rank_batch), pos.epoch
         indices = plan[pos.step_in_epoch]
         meter.start()
-        local, step_time = _optimizer_step(engine, train, indices, cfg, meter)
+        local, step_time = _optimizer_step(engine, train, indices, cfg, meter, loop.weights)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (step_time, indices, local, meter.figures(len(indices))))
         metrics = _step_metrics(gathered, engine, cfg, train.truncated)
@@ -251,9 +317,11 @@ def _train_loop(loop: RewardLoop) -> dict[str, Any] | None:
 
 
 def _optimizer_step(
-    engine, pairs: TokenizedPairs, indices: list[int], cfg: RewardConfig, meter: WorkerMeter
+    engine, pairs: TokenizedPairs, indices: list[int], cfg: RewardConfig, meter: WorkerMeter,
+    weights: torch.Tensor | None = None,
 ) -> tuple[list[float], float]:
-    """One optimizer step over `grad_accum_steps` micro-batches of this rank's `indices`.
+    """One optimizer step over `grad_accum_steps` micro-batches of this rank's `indices`
+    (each ensemble member's pairs weighted by its bootstrap `weights`, (N, K)).
 
     -> ([loss, accuracy, margin, chosen mean, rejected mean, grad norm] averaged over the
     micro-batches, seconds). DeepSpeed steps the optimizer at the accumulation boundary.
@@ -263,12 +331,14 @@ def _optimizer_step(
     mb = cfg.micro_batch_size
     grad_norm = float("nan")
     for k in range(cfg.grad_accum_steps):
-        batch = collate_pairs(pairs, indices[k * mb : (k + 1) * mb])
+        micro = indices[k * mb : (k + 1) * mb]
+        batch = collate_pairs(pairs, micro)
+        w = weights[micro].to(engine.device) if weights is not None else None  # (B, K)
         with meter.compute():  # the forward pass: this worker's own compute, no collectives
             rewards = engine(
                 input_ids=batch.input_ids.to(engine.device), attention_mask=batch.attention_mask.to(engine.device)
-            ).logits[:, 0].float()  # (2B,)
-            loss, m = bradley_terry_loss(rewards[: batch.num_pairs], rewards[batch.num_pairs :], cfg.margin)
+            ).logits.float()  # (2B, K)
+            loss, m = ensemble_bradley_terry_loss(rewards[: batch.num_pairs], rewards[batch.num_pairs :], w, cfg.margin)
         engine.backward(loss)
         if cfg.zero_stage == 0 and engine.is_gradient_accumulation_boundary():
             grad_norm = _grad_norm(engine.module)  # without ZeRO DeepSpeed does not keep it
@@ -317,9 +387,11 @@ def _evaluate_and_save(
     model.load_state_dict(state_dict, strict=True)
     cfg = loop.cfg
     evals: TokenizedPairs = ray.get(loop.evals)
-    r_chosen, r_rejected = score_pairs(model, evals)
+    members_chosen, members_rejected = score_pairs_members(model, evals)  # (K, N) each
+    r_chosen, r_rejected = member_mean(members_chosen), member_mean(members_rejected)
     eval_loss, eval_metrics = bradley_terry_loss(r_chosen, r_rejected)
     stats = reward_stats(torch.cat([r_chosen, r_rejected]))
+    members = [reward_stats(torch.cat([c, r])) for c, r in zip(members_chosen, members_rejected)]
     final_loss = pos.history[-1]["reward/loss"] if pos.history else math.nan
     meta = {
         "base_model": loop.base_dir,
@@ -331,6 +403,9 @@ def _evaluate_and_save(
         "zero_stage": cfg.zero_stage,
         "num_workers": cfg.num_workers,
         "max_length": cfg.max_length,
+        "ensemble_size": cfg.ensemble_size,
+        "member_stats": [[m.mean, m.std] for m in members],
+        "member_eval_accuracy": (members_chosen > members_rejected).float().mean(1).tolist(),
     }
     save_reward_model(model, load_tokenizer(loop.base_dir), Path(loop.out_dir), stats, extra=meta)
     return {

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.eval.gates import EvalFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
-from rlhf_core.models.reward import RewardStats, normalise, score
+from rlhf_core.models.reward import RewardStats, audit_model_dir, load_reward_model, normalise, score
 from rlhf_core.rollout.hf_reference import right_padded
 
 
@@ -51,6 +51,14 @@ class Scorer:
     tokenizer: PreTrainedTokenizerFast
     stats: RewardStats
     max_length: int
+
+
+def scorers_for(reward_dir, max_length: int) -> tuple[Scorer, Scorer | None]:
+    """The reward model saved in `reward_dir` and its audit model (None when it has none)."""
+    model, tokenizer, stats = load_reward_model(reward_dir)
+    audit_dir = audit_model_dir(reward_dir)
+    audit = None if audit_dir is None else Scorer(*load_reward_model(audit_dir), max_length)
+    return Scorer(model, tokenizer, stats, max_length), audit
 
 
 @dataclass(frozen=True)
@@ -188,22 +196,27 @@ def evaluate(
     temperature: float,
     seed: int = 0,
     n_samples: int = 3,
+    audit: Scorer | None = None,
 ) -> EvalResult:
     """Answer `prompts` with every policy and compute each one's `EvalFigures`.
 
     `answers` (one per prompt) enable accuracy; without them accuracy is None. The
     reference's win rate against itself is 0.5 and its KL 0 by definition. The champion's
-    KL is NaN when its vocabulary differs from the reference's (it is not gated).
+    KL is NaN when its vocabulary differs from the reference's (it is not gated). `audit`, a
+    reward model the policy never trained against, scores the same answers for the audit
+    figures (`audit_score_mean`, `audit_win_rate_vs_reference`); without it they are None.
     """
     if not prompts:
         raise ValueError("no eval prompts")
     if answers is not None and len(answers) != len(prompts):
         raise ValueError(f"{len(answers)} answers for {len(prompts)} eval prompts")
     outputs = {p.name: answer(p, prompts, max_new_tokens) for p in (candidate, reference, champion) if p is not None}
-    scores = {
-        name: normalise(score(scorer.model, scorer.tokenizer, prompts, out.texts, scorer.max_length), scorer.stats).tolist()
-        for name, out in outputs.items()
-    }
+    def scored(by: Scorer) -> dict[str, list[float]]:
+        return {name: normalise(score(by.model, by.tokenizer, prompts, out.texts, by.max_length), by.stats).tolist()
+                for name, out in outputs.items()}
+
+    scores = scored(scorer)
+    audit_scores = scored(audit) if audit is not None else None
     ref_length = response_length_stats(outputs[reference.name].texts)["mean"]
 
     def report(policy: Policy, kl: float) -> PolicyReport:
@@ -219,6 +232,9 @@ def evaluate(
             reference_mean_length=ref_length,
             degenerate_rate=degenerate_rate(out.texts),
             generation_failures=len(out.failed_prompts) / len(prompts),
+            audit_score_mean=None if audit_scores is None else sum(audit_scores[policy.name]) / len(prompts),
+            audit_win_rate_vs_reference=(None if audit_scores is None
+                                         else win_rate(audit_scores[policy.name], audit_scores[reference.name])),
         )
         samples = list(zip(prompts[:n_samples], out.texts[:n_samples]))
         return PolicyReport(policy.name, figures, scores[policy.name], length, out.failed_prompts, samples)

@@ -11,13 +11,16 @@ The checks, in the order they are reported:
     accuracy_vs_champion    accuracy >= champion accuracy - max_regression_vs_champion
     win_rate_vs_reference   win rate vs the reference >= min_win_rate_vs_reference
     win_rate_vs_champion    win rate vs the champion >= min_win_rate_vs_champion
+    audit_vs_reference      win rate vs the reference under the audit reward model (one the
+                            policy never trained against) >= min_audit_win_rate_vs_reference:
+                            a candidate that wins only on the proxy it was trained on is hacking it
     kl_to_reference         KL to the reference <= max_kl
     length_ratio            mean length / reference mean length <= max_length_ratio
     degenerate_rate         degenerate share <= max_degenerate_rate
     generation_failures     failed-prompt share <= max_generation_failure_rate
 
 Accuracy checks are skipped when the task has no answers (`accuracy is None`); champion
-checks are skipped when there is no champion yet. A value equal to its threshold passes
+checks are skipped when there is no champion yet; the audit check when there is no audit model. A value equal to its threshold passes
 (up to `TOLERANCE`, so `0.8 - 0.1` does not reject an accuracy of exactly 0.7). A NaN
 figure fails its check rather than raising, so a broken evaluation is rejected with a reason.
 """
@@ -31,7 +34,8 @@ from rlhf_core.config import GateConfig
 
 TOLERANCE = 1e-9
 
-_SHARES = ("win_rate_vs_reference", "win_rate_vs_champion", "degenerate_rate", "generation_failures", "accuracy")
+_SHARES = ("win_rate_vs_reference", "win_rate_vs_champion", "degenerate_rate", "generation_failures", "accuracy",
+           "audit_win_rate_vs_reference")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class EvalFigures:
         reference on the same prompts, in the same unit (characters or tokens).
     degenerate_rate: `metrics.degenerate_rate` of the responses.
     generation_failures: share of prompts for which generation failed (error or timeout).
+    audit_score_mean / audit_win_rate_vs_reference: the same figures under the audit reward
+        model, which the policy never trained against; None without one.
     """
 
     accuracy: float | None
@@ -59,6 +65,8 @@ class EvalFigures:
     reference_mean_length: float
     degenerate_rate: float
     generation_failures: float
+    audit_score_mean: float | None = None
+    audit_win_rate_vs_reference: float | None = None
 
     def __post_init__(self) -> None:
         for name in _SHARES:
@@ -205,6 +213,16 @@ def gate(
             t.min_win_rate_vs_champion, "win rate vs champion", "min ",
         )
 
+    if candidate.audit_win_rate_vs_reference is None:
+        audit = _skipped("audit_vs_reference", ">=", "no audit model")
+    else:
+        audit = _at_least(
+            "audit_vs_reference", "audit_rejects_candidate", candidate.audit_win_rate_vs_reference,
+            t.min_audit_win_rate_vs_reference,
+            f"win rate vs reference under the audit reward model (the proxy's: "
+            f"{_fmt(candidate.win_rate_vs_reference)})", "min ",
+        )
+
     checks = (
         acc_ref,
         acc_champ,
@@ -213,6 +231,7 @@ def gate(
             t.min_win_rate_vs_reference, "win rate vs reference", "min ",
         ),
         win_champ,
+        audit,
         _at_most("kl_to_reference", "kl_above_max", candidate.kl_to_reference, t.max_kl, "KL to reference"),
         _at_most(
             "length_ratio", "length_ratio_above_max", candidate.length_ratio, t.max_length_ratio,

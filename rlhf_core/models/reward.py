@@ -1,11 +1,17 @@
-"""The reward model: a Hugging Face `LlamaForSequenceClassification` with one output.
+"""The reward model: a Hugging Face `LlamaForSequenceClassification` with K outputs.
 
 This is the standard HF/TRL reward-model format: the backbone of the SFT policy plus a
-linear `score` head (hidden -> 1, no bias) read at the last non-pad token of each sequence
+linear `score` head (hidden -> K, no bias) read at the last non-pad token of each sequence
 (HF finds it through `config.pad_token_id`, so text must not contain the pad token, and
 right padding changes nothing). Saved in HF format with `rlhf_meta.json` beside the weights,
 holding the normalisation stats (`reward_mean`, `reward_std`) that turn raw scores into
 standardised rewards for policy optimisation.
+
+K = 1 is one plain reward model. K > 1 is an ensemble of K score heads sharing the backbone
+(`reward.ensemble_size`): `score` is then the members' mean, the ensemble's central estimate,
+and `reward_mean` / `reward_std` are that mean's stats; `score_members` gives every member's
+raw score and `member_stats` in the meta file each member's own stats, for the conservative
+aggregates of `rlhf_core.training.reward_shaping`.
 """
 from __future__ import annotations
 
@@ -22,23 +28,31 @@ from rlhf_core.models.llama import save_pretrained_atomic
 from rlhf_core.tokenizer import load_tokenizer
 
 META_FILE = "rlhf_meta.json"
+AUDIT_DIR = "audit"  # the audit reward model (`reward.audit_share`), saved inside the ensemble's directory
 
 
-def reward_model_from_base(base_dir: Path | str, seed: int = 0) -> PreTrainedModel:
-    """The SFT policy's backbone with a fresh scalar head (its init drawn from `seed`).
+def audit_model_dir(reward_dir: Path | str) -> Path | None:
+    """The audit reward model saved with the reward model in `reward_dir`, or None."""
+    path = Path(reward_dir) / AUDIT_DIR
+    return path if (path / META_FILE).exists() else None
+
+
+def reward_model_from_base(base_dir: Path | str, seed: int = 0, num_members: int = 1) -> PreTrainedModel:
+    """The SFT policy's backbone with a fresh head of `num_members` outputs (init from `seed`).
 
     The policy's `lm_head` is dropped; `score` is new. The config must carry pad_token_id
     (pooling depends on it).
     """
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(str(base_dir), num_labels=1, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(str(base_dir), num_labels=num_members,
+                                                               dtype=torch.float32)
     if model.config.pad_token_id is None:
         raise ValueError(f"{base_dir}: config has no pad_token_id; the reward model cannot find the last token")
     return model
 
 
 @torch.no_grad()
-def score(
+def score_members(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
     prompts: Sequence[str],
@@ -46,7 +60,8 @@ def score(
     max_length: int,
     batch_size: int = 64,
 ) -> torch.Tensor:
-    """Scalar reward of each `<s> prompt response </s>` (cut to max_length tokens). -> (B,) float32."""
+    """Every member's raw reward of each `<s> prompt response </s>` (cut to max_length tokens).
+    -> (K, B) float32."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     was_training = model.training
@@ -63,15 +78,41 @@ def score(
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
         device = next(model.parameters()).device
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # (B, 1)
-        out.append(logits[:, 0].float().cpu())
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # (B, K)
+        out.append(logits.float().cpu())
     model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0)
+    return torch.cat(out).T if out else torch.zeros(model.config.num_labels, 0)
+
+
+def member_mean(members: torch.Tensor) -> torch.Tensor:
+    """(K, B) -> (B,): the ensemble's central score; one member is returned as it is."""
+    return members[0] if members.shape[0] == 1 else members.mean(0)
+
+
+def score(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    max_length: int,
+    batch_size: int = 64,
+) -> torch.Tensor:
+    """Scalar reward of each `<s> prompt response </s>` (cut to max_length tokens): the
+    members' mean. -> (B,) float32."""
+    return member_mean(score_members(model, tokenizer, prompts, responses, max_length, batch_size))
 
 
 @torch.no_grad()
 def score_pairs(model: PreTrainedModel, pairs: TokenizedPairs, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards of the chosen and of the rejected side of tokenized pairs. -> ((N,), (N,)) float32."""
+    """Rewards (the members' mean) of the chosen and of the rejected side of tokenized pairs.
+    -> ((N,), (N,)) float32."""
+    chosen, rejected = score_pairs_members(model, pairs, batch_size)
+    return member_mean(chosen), member_mean(rejected)
+
+
+@torch.no_grad()
+def score_pairs_members(model: PreTrainedModel, pairs: TokenizedPairs, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every member's rewards of the chosen and of the rejected sides. -> ((K, N), (K, N)) float32."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -80,11 +121,11 @@ def score_pairs(model: PreTrainedModel, pairs: TokenizedPairs, batch_size: int =
         batch = collate_pairs(pairs, range(start, min(start + batch_size, len(pairs))))
         rewards = model(
             input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
-        ).logits[:, 0].float().cpu()  # (2B,)
+        ).logits.float().cpu()  # (2B, K)
         chosen.append(rewards[: batch.num_pairs])
         rejected.append(rewards[batch.num_pairs :])
     model.train(was_training)
-    return torch.cat(chosen), torch.cat(rejected)
+    return torch.cat(chosen).T, torch.cat(rejected).T
 
 
 @dataclass(frozen=True)
@@ -125,8 +166,15 @@ def read_reward_meta(path: Path | str) -> dict:
     return json.loads((Path(path) / META_FILE).read_text())
 
 
+def member_stats(meta: dict) -> tuple[RewardStats, ...]:
+    """Each ensemble member's normalisation stats from a reward model's meta (one model: its own)."""
+    pairs = meta.get("member_stats") or [[meta["reward_mean"], meta["reward_std"]]]
+    return tuple(RewardStats(float(m), float(s)) for m, s in pairs)
+
+
 def load_reward_model(path: Path | str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast, RewardStats]:
-    """A saved reward model (eval mode), its tokenizer and its normalisation stats."""
+    """A saved reward model (eval mode), its tokenizer and the normalisation stats of its
+    (members' mean) score."""
     model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32).eval()
     meta = read_reward_meta(path)
     return model, load_tokenizer(path), RewardStats(meta["reward_mean"], meta["reward_std"])

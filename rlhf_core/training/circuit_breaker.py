@@ -15,6 +15,16 @@ stop at the same step. Conditions, each over the last `patience` steps:
     reward_collapse     the mean reward of the last `reward_window` steps is more than
                         `max_reward_drop` below the best such mean earlier in the run (off
                         when max_reward_drop is None)
+    over_optimisation   reward hacking, either of (each off while its limit is None; means
+                        over `audit_window` steps, only at a step that recorded the metric):
+                        - the mean held-out audit reward-model score (policy/audit_score_mean)
+                          is more than `max_audit_drop` below its best earlier mean while the
+                          mean proxy score (policy/rm_score_mean) is at or above its mean at
+                          that best window: the proxy rewards what the audit model does not
+                          (both falling together is a collapse, not this)
+                        - the mean std across the reward-model ensemble's members
+                          (policy/ensemble_disagreement) is above `max_disagreement`: the
+                          policy went where the reward models no longer agree
 
 What the trainer does on a trip (`rlhf_core.distributed.policy_trainer`): it stops without
 writing a checkpoint for the tripping step, so the last checkpoint is the last good one,
@@ -28,6 +38,10 @@ from dataclasses import dataclass
 
 from rlhf_core.config import CircuitBreakerConfig
 from rlhf_core.training.base_policy import StageFailed
+
+PROXY = "policy/rm_score_mean"  # the score the policy is trained on
+AUDIT = "policy/audit_score_mean"  # a held-out reward model's score of the same rollouts
+DISAGREEMENT = "policy/ensemble_disagreement"  # mean over rollouts of the std across members
 
 
 @dataclass(frozen=True)
@@ -92,4 +106,30 @@ def should_trip(
                 return Trip("reward_collapse", f"circuit breaker: mean reward over the last {limits.reward_window} "
                             f"steps {now:.4g} fell {best - now:.4g} below the run's best {best:.4g} "
                             f"(max drop {limits.max_reward_drop:g}, step {step})", step)
+
+    return _over_optimisation(history, limits, step)
+
+
+def _over_optimisation(history: Sequence[Mapping[str, float]], limits: CircuitBreakerConfig, step: int) -> Trip | None:
+    window, last = limits.audit_window, history[-1]
+    if limits.max_audit_drop is not None and AUDIT in last and PROXY in last:
+        scored = [h for h in history if AUDIT in h and PROXY in h]
+        audit = _window_means([h[AUDIT] for h in scored], window)
+        proxy = _window_means([h[PROXY] for h in scored], window)
+        if len(audit) >= 2:
+            # the latest window at the audit's best: a proxy risen since then rose while the audit fell
+            best_at = max(range(len(audit) - 1), key=lambda i: (audit[i], i))
+            drop = audit[best_at] - audit[-1]
+            if drop > limits.max_audit_drop and proxy[-1] >= proxy[best_at]:
+                return Trip("over_optimisation", f"circuit breaker: audit reward-model score over the last {window} "
+                            f"steps {audit[-1]:.4g} fell {drop:.4g} below its best {audit[best_at]:.4g} while the "
+                            f"proxy score went from {proxy[best_at]:.4g} to {proxy[-1]:.4g} "
+                            f"(max drop {limits.max_audit_drop:g}, step {step})", step)
+
+    if limits.max_disagreement is not None and DISAGREEMENT in last:
+        spread = _last(history, DISAGREEMENT, window)
+        if spread is not None and sum(spread) / window > limits.max_disagreement:
+            return Trip("over_optimisation", f"circuit breaker: reward-model ensemble disagreement over the last "
+                        f"{window} steps {sum(spread) / window:.4g} above {limits.max_disagreement:g} "
+                        f"(step {step})", step)
     return None

@@ -27,11 +27,26 @@ def combine_rewards(
     A term whose weight is 0 may be None (it was never computed); a term with a weight > 0
     must be given.
     """
+    if reward_model_weight and (rm_scores is None or rm_stats is None):
+        raise ValueError("reward_model_weight > 0 needs reward-model scores and stats")
+    rm_reward = normalise(rm_scores.float(), rm_stats) if reward_model_weight else None
+    return mix_rewards(rm_reward, verifiable, reward_model_weight, verifiable_reward_weight)
+
+
+def mix_rewards(
+    rm_reward: torch.Tensor | None,
+    verifiable: torch.Tensor | None,
+    reward_model_weight: float,
+    verifiable_reward_weight: float,
+) -> torch.Tensor:
+    """The sequence reward (B,) = weight_rm * rm_reward + weight_v * verifiable, where
+    `rm_reward` is the reward-model term already normalised (and shaped:
+    `rlhf_core.training.reward_shaping.proxy_reward`). A term whose weight is 0 may be None."""
     terms = []
     if reward_model_weight:
-        if rm_scores is None or rm_stats is None:
-            raise ValueError("reward_model_weight > 0 needs reward-model scores and stats")
-        terms.append(reward_model_weight * normalise(rm_scores.float(), rm_stats))
+        if rm_reward is None:
+            raise ValueError("reward_model_weight > 0 needs the reward-model term")
+        terms.append(reward_model_weight * rm_reward.float())
     if verifiable_reward_weight:
         if verifiable is None:
             raise ValueError("verifiable_reward_weight > 0 needs verifiable rewards")

@@ -9,6 +9,7 @@ from rlhf_core.algos.losses import (
     AGG_MODES,
     aggregate_loss,
     bradley_terry_loss,
+    ensemble_bradley_terry_loss,
     entropy_from_logits,
     explained_variance,
     grpo_policy_loss,
@@ -438,3 +439,51 @@ def test_weights_carry_no_gradient_and_padding_weights_are_ignored():
     garbage = weights.detach().masked_fill(~mask, float("inf"))
     again, _ = ppo_policy_loss(logprobs, old, advantages, mask, is_weights=garbage)
     assert_close(again, loss)
+
+
+def _ensemble_bt_loop(r_c, r_r, w, margin):
+    """Slow reference: member by member, pair by pair, in float64."""
+    B, K = r_c.shape
+    losses = []
+    for k in range(K):
+        num = den = 0.0
+        for b in range(B):
+            x = float(r_c[b, k]) - float(r_r[b, k]) - margin
+            nll = math.log1p(math.exp(-x)) if x > 0 else -x + math.log1p(math.exp(x))
+            num += float(w[b, k]) * nll
+            den += float(w[b, k])
+        losses.append(num / den if den > 0 else 0.0)
+    return sum(losses) / K
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ensemble_bradley_terry_matches_a_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    r_c, r_r = torch.randn(9, 4, generator=g, dtype=DT), torch.randn(9, 4, generator=g, dtype=DT)
+    w = torch.poisson(torch.ones(9, 4, dtype=DT), generator=g)
+    w[:, 2] = 0.0  # a member that drew none of these pairs adds 0
+    loss, _ = ensemble_bradley_terry_loss(r_c, r_r, w, margin=0.3)
+    assert loss.item() == pytest.approx(_ensemble_bt_loop(r_c, r_r, w, 0.3), rel=1e-12)
+
+
+def test_one_member_ensemble_is_bradley_terry_exactly():
+    g = torch.Generator().manual_seed(0)
+    r_c, r_r = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    single, m1 = bradley_terry_loss(r_c, r_r)
+    ensemble, m2 = ensemble_bradley_terry_loss(r_c[:, None], r_r[:, None])
+    assert torch.equal(single, ensemble) and m1 == m2
+
+
+def test_ensemble_bradley_terry_weights_are_repeats():
+    """A bootstrap weight of 2 is the pair seen twice (one member, so the member mean is exact)."""
+    r_c, r_r = torch.tensor([[2.0], [0.5]], dtype=DT), torch.tensor([[0.0], [1.0]], dtype=DT)
+    weighted, _ = ensemble_bradley_terry_loss(r_c, r_r, torch.tensor([[2.0], [1.0]], dtype=DT))
+    repeated, _ = bradley_terry_loss(torch.tensor([2.0, 2.0, 0.5], dtype=DT), torch.tensor([0.0, 0.0, 1.0], dtype=DT))
+    torch.testing.assert_close(weighted, repeated, rtol=1e-12, atol=0)
+
+
+def test_ensemble_bradley_terry_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"\(B, K\)"):
+        ensemble_bradley_terry_loss(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="weights"):
+        ensemble_bradley_terry_loss(torch.zeros(3, 2), torch.zeros(3, 2), torch.ones(3, 1))

@@ -12,6 +12,7 @@ CHECK_ORDER = [
     "accuracy_vs_champion",
     "win_rate_vs_reference",
     "win_rate_vs_champion",
+    "audit_vs_reference",
     "kl_to_reference",
     "length_ratio",
     "degenerate_rate",
@@ -40,6 +41,7 @@ CHAMPION = EvalFigures(
 GOOD = EvalFigures(
     accuracy=0.85, rm_score_mean=1.2, win_rate_vs_reference=0.8, win_rate_vs_champion=0.6,
     kl_to_reference=2.5, mean_length=4.4, reference_mean_length=4.0, degenerate_rate=0.01, generation_failures=0.0,
+    audit_score_mean=0.9, audit_win_rate_vs_reference=0.75,
 )
 WEAK_CHAMPION = replace(CHAMPION, accuracy=0.40)  # isolates the accuracy-vs-reference check
 
@@ -65,6 +67,7 @@ def by_name(decision: Decision) -> dict:
         only("accuracy_regressed_vs_champion", {"accuracy": 0.70}),
         only("win_rate_vs_reference_too_low", {"win_rate_vs_reference": 0.5}),
         only("win_rate_vs_champion_too_low", {"win_rate_vs_champion": 0.4}),
+        only("audit_rejects_candidate", {"audit_win_rate_vs_reference": 0.2}),
         only("kl_above_max", {"kl_to_reference": 6.0}),
         only("length_ratio_above_max", {"mean_length": 6.4}),
         only("degenerate_rate_above_max", {"degenerate_rate": 0.2}),
@@ -178,7 +181,7 @@ def test_to_dict_is_json_ready():
     d = json.loads(json.dumps(decision.to_dict()))
     assert d["passed"] is False and d["reasons"] == list(decision.reasons)
     assert [c["name"] for c in d["checks"]] == CHECK_ORDER
-    assert d["checks"][4] == {"name": "kl_to_reference", "passed": False, "observed": 6.0, "threshold": 5.0,
+    assert d["checks"][5] == {"name": "kl_to_reference", "passed": False, "observed": 6.0, "threshold": 5.0,
                               "op": "<=", "skipped": None, "reason": decision.reasons[0]}
 
 
@@ -227,3 +230,19 @@ def test_gate_config_defaults_are_conservative():
     cfg = parse_config({})
     assert cfg.gates.auto_promote is False
     assert gate(GOOD, REFERENCE, CHAMPION, cfg.gates).passed
+
+
+def test_a_win_on_the_proxy_alone_is_rejected_by_the_audit_with_both_figures():
+    """The hacked policy's signature: the reward model it trained on prefers it, a reward model
+    it never saw does not. The reason names the audit and shows the proxy's figure beside it."""
+    hacked = replace(GOOD, win_rate_vs_reference=0.95, audit_win_rate_vs_reference=0.1)
+    decision = gate(hacked, REFERENCE, CHAMPION, T)
+    assert codes(decision) == ["audit_rejects_candidate"]
+    assert decision.reasons[0] == ("audit_rejects_candidate: win rate vs reference under the audit reward model "
+                                   "(the proxy's: 0.95) 0.1 < min 0.5")
+
+
+def test_the_audit_check_is_skipped_without_an_audit_model():
+    decision = gate(replace(GOOD, audit_score_mean=None, audit_win_rate_vs_reference=None), REFERENCE, CHAMPION, T)
+    assert decision.passed
+    assert by_name(decision)["audit_vs_reference"].skipped == "no audit model"

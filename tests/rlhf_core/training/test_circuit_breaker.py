@@ -12,12 +12,13 @@ BOUND = 10.0
 def steps(**series) -> list[dict]:
     """History rows from per-metric lists: steps(kl=[1, 2]) -> [{step 1, policy/kl 1}, ...]."""
     names = {"kl": "policy/kl", "skipped": "policy/nonfinite_skipped", "entropy": "policy/entropy",
-             "reward": "policy/reward_mean"}
+             "reward": "policy/reward_mean", "proxy": "policy/rm_score_mean", "audit": "policy/audit_score_mean",
+             "spread": "policy/ensemble_disagreement"}
     n = max(len(v) for v in series.values())
     return [{"step": i + 1, **{names[k]: v[i] for k, v in series.items() if i < len(v)}} for i in range(n)]
 
 
-ALL_ON = CircuitBreakerConfig(entropy_floor=0.05, max_reward_drop=0.5)
+ALL_ON = CircuitBreakerConfig(entropy_floor=0.05, max_reward_drop=0.5, max_audit_drop=0.3, max_disagreement=0.5)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,26 @@ ALL_ON = CircuitBreakerConfig(entropy_floor=0.05, max_reward_drop=0.5)
         pytest.param(steps(reward=[1, 1, 1, 0.8, 0.8, 0.8]), ALL_ON, None, id="reward-drop-within-limit"),
         pytest.param(steps(reward=[0.2, 0.5, 1, 1.2]), ALL_ON, None, id="reward-rising"),
         pytest.param(steps(reward=[1, 1, 1, 0, 0, 0]), CircuitBreakerConfig(), None, id="reward-check-off"),
+        # windows of 3 below: audit means 1, 0.83, 0.67, 0.5 (drop 0.5 from the best, 1.0)
+        pytest.param(steps(proxy=[0, 0, 0, 1, 1, 1], audit=[1, 1, 1, 0.5, 0.5, 0.5]), ALL_ON, "over_optimisation",
+                     id="proxy-up-audit-down"),
+        pytest.param(steps(proxy=[0.5] * 6, audit=[1, 1, 1, 0.5, 0.5, 0.5]), ALL_ON, "over_optimisation",
+                     id="proxy-flat-audit-down"),
+        pytest.param(steps(proxy=[1, 1, 1, 0, 0, 0], audit=[1, 1, 1, 0.5, 0.5, 0.5]), ALL_ON, None,
+                     id="both-fall-is-collapse-not-hacking"),
+        pytest.param(steps(proxy=[0, 0, 0, 1, 1, 1], audit=[1, 1, 1, 0.8, 0.8, 0.8]), ALL_ON, None,
+                     id="audit-drop-within-limit"),
+        pytest.param(steps(proxy=[0, 0.5, 1, 1.5], audit=[0, 0.5, 1, 1.5]), ALL_ON, None, id="both-rise"),
+        pytest.param(steps(proxy=[0, 1, 1], audit=[1, 0, 0]), ALL_ON, None, id="audit-too-few-steps"),
+        pytest.param(steps(proxy=[0, 0, 0, 1, 1, 1, 1], audit=[1, 1, 1, 0.5, 0.5, 0.5]), ALL_ON, None,
+                     id="step-without-audit-never-trips"),
+        pytest.param(steps(proxy=[0, 0, 0, 1, 1, 1]), ALL_ON, None, id="no-audit-model"),
+        pytest.param(steps(proxy=[0, 0, 0, 1, 1, 1], audit=[1, 1, 1, 0, 0, 0]), CircuitBreakerConfig(), None,
+                     id="audit-check-off"),
+        pytest.param(steps(spread=[0.1, 0.6, 0.7, 0.8]), ALL_ON, "over_optimisation", id="disagreement-above"),
+        pytest.param(steps(spread=[0.1, 0.1, 0.9]), ALL_ON, None, id="disagreement-spike-averaged-out"),
+        pytest.param(steps(spread=[0.9, 0.9]), ALL_ON, None, id="disagreement-too-few-steps"),
+        pytest.param(steps(spread=[0.9, 0.9, 0.9]), CircuitBreakerConfig(), None, id="disagreement-check-off"),
         pytest.param(steps(kl=[50, 50, 50]), CircuitBreakerConfig(enabled=False), None, id="disabled"),
         pytest.param([], ALL_ON, None, id="no-history"),
     ],
@@ -62,6 +83,31 @@ def test_reward_window_mean_against_the_best_earlier_window():
     assert trip.reason == "reward_collapse" and "fell 0.6 below the run's best 1" in trip.message
 
 
-def test_config_bounds_are_named():
-    with pytest.raises(ConfigError, match="policy.circuit_breaker.kl_patience: must be >= 1, got 0"):
-        parse_config({"policy": {"circuit_breaker": {"kl_patience": 0}}})
+def test_audit_window_mean_against_the_best_earlier_window_and_the_proxy_there():
+    # windows of 2: audit means 1.0, 0.7, 0.4, proxy means 0.2, 0.4, 0.6 -> audit fell 0.6 from
+    # its best while the proxy rose from 0.2
+    limits = CircuitBreakerConfig(max_audit_drop=0.3, audit_window=2)
+    trip = should_trip(steps(proxy=[0.2, 0.2, 0.6, 0.6], audit=[1, 1, 0.4, 0.4]), limits, BOUND)
+    assert trip.reason == "over_optimisation"
+    assert trip.message == ("circuit breaker: audit reward-model score over the last 2 steps 0.4 fell 0.6 below its "
+                            "best 1 while the proxy score went from 0.2 to 0.6 (max drop 0.3, step 4)")
+
+
+def test_the_proxy_is_compared_at_the_latest_window_of_the_audit_best():
+    # audit best (1) at steps 1 and 2; the proxy was 0 at step 1 but 1 at step 2, and fell to 0.8
+    # with the audit since then: a collapse of both, not a proxy rising against the audit
+    limits = CircuitBreakerConfig(max_audit_drop=0.3, audit_window=1)
+    assert should_trip(steps(proxy=[0, 1, 0.8], audit=[1, 1, 0.5]), limits, BOUND) is None
+
+
+def test_disagreement_message_has_the_numbers():
+    trip = should_trip(steps(spread=[0.4, 0.6, 0.8]), CircuitBreakerConfig(max_disagreement=0.5), BOUND)
+    assert trip.message == ("circuit breaker: reward-model ensemble disagreement over the last 3 steps 0.6 above 0.5 "
+                            "(step 3)")
+
+
+@pytest.mark.parametrize("field, bound", [("kl_patience", ">= 1"), ("audit_window", ">= 1"),
+                                          ("max_audit_drop", "> 0"), ("max_disagreement", "> 0")])
+def test_config_bounds_are_named(field, bound):
+    with pytest.raises(ConfigError, match=f"policy.circuit_breaker.{field}: must be {bound}, got 0"):
+        parse_config({"policy": {"circuit_breaker": {field: 0}}})

@@ -1,0 +1,201 @@
+"""Learning from the reward model alone: does the policy gain, or hack the reward model?
+
+The demo task has an answer key, so the true (gold) quality of a policy is measurable even
+when it trains on the learned reward alone (`verifiable_reward_weight: 0`): held-out exact
+match is measured, never trained on. One invocation runs, from the same SFT policy (trained
+once, or `--sft-dir`):
+
+    baseline   one reward model, the reward-model score as the whole reward
+    defences   a 4-member reward-model ensemble (mean - std aggregate), bounded shaping
+               relative to the reference's score, a length penalty, a larger KL coefficient
+
+for each algorithm (GRPO, PPO) and seed. Both variants train an audit reward model on a
+disjoint 30% of the pairs; the audit is measured on every step, never trained against, and
+judged by the gates. Per row: held-out accuracy before and after, the proxy (the
+ensemble's mean score) and audit scores of the greedy answers before and after, the largest
+KL, the gates' verdict and reasons, the labels used (preference pairs the reward models
+trained on), and a few answers the policy ended with.
+
+    .venv/bin/python bench/reward_hacking.py                         # 2 algorithms x 2 variants x 4 seeds
+    .venv/bin/python bench/reward_hacking.py --algorithms grpo --variants baseline --seeds 0
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import REPO, RESULTS, machine, save, table  # noqa: E402
+from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
+from rlhf_core.data.schema import read_table  # noqa: E402
+from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
+
+AUDIT_SHARE = 0.3
+VARIANTS = {
+    "baseline": {"reward": {}, "policy": {}},
+    "defences": {
+        "reward": {"ensemble_size": 4},
+        "policy": {"kl_coef": 0.1, "shaping": {"aggregate": "mean_minus_std", "std_coef": 1.0, "bounded": True,
+                                               "length_penalty": 0.5}},
+    },
+}
+PPO = {"prompts_per_step": 256}  # one sample per prompt: as many rollouts per step as GRPO's 32 x 8
+
+
+def variant_config(cfg: PipelineConfig, variant: str, algorithm: str, seed: int) -> PipelineConfig:
+    """The demo config on the reward model alone, with the variant's reward and policy settings."""
+    spec = VARIANTS[variant]
+    reward = cfg.reward.model_copy(update={"audit_share": AUDIT_SHARE, "min_eval_accuracy": 0.0, **spec["reward"]})
+    shaping = cfg.policy.shaping.model_copy(update=spec["policy"].get("shaping", {}))
+    policy_update = {k: v for k, v in spec["policy"].items() if k != "shaping"}
+    policy = cfg.policy.model_copy(update={
+        "algorithm": algorithm, "seed": seed, "min_accuracy_gain": -1.0, "reward_model_weight": 1.0,
+        "verifiable_reward_weight": 0.0, "shaping": shaping, **policy_update, **(PPO if algorithm == "ppo" else {})})
+    return cfg.model_copy(update={"reward": reward, "policy": policy})
+
+
+def sft_policy(cfg: PipelineConfig, files, work: Path) -> Path:
+    from rlhf_core.training.base_policy import make_base_policy  # noqa: PLC0415
+
+    sft_rows = read_table(files.sft).to_dict("records")
+    pairs = read_table(files.preferences).to_dict("records")
+    evals = read_table(files.eval)
+    base = make_base_policy(
+        [r["prompt"] for r in sft_rows], [r["completion"] for r in sft_rows],
+        [r["prompt"] + r["completion"] for r in sft_rows] + [p["prompt"] + p["chosen"] for p in pairs],
+        list(evals["prompt"]), list(evals["answer"]), cfg, work / "sft",
+    )
+    return base.path
+
+
+def reward_models(cfg: PipelineConfig, files, sft_dir: Path, work: Path, variant: str):
+    from rlhf_core.data.pairs import split_by_prompt  # noqa: PLC0415
+    from rlhf_core.distributed.reward_trainer import train_reward_models  # noqa: PLC0415
+
+    pairs = read_table(files.preferences).to_dict("records")
+    train, held_out = split_by_prompt(pairs, cfg.reward.eval_share, cfg.reward.seed)
+    return train_reward_models(train, held_out, sft_dir, cfg.reward, work / f"reward-{variant}", work / "ray",
+                               run_name=f"reward-{variant}")
+
+
+def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, variant: str) -> dict:
+    from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+    from rlhf_core.training.circuit_breaker import CircuitBreakerTripped  # noqa: PLC0415
+
+    p = cfg.policy
+    sft_rows = read_table(files.sft).to_dict("records")
+    pairs = read_table(files.preferences).to_dict("records")
+    evals = read_table(files.eval)
+    prompts = list(dict.fromkeys([r["prompt"] for r in sft_rows] + [r["prompt"] for r in pairs]))
+    name = f"{p.algorithm}-{variant}-{p.seed}"
+    row = {"algorithm": p.algorithm, "variant": variant, "seed": p.seed,
+           "labels": rm.proxy_pairs + rm.audit_pairs, "rm_accuracy": rm.proxy.eval_accuracy,
+           "audit_rm_accuracy": rm.audit.eval_accuracy}
+    t0 = time.perf_counter()
+    try:
+        result = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), sft_dir, rm.proxy.path, p,
+                              work / name, work / "ray", run_name=name)
+    except CircuitBreakerTripped as exc:
+        return row | {"tripped": exc.trip.reason, "policy_s": time.perf_counter() - t0}
+    first, last = result.evaluations[0], result.evaluations[-1]
+    row |= {
+        "acc_before": first["eval/accuracy"], "acc_after": last["eval/accuracy"],
+        "gain": last["eval/accuracy"] - first["eval/accuracy"],
+        "proxy_before": first["eval/rm_score"], "proxy_after": last["eval/rm_score"],
+        "audit_before": first["eval/audit_score"], "audit_after": last["eval/audit_score"],
+        "length_after": last["eval/response_length"], "kl_max": result.kl_max,
+        "policy_s": time.perf_counter() - t0, "samples": last["eval/samples"],
+        "per_eval": [{k: v for k, v in e.items() if k != "eval/samples"} | {"samples": e["eval/samples"]}
+                     for e in result.evaluations],
+    }
+    decision = gates_vs_reference(cfg, result.path, sft_dir, rm.proxy.path, list(evals["prompt"]),
+                                  list(evals["answer"]), p.seed)
+    row |= {"gate_passed": decision.passed, "gate_reasons": "; ".join(decision.reasons) or None}
+    return row
+
+
+def gates_vs_reference(cfg: PipelineConfig, policy_dir: Path, sft_dir: Path, reward_dir: Path,
+                       prompts: list[str], answers: list[str], seed: int):
+    """The pipeline's gates against the SFT policy, as the evaluate stage computes them."""
+    from rlhf_core.eval.evaluate import Policy, evaluate, scorers_for  # noqa: PLC0415
+    from rlhf_core.eval.gates import gate  # noqa: PLC0415
+    from rlhf_core.models.llama import load_policy  # noqa: PLC0415
+    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    scorer, audit = scorers_for(reward_dir, cfg.reward.max_length)
+    n = min(cfg.gates.eval_prompts, len(prompts))
+    result = evaluate(
+        Policy("candidate", load_policy(policy_dir), load_tokenizer(policy_dir)),
+        Policy("reference", load_policy(sft_dir), load_tokenizer(sft_dir)), None,
+        scorer, prompts[:n], answers[:n], max_new_tokens=cfg.policy.max_new_tokens,
+        temperature=cfg.policy.temperature, seed=seed, audit=audit,
+    )
+    return gate(result.candidate.figures, result.reference.figures, None, cfg.gates)
+
+
+def spread(rows: list[dict], key: str) -> str:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    if not values:
+        return "–"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):+.3f} ± {sd:.3f}" if key == "gain" else f"{statistics.mean(values):.3f} ± {sd:.3f}"
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    out = []
+    for algorithm in dict.fromkeys(r["algorithm"] for r in rows):
+        for variant in dict.fromkeys(r["variant"] for r in rows):
+            group = [r for r in rows if r["algorithm"] == algorithm and r["variant"] == variant]
+            if not group:
+                continue
+            out.append({"algorithm": algorithm, "variant": variant, "runs": len(group),
+                        **{k: spread(group, k) for k in ("acc_before", "acc_after", "gain", "proxy_after",
+                                                         "audit_after", "kl_max")},
+                        "gates_passed": sum(bool(r.get("gate_passed")) for r in group),
+                        "tripped": sum(bool(r.get("tripped")) for r in group),
+                        "labels": group[0]["labels"]})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "demo.yaml")
+    parser.add_argument("--sft-dir", type=Path, help="an SFT policy to start from (e.g. runs/demo-*/models/sft)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3])
+    parser.add_argument("--algorithms", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--name", default="reward_hacking", help="result file name under bench/results/")
+    args = parser.parse_args()
+    cfg = load_config(args.config)
+    from rlhf_core.distributed.cluster import ray_session  # noqa: PLC0415
+
+    rows: list[dict] = []
+    columns = ["algorithm", "variant", "seed", "acc_before", "acc_after", "gain", "proxy_after", "audit_after",
+               "length_after", "kl_max", "gate_passed", "tripped", "policy_s"]
+    with tempfile.TemporaryDirectory(prefix="reward-hacking-") as tmp, ray_session():
+        work = Path(tmp)
+        files = generate_demo_data(cfg.data.demo, work / "data")
+        sft_dir = args.sft_dir or sft_policy(cfg, files, work)
+        for variant in args.variants:
+            rm = reward_models(variant_config(cfg, variant, "grpo", 0), files, sft_dir, work, variant)
+            for algorithm in args.algorithms:
+                for seed in args.seeds:
+                    row = run_policy(variant_config(cfg, variant, algorithm, seed), files, sft_dir, rm, work, variant)
+                    rows.append(row)
+                    print(table([row], columns), flush=True)
+                    print("  answers:", row.get("samples"), "| gates:", row.get("gate_reasons"), flush=True)
+                    save(args.name, {"machine": machine(), "variants": VARIANTS, "audit_share": AUDIT_SHARE,
+                                     "rows": rows, "summary": summary(rows)})
+    print("\nOn the reward model alone (mean ± sd over seeds):")
+    print(table(summary(rows), ["algorithm", "variant", "runs", "acc_before", "acc_after", "gain", "proxy_after",
+                                "audit_after", "kl_max", "gates_passed", "tripped", "labels"]))
+    print(f"\nwritten {RESULTS / (args.name + '.json')}")
+
+
+if __name__ == "__main__":
+    main()
