@@ -271,6 +271,52 @@ def test_an_unstable_run_fires_an_alert_that_rolls_the_champion_back(
 
 
 # ------------------------------------------------------------------------------------------
+# proxy score up, audit score down -> over-optimisation alert -> receiver asks for a rollback
+
+
+def test_a_run_hacking_its_reward_model_fires_the_over_optimisation_alert_and_asks_for_a_rollback(
+    stack_factory, tmp_path
+):
+    """Two runs' figures pushed through the exporter, as the rank-0 sink sends them: in one the
+    proxy score rises while the audit score falls, in the other both rise. Only the first fires."""
+    from monitoring.prometheus import JobExporter
+
+    triggered = []
+    stack = stack_factory(lambda incident, reason, by: triggered.append((incident, by)) or "flow-run-hack")
+    targets = tmp_path / "stack0" / "targets"
+    hacking, honest = JobExporter("hacking-run", "policy", targets_dir=targets), JobExporter(
+        "honest-run", "policy", targets_dir=targets)
+    sinks, step = (hacking.sink(), honest.sink()), 0
+
+    def push_and_check():
+        nonlocal step
+        step += 1
+        proxy, audit = 0.05 * step, -0.05 * step  # 0.1 a second at one push each 0.5 s
+        sinks[0](step, {"policy/rm_score_mean": proxy, "policy/audit_score_mean": audit,
+                        "policy/ensemble_disagreement": 0.1})
+        sinks[1](step, {"policy/rm_score_mean": proxy, "policy/audit_score_mean": proxy,
+                        "policy/ensemble_disagreement": 0.1})
+        return [d for d in stack.decisions() if d.get("alertname") == "PolicyOverOptimisation"
+                and d.get("result") == "triggered"]
+
+    try:
+        [decision] = wait_for("the receiver to act on PolicyOverOptimisation", push_and_check, 90,
+                              diagnose=lambda: (
+                                  f"proxy delta {stack.series('run_stage:rlhf_policy_proxy_score:delta5m')}, "
+                                  f"audit delta {stack.series('run_stage:rlhf_policy_audit_score:delta5m')}, "
+                                  f"alerts {[(a['labels'], a['state']) for a in stack.alerts()]}, "
+                                  f"targets {stack.scrape_health()}, decisions {stack.decisions()}"))
+        over = [a for a in stack.alerts() if a["labels"]["alertname"] == "PolicyOverOptimisation"]
+    finally:
+        hacking.close()
+        honest.close()
+    assert decision["action"] == "rollback" and decision["run"] == "hacking-run"
+    assert decision["runbook_url"] == "docs/runbooks/PolicyOverOptimisation.md"
+    assert triggered == [("run-hacking-run-policy", "alertmanager:rlhf-receiver")]
+    assert {a["labels"]["run"] for a in over} == {"hacking-run"}  # both scores rising: not even pending
+
+
+# ------------------------------------------------------------------------------------------
 # a throttled worker -> imbalance alert -> recorded, no rollback
 
 
