@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--algorithms", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--name", default="reward_hacking", help="result file name under bench/results/")
+    parser.add_argument("--work", type=Path, help="keep the data and models here (default: a temporary directory); "
+                        "an SFT policy already there is reused")
     args = parser.parse_args()
     cfg = load_config(args.config)
     from rlhf_core.distributed.cluster import ray_session  # noqa: PLC0415
@@ -178,9 +180,10 @@ def main() -> None:
     columns = ["algorithm", "variant", "seed", "acc_before", "acc_after", "gain", "proxy_after", "audit_after",
                "length_after", "kl_max", "gate_passed", "tripped", "policy_s"]
     with tempfile.TemporaryDirectory(prefix="reward-hacking-") as tmp, ray_session():
-        work = Path(tmp)
+        work = args.work or Path(tmp)
         files = generate_demo_data(cfg.data.demo, work / "data")
-        sft_dir = args.sft_dir or sft_policy(cfg, files, work)
+        sft_dir = args.sft_dir or (work / "sft" if (work / "sft" / "config.json").exists() else None)
+        sft_dir = sft_dir or sft_policy(cfg, files, work)
         for variant in args.variants:
             rm = reward_models(variant_config(cfg, variant, "grpo", 0), files, sft_dir, work, variant)
             for algorithm in args.algorithms:
