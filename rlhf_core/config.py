@@ -167,6 +167,64 @@ class RolloutPipelineConfig(_Strict):
     chunks: int = Field(2, ge=1, description='Generate calls per batch; new weights are taken between them.')
 
 
+JUDGE_TEMPLATE = (
+    "Which answer to the question is better? Reply with [[A]] or [[B]] only.\n\n"
+    "Question: {prompt}\n\nAnswer A: {answer_a}\n\nAnswer B: {answer_b}\n\nVerdict: "
+)
+
+
+class JudgeConfig(_Strict):
+    """An LLM judge behind an OpenAI-compatible endpoint (`rounds.annotator: llm_judge`), for AI
+    feedback: one request per pair, its answer parsed into a preference or counted and skipped."""
+
+    base_url: str | None = Field(None, description='The endpoint, e.g. http://127.0.0.1:8200/v1 (a vLLM-served judge).')
+    model: str | None = Field(None, description='The model name the endpoint serves.')
+    api_key_env: str = Field("RLHF_JUDGE_API_KEY", description='Environment variable holding the API key (unset: none sent).')
+    api: Literal["completions", "chat"] = Field(
+        "completions", description='/v1/completions with the rendered template, or /v1/chat/completions with it as the user turn.')
+    template: str = Field(JUDGE_TEMPLATE, description='The request, with {prompt}, {answer_a} and {answer_b}.')
+    parser: Literal["verdict", "match_answer"] = Field("verdict", description=(
+        "verdict: the reply names [[A]] or [[B]] (or is A or B alone); match_answer: the judge answers the "
+        "question itself and the one answer equal to its reply is preferred (reference-guided judging)."))
+    max_tokens: int = Field(16, ge=1, description='Longest judge reply, in tokens.')
+    timeout_s: float = Field(30.0, gt=0, description='Seconds one judge request may take.')
+
+    @field_validator("template")
+    @classmethod
+    def _template_has_fields(cls, template: str) -> str:
+        if "{prompt}" not in template:
+            raise ValueError("the judge template must contain {prompt} (and, for the verdict parser, {answer_a} "
+                             "and {answer_b})")
+        return template
+
+
+class RoundsConfig(_Strict):
+    """Preference rounds on the policy's own answers (`rlhf_core.training.preference_rounds`):
+    every `every` RL steps, two answers of the current policy to each of `prompts` fresh prompts
+    are labelled by the annotator, pass the data contract, and the reward model continues
+    training on them with `replay` old pairs per new one; the audit model never changes."""
+
+    enabled: bool = Field(False, description='Run preference rounds during policy optimisation.')
+    every: int = Field(10, ge=1, description='RL steps between rounds (none after the last step).')
+    prompts: int = Field(64, ge=1, description='Fresh prompts per round, two answers each.')
+    annotator: Literal["simulated", "llm_judge", "queue"] = Field("simulated", description=(
+        "simulated: the task's answer key (the verifiable reward) with label noise; llm_judge: an OpenAI-"
+        "compatible judge (rounds.judge); queue: a batch for people in queue_dir, labels picked up later."))
+    label_noise: float = Field(0.1, ge=0, lt=0.5, description="Share of the simulated annotator's labels flipped.")
+    replay: float = Field(1.0, ge=0, description='Earlier pairs replayed per new pair when the reward model trains.')
+    epochs: int = Field(2, ge=1, description="Passes over a round's pairs (new and replayed).")
+    batch_size: int = Field(32, ge=1, description='Pairs per reward-model optimizer step in a round.')
+    learning_rate: float = Field(1e-4, gt=0, description='Learning rate of the reward model in a round.')
+    queue_dir: Path | None = Field(None, description='The labelling queue (annotator queue); null: <output_dir>/labelling-queue.')
+    judge: JudgeConfig = JudgeConfig()
+
+    @model_validator(mode="after")
+    def _judge_is_set(self) -> "RoundsConfig":
+        if self.enabled and self.annotator == "llm_judge" and (self.judge.base_url is None or self.judge.model is None):
+            raise ValueError("annotator llm_judge needs judge.base_url and judge.model")
+        return self
+
+
 class PolicyConfig(_Strict):
     """Policy optimisation (PPO | GRPO) on Ray Train + DeepSpeed with vLLM rollouts.
 
@@ -231,6 +289,7 @@ class PolicyConfig(_Strict):
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     shaping: RewardShapingConfig = RewardShapingConfig()
+    rounds: RoundsConfig = RoundsConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
     pipeline: RolloutPipelineConfig = RolloutPipelineConfig()
 

@@ -39,6 +39,9 @@ class TrainedPolicy:
             "status": "completed", "algorithm": r.algorithm,
             "accuracy_before": r.accuracy_before, "accuracy_after": r.accuracy_after,
             "rm_score_before": _round(r.rm_score_before), "rm_score_after": _round(r.rm_score_after),
+            **({"audit_score_before": _round(r.audit_score_before), "audit_score_after": _round(r.audit_score_after)}
+               if r.audit_score_before is not None else {}),
+            **({"labels_asked": r.labels_asked, "round_pairs": r.round_pairs} if r.labels_asked else {}),
             "kl_max": round(r.kl_max, 3), "kl_bound": r.kl_bound, "steps": r.steps,
             "nonfinite_skipped": r.nonfinite_skipped, "attempts": r.attempts,
             "seconds": round(r.seconds, 1), "model_path": str(r.path),
@@ -116,6 +119,8 @@ def optimise_policy(
                     on_metrics=on_metrics,
                     run_name=f"policy-{stage_id[:8]}",
                     answers=prompt_answers(data),
+                    replay_pairs=read_table(data.paths.preferences).to_dict("records"),
+                    validation=cfg.validation,
                 )
         except CircuitBreakerTripped as exc:
             for key, value in {"circuit_breaker.reason": exc.trip.reason, "circuit_breaker.step": exc.trip.step,
@@ -129,6 +134,8 @@ def optimise_policy(
             "policy/rm_score_before": result.rm_score_before, "policy/rm_score_after": result.rm_score_after,
             "policy/nonfinite_skipped_total": result.nonfinite_skipped, "policy/attempts": result.attempts,
             "policy/seconds": result.seconds,
+            "policy/audit_score_before": result.audit_score_before, "policy/audit_score_after": result.audit_score_after,
+            "policy/labels_asked": result.labels_asked, "policy/round_pairs": result.round_pairs,
         })
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         client.set_tag(stage_id, "checkpoint.path", str(result.checkpoint_path))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import PolicyConfig
+from rlhf_core.config import PolicyConfig, ValidationConfig
 from rlhf_core.distributed.fault_injection import NanAtStep
 from rlhf_core.distributed.stage import StageRuntime
 from rlhf_core.distributed.worker_meter import WorkerMeter
@@ -27,6 +27,9 @@ class PolicyLoop:
     eval_answers: tuple[str, ...]
     score_verifiable: bool  # every prompt parses for cfg.verifiable_reward
     answers: tuple[tuple[str, str], ...] = ()  # (prompt, answer) of the prompt set, for answer-checking rewards
+    replay_pairs: tuple[dict[str, str], ...] = ()  # the reward model's training pairs, replayed in preference rounds
+    queue_dir: str | None = None  # the labelling queue of rounds.annotator queue
+    validation: ValidationConfig = ValidationConfig()  # the data contract new pairs pass
     nan_at: NanAtStep | None = None  # fault injection (tests)
     check_sync: bool = False  # compare the engine's greedy answers with the trainer's (tests)
 
@@ -54,6 +57,7 @@ class PolicyWorker:
     reward_tokenizer: Any = None  # the reward model's own (reward.base_model may differ from the policy)
     member_stats: tuple = ()  # RewardStats of each ensemble member (one: the model's own)
     audit: tuple | None = None  # (model, tokenizer, RewardStats) of the audit reward model, never trained against
+    annotator: Any = None  # rank 0, with policy.rounds: rlhf_core.training.preference_rounds.Annotator
 
     @property
     def cfg(self) -> PolicyConfig:

@@ -3,6 +3,7 @@
 and the held-out evaluations through the same engine."""
 from __future__ import annotations
 
+import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from rlhf_core.rng import derive_seed
 from rlhf_core.training.ppo_step import prompt_indices
 
 SYNC_CHECK_PROMPTS = 32
+ROUND_CHUNK = 1000  # the seeds of a round's draws: chunks no step's generation uses
 EVAL_SAMPLES = 4  # greedy answers kept with each evaluation: what the policy learned to say
 
 
@@ -96,6 +98,25 @@ def take_pipelined(w: PolicyWorker, step: int) -> tuple[list[list[Sample]], dict
         "pipeline/wait_s": batch.wait_s,
     }
     return per_rank(batch.rollouts, w.world), metrics
+
+
+def round_items(w: PolicyWorker, step: int):
+    """Rank 0: two answers of the current policy (the engine's weights) to each of
+    `rounds.prompts` prompts drawn afresh for this round, as `preference_rounds.Item`s."""
+    from rlhf_core.training.preference_rounds import Item  # noqa: PLC0415
+
+    cfg = w.cfg
+    n = min(cfg.rounds.prompts, len(w.loop.prompts))
+    indices = random.Random(derive_seed(cfg.seed, step, chunk=ROUND_CHUNK)).sample(range(len(w.loop.prompts)), n)
+    rollouts = w.engine.generate([w.loop.prompts[i] for i in indices], n=2, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+                                 seed=derive_seed(cfg.seed, step, chunk=ROUND_CHUNK + 1))
+    answers: dict[int, list[str]] = {}
+    prompts: dict[int, str] = {}
+    for r in rollouts:
+        answers.setdefault(r.group, []).append(r.response_text)
+        prompts[r.group] = r.prompt
+    return [Item(prompts[g], *answers[g][:2]) for g in sorted(answers)]
 
 
 def engine_at_newest(w: PolicyWorker):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.config import PolicyConfig
+from rlhf_core.config import PolicyConfig, ValidationConfig
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_loop import PolicyLoop
 from rlhf_core.distributed.policy_worker import train_loop
@@ -46,6 +46,10 @@ class PolicyTrainResult:
     accuracy_after: float | None
     rm_score_before: float | None  # mean normalised RM score of the greedy eval answers
     rm_score_after: float | None
+    audit_score_before: float | None  # the same answers under the audit reward model; None without one
+    audit_score_after: float | None
+    labels_asked: int  # labels the preference rounds asked for (their cost); 0 without rounds
+    round_pairs: int  # pairs the rounds added to the reward model's training
     kl_final: float  # per-sequence KL(pi || ref) of the last step's rollouts
     kl_max: float  # largest over the run
     kl_bound: float  # cfg.kl_bound, for the gates
@@ -80,6 +84,9 @@ def train_policy(
     run_name: str = "policy",
     *,
     answers: Mapping[str, str] | None = None,
+    replay_pairs: Sequence[Mapping[str, str]] = (),
+    queue_dir: Path | None = None,
+    validation: ValidationConfig | None = None,
     _kill_once: KillWorkerOnce | None = None,
     _nan_at: NanAtStep | None = None,
     _check_sync: bool = False,
@@ -88,6 +95,9 @@ def train_policy(
     reward model in `reward_dir` and/or the verifiable reward `cfg.verifiable_reward`, and
     save it to `out_dir`. `answers` (prompt -> answer, from the prompt set) feed a verifiable
     reward that checks against them (`rlhf_core.training.verifiable.answer_exact_match`).
+    With `cfg.rounds` on, preference rounds replay `replay_pairs` (the reward model's training
+    pairs), pass new pairs through the `validation` contract and, for the queue annotator,
+    use `queue_dir` (default: `out_dir`'s sibling `labelling-queue`).
 
     Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
     already holds a run is resumed. `on_metrics(step, {"policy/...": v})` runs on rank 0 and
@@ -105,6 +115,9 @@ def train_policy(
             out_dir=str(Path(out_dir).resolve()), prompts=tuple(prompts), eval_prompts=tuple(eval_prompts),
             eval_answers=tuple(eval_answers), score_verifiable=score_verifiable, nan_at=_nan_at, check_sync=_check_sync,
             answers=tuple(answers.items()),
+            replay_pairs=tuple({k: r[k] for k in ("prompt", "chosen", "rejected")} for r in replay_pairs),
+            queue_dir=str(Path(queue_dir or cfg.rounds.queue_dir or Path(out_dir).parent / "labelling-queue").resolve()),
+            validation=validation or ValidationConfig(),
         )
 
     run = run_stage(
@@ -123,6 +136,10 @@ def train_policy(
         accuracy_after=evals[-1].get("eval/accuracy"),
         rm_score_before=evals[0].get("eval/rm_score"),
         rm_score_after=evals[-1].get("eval/rm_score"),
+        audit_score_before=evals[0].get("eval/audit_score"),
+        audit_score_after=evals[-1].get("eval/audit_score"),
+        labels_asked=summary["labels_asked"],
+        round_pairs=len(summary["round_pairs"]),
         kl_final=summary["kl_final"],
         kl_max=summary["kl_max"],
         kl_bound=cfg.kl_bound,

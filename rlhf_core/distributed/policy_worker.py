@@ -36,6 +36,7 @@ from rlhf_core.algos import AdaptiveKLController, FixedKLController, truncated_i
 from rlhf_core.config import PolicyConfig
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed import policy_rollouts as rollouts
+from rlhf_core.distributed import policy_rounds
 from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, gathered_module_state
 from rlhf_core.distributed.fault_injection import kill_if_due, nan_if_due
 from rlhf_core.distributed.policy_loop import PolicyLoop, PolicyWorker
@@ -132,9 +133,12 @@ def _build_worker(loop: PolicyLoop) -> PolicyWorker:
         else AdaptiveKLController(cfg.kl_coef, cfg.adaptive_kl_target, cfg.adaptive_kl_horizon)
     )
     verifiable = resolve_verifiable_reward(cfg.verifiable_reward) if loop.score_verifiable else None
-    return PolicyWorker(loop, spec, tokenizer, actor, critic, reference, reward_model, rm_stats, verifiable,
-                        kl_controller, worker.rank, worker.world, reward_tokenizer=reward_tokenizer,
-                        member_stats=members, audit=audit)
+    w = PolicyWorker(loop, spec, tokenizer, actor, critic, reference, reward_model, rm_stats, verifiable,
+                     kl_controller, worker.rank, worker.world, reward_tokenizer=reward_tokenizer,
+                     member_stats=members, audit=audit)
+    if worker.rank == 0 and cfg.rounds.enabled and reward_model is not None:
+        w.annotator = policy_rounds.annotator_for(w)
+    return w
 
 
 def deepspeed_config(cfg: PolicyConfig, learning_rate: float, use_gpu: bool) -> dict[str, Any]:
@@ -246,6 +250,8 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
                 evaluation = rollouts.evaluate(w, step)
             state.evaluations.append(evaluation)
             metrics |= rollouts.evaluation_metrics(evaluation)
+    if policy_rounds.due(w, step):
+        metrics |= policy_rounds.run_round(w, state, step)
     trip = should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound)
     if trip is not None:
         state.trip = {"reason": trip.reason, "message": trip.message, "step": trip.step}
@@ -271,7 +277,7 @@ def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch, 
         raw = score_members(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)  # (K, B)
         lengths = batch.response_mask.sum(-1)  # (B,) response tokens
         if state.reference_score is None:  # the first step samples the SFT policy: the reference
-            _measure_reference(w, state, raw, lengths)
+            _measure_reference(w, state, raw, lengths, list(zip(prompts, responses)))
         rm_reward, shaping = proxy_reward(raw, [m.mean for m in w.member_stats], [m.std for m in w.member_stats],
                                           lengths, cfg.shaping, state.reference_score, state.reference_length)
         out |= shaping
@@ -288,9 +294,11 @@ def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch, 
     return out
 
 
-def _measure_reference(w: PolicyWorker, state: PolicyState, raw: torch.Tensor, lengths: torch.Tensor) -> None:
-    """Every rank (a collective): the mean aggregated score and length of the first step's
-    rollouts over all ranks, into `state` (checkpointed with it)."""
+def _measure_reference(w: PolicyWorker, state: PolicyState, raw: torch.Tensor, lengths: torch.Tensor,
+                       samples: list[tuple[str, str]]) -> None:
+    """Every rank (collectives): the mean aggregated score and length of the first step's
+    rollouts over all ranks, and (with preference rounds, which change the reward model) the
+    rollouts themselves, into `state` (checkpointed with it)."""
     off = w.cfg.shaping.model_copy(update={"clip": None, "bounded": False, "length_penalty": 0.0,
                                             "length_decorrelate": False})
     aggregated, _ = proxy_reward(raw, [m.mean for m in w.member_stats], [m.std for m in w.member_stats], lengths, off,
@@ -300,6 +308,10 @@ def _measure_reference(w: PolicyWorker, state: PolicyState, raw: torch.Tensor, l
     dist.all_reduce(totals)
     state.reference_score = float(totals[0] / totals[2])
     state.reference_length = float(totals[1] / totals[2])
+    if w.cfg.rounds.enabled:
+        gathered: list[Any] = [None] * w.world
+        dist.all_gather_object(gathered, [list(s) for s in samples])
+        state.reference_samples = [s for shard in gathered for s in shard]
 
 
 def _finish(w: PolicyWorker, state: PolicyState, state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
