@@ -36,13 +36,14 @@ from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
 
 AUDIT_SHARE = 0.3
+DEFENCES = {"kl_coef": 0.1, "shaping": {"aggregate": "mean_minus_std", "std_coef": 1.0, "bounded": True,
+                                          "length_penalty": 0.5}}
+ROUNDS = {"rounds": {"enabled": True, "every": 5, "prompts": 64, "annotator": "simulated", "label_noise": 0.1}}
 VARIANTS = {
     "baseline": {"reward": {}, "policy": {}},
-    "defences": {
-        "reward": {"ensemble_size": 4},
-        "policy": {"kl_coef": 0.1, "shaping": {"aggregate": "mean_minus_std", "std_coef": 1.0, "bounded": True,
-                                               "length_penalty": 0.5}},
-    },
+    "defences": {"reward": {"ensemble_size": 4}, "policy": DEFENCES},
+    "rounds": {"reward": {}, "policy": ROUNDS},
+    "defences+rounds": {"reward": {"ensemble_size": 4}, "policy": DEFENCES | ROUNDS},
 }
 PPO = {"prompts_per_step": 256}  # one sample per prompt: as many rollouts per step as GRPO's 32 x 8
 
@@ -51,11 +52,11 @@ def variant_config(cfg: PipelineConfig, variant: str, algorithm: str, seed: int)
     """The demo config on the reward model alone, with the variant's reward and policy settings."""
     spec = VARIANTS[variant]
     reward = cfg.reward.model_copy(update={"audit_share": AUDIT_SHARE, "min_eval_accuracy": 0.0, **spec["reward"]})
-    shaping = cfg.policy.shaping.model_copy(update=spec["policy"].get("shaping", {}))
-    policy_update = {k: v for k, v in spec["policy"].items() if k != "shaping"}
+    nested = {k: getattr(cfg.policy, k).model_copy(update=v) for k, v in spec["policy"].items() if isinstance(v, dict)}
+    flat = {k: v for k, v in spec["policy"].items() if not isinstance(v, dict)}
     policy = cfg.policy.model_copy(update={
         "algorithm": algorithm, "seed": seed, "min_accuracy_gain": -1.0, "reward_model_weight": 1.0,
-        "verifiable_reward_weight": 0.0, "shaping": shaping, **policy_update, **(PPO if algorithm == "ppo" else {})})
+        "verifiable_reward_weight": 0.0, **nested, **flat, **(PPO if algorithm == "ppo" else {})})
     return cfg.model_copy(update={"reward": reward, "policy": policy})
 
 
@@ -94,12 +95,12 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
     prompts = list(dict.fromkeys([r["prompt"] for r in sft_rows] + [r["prompt"] for r in pairs]))
     name = f"{p.algorithm}-{variant}-{p.seed}"
     row = {"algorithm": p.algorithm, "variant": variant, "seed": p.seed,
-           "labels": rm.proxy_pairs + rm.audit_pairs, "rm_accuracy": rm.proxy.eval_accuracy,
+           "offline_labels": rm.proxy_pairs + rm.audit_pairs, "rm_accuracy": rm.proxy.eval_accuracy,
            "audit_rm_accuracy": rm.audit.eval_accuracy}
     t0 = time.perf_counter()
     try:
         result = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), sft_dir, rm.proxy.path, p,
-                              work / name, work / "ray", run_name=name)
+                              work / name, work / "ray", run_name=name, replay_pairs=pairs, queue_dir=work / "queue")
     except CircuitBreakerTripped as exc:
         return row | {"tripped": exc.trip.reason, "policy_s": time.perf_counter() - t0}
     first, last = result.evaluations[0], result.evaluations[-1]
@@ -110,6 +111,8 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
         "audit_before": first["eval/audit_score"], "audit_after": last["eval/audit_score"],
         "length_after": last["eval/response_length"], "kl_max": result.kl_max,
         "policy_s": time.perf_counter() - t0, "samples": last["eval/samples"],
+        "round_labels": result.labels_asked, "round_pairs": result.round_pairs,
+        "labels": row["offline_labels"] + result.labels_asked,
         "per_eval": [{k: v for k, v in e.items() if k != "eval/samples"} | {"samples": e["eval/samples"]}
                      for e in result.evaluations],
     }
@@ -127,7 +130,7 @@ def gates_vs_reference(cfg: PipelineConfig, policy_dir: Path, sft_dir: Path, rew
     from rlhf_core.models.llama import load_policy  # noqa: PLC0415
     from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
 
-    scorer, audit = scorers_for(reward_dir, cfg.reward.max_length)
+    scorer, audit = scorers_for(reward_dir, cfg.reward.max_length, policy_dir)
     n = min(cfg.gates.eval_prompts, len(prompts))
     result = evaluate(
         Policy("candidate", load_policy(policy_dir), load_tokenizer(policy_dir)),
@@ -158,7 +161,7 @@ def summary(rows: list[dict]) -> list[dict]:
                                                          "audit_after", "kl_max")},
                         "gates_passed": sum(bool(r.get("gate_passed")) for r in group),
                         "tripped": sum(bool(r.get("tripped")) for r in group),
-                        "labels": group[0]["labels"]})
+                        "labels": spread(group, "labels")})
     return out
 
 
@@ -178,7 +181,7 @@ def main() -> None:
 
     rows: list[dict] = []
     columns = ["algorithm", "variant", "seed", "acc_before", "acc_after", "gain", "proxy_after", "audit_after",
-               "length_after", "kl_max", "gate_passed", "tripped", "policy_s"]
+               "length_after", "kl_max", "labels", "gate_passed", "tripped", "policy_s"]
     with tempfile.TemporaryDirectory(prefix="reward-hacking-") as tmp, ray_session():
         work = args.work or Path(tmp)
         files = generate_demo_data(cfg.data.demo, work / "data")

@@ -216,6 +216,12 @@ class RoundsConfig(_Strict):
     batch_size: int = Field(32, ge=1, description='Pairs per reward-model optimizer step in a round.')
     learning_rate: float = Field(1e-4, gt=0, description='Learning rate of the reward model in a round.')
     queue_dir: Path | None = Field(None, description='The labelling queue (annotator queue); null: <output_dir>/labelling-queue.')
+    audit_share: float = Field(0.25, ge=0, le=1, description=(
+        "Share of each round's new pairs that train the audit reward model (reward.audit_share) instead of "
+        "the proxy, so the audit keeps up with the policy's answers; the policy never trains against it."))
+    train_proxy: bool = Field(True, description=(
+        "Train the proxy reward model on the rounds' pairs; false: rounds only keep the audit model current "
+        "(monitoring on a label budget, the policy's reward unchanged)."))
     judge: JudgeConfig = JudgeConfig()
 
     @model_validator(mode="after")

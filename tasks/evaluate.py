@@ -126,7 +126,7 @@ def evaluate_candidate(
     champion = by_alias(client, CHAMPION)
     champion_version = None if champion is None else str(champion.version)
     with stage_run(run, "evaluate", {**candidate.lineage, "champion.version": champion_version or ""}) as stage_id:
-        scorer, audit = scorers_for(candidate.reward_dir, cfg.reward.max_length)
+        scorer, audit = scorers_for(candidate.reward_dir, cfg.reward.max_length, candidate.model_dir)
         champion_policy = None
         if champion is not None:
             champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion"))

@@ -5,7 +5,10 @@ labelled, filters them through the data contract and continues training its rewa
 them with replay (`rlhf_core.training.preference_rounds`); then it broadcasts the new
 weights and normalisation stats, and every rank loads them, so all ranks score the next
 steps alike. The reference score of bounded shaping is measured again on the first step's
-samples, in the new model's units. The audit reward model is never touched.
+samples, in the new model's units. A share of each round's pairs (`rounds.audit_share`)
+trains the audit reward model instead, which the policy never trains against: an audit
+trained only on the offline pairs shares the proxy's blind spots (on the demo both rewarded
+the same spurious carry), while one that sees the policy's own answers does not.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from rlhf_core.training.preference_rounds import (
     make_annotator,
     module_state,
     replay_sample,
+    split_for_audit,
     train_reward_model_round,
 )
 from rlhf_core.training.reward_shaping import proxy_reward
@@ -56,6 +60,12 @@ def run_round(w: PolicyWorker, state: PolicyState, step: int) -> dict[str, float
     received: list[Any] = [payload]
     dist.broadcast_object_list(received, src=0)
     payload = received[0]
+    if payload["audit"] is not None:
+        audit_model, audit_tokenizer, _ = w.audit
+        audit_model.load_state_dict(payload["audit"]["weights"])
+        w.audit = (audit_model, audit_tokenizer, RewardStats(*payload["audit"]["stats"]))
+        state.audit_stats = payload["audit"]["stats"]
+    state.audit_pairs.extend(payload["audit_pairs"])
     if payload["weights"] is not None:
         w.reward_model.load_state_dict(payload["weights"])
         w.member_stats = tuple(RewardStats(m, s) for m, s in payload["members"])
@@ -80,6 +90,20 @@ def _label_and_train(w: PolicyWorker, state: PolicyState, step: int) -> dict[str
     metrics = {f"rounds/{k}": float(annotated.counts.get(k, 0)) for k in COUNTS}
     metrics |= {"rounds/identical": float(identical), "rounds/contract_dropped": float(dropped),
                 "rounds/new_pairs": float(len(new))}
+    new, audit_new = split_for_audit(new, cfg.audit_share if w.audit is not None else 0.0,
+                                     derive_seed(w.cfg.seed, step, chunk=3))
+    if not cfg.train_proxy:
+        new = []
+    metrics |= {"rounds/proxy_pairs": float(len(new)), "rounds/audit_pairs": float(len(audit_new))}
+    audit = None
+    if audit_new:
+        audit_model, audit_tokenizer, _ = w.audit
+        old = list(w.loop.replay_pairs) + state.audit_pairs
+        replay = replay_sample(old, round(cfg.replay * len(audit_new)), derive_seed(w.cfg.seed, step, chunk=4))
+        _, audit_stats, audit_metrics = train_reward_model_round(
+            audit_model, audit_tokenizer, audit_new + replay, cfg, w.max_length, seed=derive_seed(w.cfg.seed, step, chunk=5))
+        metrics |= {k.replace("rounds/rm_", "rounds/audit_"): v for k, v in audit_metrics.items()}
+        audit = {"weights": module_state(audit_model), "stats": [audit_stats.mean, audit_stats.std]}
     weights = members = central = None
     if new:
         old = list(w.loop.replay_pairs) + state.round_pairs
@@ -91,7 +115,8 @@ def _label_and_train(w: PolicyWorker, state: PolicyState, step: int) -> dict[str
         members = [[m.mean, m.std] for m in member_stats]
         central = [central_stats.mean, central_stats.std]
     metrics["rounds/seconds"] = time.perf_counter() - start
-    return {"weights": weights, "members": members, "central": central, "new_pairs": new, "metrics": metrics}
+    return {"weights": weights, "members": members, "central": central, "new_pairs": new, "audit": audit,
+            "audit_pairs": audit_new, "metrics": metrics}
 
 
 def reference_score(w: PolicyWorker, state: PolicyState) -> float:

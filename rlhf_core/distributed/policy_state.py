@@ -40,6 +40,8 @@ class PolicyState:
     labels_asked: int = 0
     reward_member_stats: list[list[float]] | None = None
     reward_central_stats: list[float] | None = None
+    audit_pairs: list[dict[str, str]] = field(default_factory=list)  # the rounds' pairs that trained the audit
+    audit_stats: list[float] | None = None
 
 
 class ModuleCheckpoint:
@@ -67,6 +69,8 @@ def _engines(w: PolicyWorker) -> dict[str, Any]:
     engines = {"actor": w.actor, "critic": w.critic}
     if w.cfg.rounds.enabled and w.reward_model is not None:
         engines["reward"] = ModuleCheckpoint(w.reward_model, w.rank)
+        if w.audit is not None:
+            engines["audit"] = ModuleCheckpoint(w.audit[0], w.rank)
     return engines
 
 
@@ -86,4 +90,6 @@ def resume(w: PolicyWorker) -> PolicyState | None:
     if state.reward_member_stats is not None:  # a round changed the reward model's scale
         w.member_stats = tuple(RewardStats(m, s) for m, s in state.reward_member_stats)
         w.rm_stats = RewardStats(*state.reward_central_stats)
+    if state.audit_stats is not None:
+        w.audit = (w.audit[0], w.audit[1], RewardStats(*state.audit_stats))
     return state

@@ -46,8 +46,8 @@ from rlhf_core.distributed.stage import record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.reward import (
-    audit_model_dir, load_reward_model, member_mean, member_stats, normalise, read_reward_meta, score,
-    score_members,
+    AUDIT_DIR, audit_model_dir, load_reward_model, member_mean, member_stats, normalise, read_reward_meta, score,
+    save_reward_model, score_members,
 )
 from rlhf_core.models.value import value_model_from
 from rlhf_core.rng import derive_seed
@@ -330,4 +330,8 @@ def _finish(w: PolicyWorker, state: PolicyState, state_dict: dict[str, torch.Ten
         "kl_bound": w.cfg.kl_bound,
     }
     save_pretrained_atomic(model, w.tokenizer, Path(w.loop.out_dir), extra=meta)
+    if state.audit_pairs:  # the audit the rounds kept current judges this policy at the gates
+        audit_model, audit_tokenizer, audit_stats = w.audit
+        save_reward_model(audit_model, audit_tokenizer, Path(w.loop.out_dir) / AUDIT_DIR, audit_stats,
+                          extra={"round_pairs": len(state.audit_pairs)})
     return {**asdict(state), "sync_checks": w.sync_checks}

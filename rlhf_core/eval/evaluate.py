@@ -53,10 +53,11 @@ class Scorer:
     max_length: int
 
 
-def scorers_for(reward_dir, max_length: int) -> tuple[Scorer, Scorer | None]:
-    """The reward model saved in `reward_dir` and its audit model (None when it has none)."""
+def scorers_for(reward_dir, max_length: int, policy_dir=None) -> tuple[Scorer, Scorer | None]:
+    """The reward model saved in `reward_dir` and the audit model: the one preference rounds
+    kept current, saved with the policy in `policy_dir`, else the reward stage's (None: none)."""
     model, tokenizer, stats = load_reward_model(reward_dir)
-    audit_dir = audit_model_dir(reward_dir)
+    audit_dir = (policy_dir is not None and audit_model_dir(policy_dir)) or audit_model_dir(reward_dir)
     audit = None if audit_dir is None else Scorer(*load_reward_model(audit_dir), max_length)
     return Scorer(model, tokenizer, stats, max_length), audit
 

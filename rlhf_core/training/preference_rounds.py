@@ -266,6 +266,16 @@ def contract_filter(pairs: list[dict[str, str]], validation: ValidationConfig) -
     return kept, len(pairs) - len(kept)
 
 
+def split_for_audit(pairs: list[dict[str, str]], share: float, seed: int) -> tuple[list, list]:
+    """(pairs for the proxy, pairs for the audit model): each pair goes to the audit with
+    probability `share`, drawn from `seed`, so the two never train on the same label."""
+    rng = random.Random(seed)
+    proxy, audit = [], []
+    for pair in pairs:
+        (audit if rng.random() < share else proxy).append(pair)
+    return proxy, audit
+
+
 def replay_sample(old: Sequence[Mapping[str, str]], n: int, seed: int) -> list[Mapping[str, str]]:
     """`n` earlier pairs drawn without replacement (all of them when there are fewer)."""
     old = list(old)

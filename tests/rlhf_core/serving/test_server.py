@@ -436,6 +436,37 @@ def test_v3_replaces_v1_on_the_other_port(serving, v1, v3):
 
 
 @pytest.mark.slow
+def test_an_llm_judge_labels_a_round_through_the_server_and_skips_what_it_cannot_read(serving, v3, monkeypatch):
+    """The llm_judge annotator against the real OpenAI-compatible server (with its API key).
+    The served model is a random tiny Llama, so reference-guided judging is what can label:
+    the judge's own greedy answer is the reference, and the answer equal to it is preferred.
+    Asked for a [[A]]/[[B]] verdict, the same model says something else: every reply is
+    counted malformed and none becomes a label."""
+    from rlhf_core.config import JudgeConfig
+    from rlhf_core.training.preference_rounds import Item, JudgeAnnotator
+
+    monkeypatch.setenv("RLHF_TEST_JUDGE_KEY", serving.key)
+    url, model = v3.endpoint.url, v3.endpoint.served_model_name
+    prompts = ["12+34=", "07+48=", "55+05=", "90+09="]
+    own = [complete(url, serving.key, model, p, max_tokens=4).strip().splitlines()[0] for p in prompts]
+    items = [Item(p, o, o + "9") if k % 2 == 0 else Item(p, o + "9", o) for k, (p, o) in enumerate(zip(prompts, own))]
+    judge = JudgeConfig(base_url=f"{url}/v1", model=model, api_key_env="RLHF_TEST_JUDGE_KEY", template="{prompt}",
+                        parser="match_answer", max_tokens=4)
+    out = JudgeAnnotator(judge).annotate(items, "round-test")
+    assert out.counts["asked"] == 4 and out.counts["labelled"] == 4
+    assert [p["chosen"] for p in out.pairs] == own
+
+    verdicts = JudgeAnnotator(judge.model_copy(update={"parser": "verdict", "template": JudgeConfig().template}))
+    out = verdicts.annotate(items, "round-test")
+    assert out.pairs == [] and out.counts["asked"] == 4
+    assert out.counts["malformed"] + out.counts["refused"] == 4
+
+    monkeypatch.setenv("RLHF_TEST_JUDGE_KEY", "wrong-key")
+    out = JudgeAnnotator(judge).annotate(items[:1], "round-test")
+    assert out.pairs == [] and out.counts["error"] == 1  # 401: a failed request, not a label
+
+
+@pytest.mark.slow
 def test_stop_leaves_no_server(serving, v3):
     assert stop(serving.state_dir) == v3.endpoint
     assert not (serving.state_dir / "current.json").exists()

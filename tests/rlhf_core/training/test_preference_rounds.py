@@ -21,6 +21,7 @@ from rlhf_core.training.preference_rounds import (
     parse_match_answer,
     parse_verdict,
     replay_sample,
+    split_for_audit,
     train_reward_model_round,
 )
 from rlhf_core.data.demo_task import addition_exact_match
@@ -194,3 +195,12 @@ def test_a_round_teaches_the_reward_model_its_pairs_and_restates_its_scale(base,
     assert central.mean == pytest.approx(scores.double().mean().item(), abs=1e-5)  # the scale on these pairs
     assert central.std == pytest.approx(scores.double().std(unbiased=False).item(), abs=1e-5)
     assert not any(p.requires_grad for p in model.parameters()) and not model.training
+
+
+def test_the_audit_and_the_proxy_never_share_a_label():
+    pairs = [{"prompt": str(i), "chosen": "a", "rejected": "b"} for i in range(400)]
+    proxy, audit = split_for_audit(pairs, 0.25, seed=0)
+    assert sorted(p["prompt"] for p in proxy + audit) == sorted(p["prompt"] for p in pairs)
+    assert not {p["prompt"] for p in proxy} & {p["prompt"] for p in audit}
+    assert 0.18 < len(audit) / 400 < 0.32  # binomial sd 0.022: 3 sd either side
+    assert split_for_audit(pairs, 0.0, seed=0) == (pairs, [])
