@@ -22,7 +22,7 @@ from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
 from rlhf_core.distributed.policy_worker import deepspeed_config
-from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score
+from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score, score_members
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.base_policy import make_base_policy
 
@@ -302,3 +302,45 @@ def test_circuit_breaker_stops_an_absurd_learning_rate_and_keeps_the_last_good_c
     # a checkpoint from before the trip is kept (none is written at the tripping step); no policy is saved
     assert exc.value.checkpoint_path is not None
     assert not (tmp_path / "policy" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_ensemble_audit_shaping_and_rounds_survive_a_killed_worker(ray_cluster, demo, tmp_path):
+    """The reward model alone as the reward: a 3-member ensemble (mean - std), bounded shaping
+    and a length penalty, an audit model, and a preference round at step 2 labelled by the
+    simulated annotator. A worker killed at step 3 resumes from step 2's checkpoint, which holds
+    the round's reward and audit weights: nothing is labelled twice."""
+    tok = load_tokenizer(demo["sft"])
+    prompts = demo["prompts"][:64]
+    ensemble = reward_model_from_base(demo["sft"], seed=1, num_members=3).eval()
+    raw = score_members(ensemble, tok, prompts, [str(i % 200).zfill(3) for i in range(len(prompts))], 32)  # (3, B)
+    members = [reward_stats(m) for m in raw]
+    save_reward_model(ensemble, tok, tmp_path / "rm", reward_stats(raw.mean(0)),
+                      extra={"member_stats": [[m.mean, m.std] for m in members]})
+    save_reward_model(reward_model_from_base(demo["sft"], seed=2).eval(), tok, tmp_path / "rm" / "audit",
+                      reward_stats(raw[0]))
+    cfg = PolicyConfig.model_validate(CFG.model_dump() | {
+        "num_workers": 2, "steps": 4, "eval_every": 4, "reward_model_weight": 1.0, "verifiable_reward_weight": 0.0,
+        "shaping": {"aggregate": "mean_minus_std", "bounded": True, "length_penalty": 0.1},
+        "rounds": {"enabled": True, "every": 2, "prompts": 32, "audit_share": 0.5, "epochs": 1},
+    })
+    kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    result = train_policy(demo["prompts"], demo["eval_prompts"], demo["eval_answers"], demo["sft"], tmp_path / "rm",
+                          cfg, tmp_path / "policy", tmp_path / "ray", on_metrics=sink, run_name="policy",
+                          replay_pairs=[{"prompt": p, "chosen": "1", "rejected": "2"} for p in prompts],
+                          _kill_once=kill)
+    assert kill.marker.exists() and result.attempts == 2 and result.resumed_from_step == 2
+    history = {m["step"]: m for m in result.metrics_history}
+    for step, m in history.items():
+        assert m["policy/ensemble_disagreement"] > 0 and math.isfinite(m["policy/audit_score_mean"])
+        assert m["policy/shaped_reward_mean"] < 1  # a sigmoid, less a length penalty
+        assert ("rounds/asked" in m) == (step == 2)  # a round at step 2; none after the last step
+    r = history[2]
+    assert r["rounds/asked"] + r["rounds/identical"] == 32
+    assert r["rounds/labelled"] + r["rounds/tie"] == r["rounds/asked"]
+    assert r["rounds/labelled"] == r["rounds/new_pairs"] + r["rounds/contract_dropped"]
+    assert r["rounds/proxy_pairs"] + r["rounds/audit_pairs"] == r["rounds/new_pairs"]
+    assert result.labels_asked == r["rounds/asked"]  # the resumed attempt did not ask again
+    assert result.round_pairs == r["rounds/proxy_pairs"]
+    assert (result.path / "audit" / "rlhf_meta.json").exists() == (r["rounds/audit_pairs"] > 0)
