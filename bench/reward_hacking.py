@@ -38,7 +38,8 @@ from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
 AUDIT_SHARE = 0.3
 DEFENCES = {"kl_coef": 0.1, "shaping": {"aggregate": "mean_minus_std", "std_coef": 1.0, "bounded": True,
                                           "length_penalty": 0.5}}
-ROUNDS = {"rounds": {"enabled": True, "every": 5, "prompts": 64, "annotator": "simulated", "label_noise": 0.1}}
+ROUNDS = {"rounds": {"enabled": True, "every": 5, "prompts": 256, "samples_per_prompt": 4, "learning_rate": 3e-4,
+                    "annotator": "simulated", "label_noise": 0.1}}
 VARIANTS = {
     "baseline": {"reward": {}, "policy": {}},
     "defences": {"reward": {"ensemble_size": 4}, "policy": DEFENCES},
@@ -112,6 +113,9 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
         "length_after": last["eval/response_length"], "kl_max": result.kl_max,
         "policy_s": time.perf_counter() - t0, "samples": last["eval/samples"],
         "round_labels": result.labels_asked, "round_pairs": result.round_pairs,
+        "round_counts": {k: sum(m.get(f"rounds/{k}", 0) for m in result.metrics_history)
+                         for k in ("asked", "identical", "tie", "labelled", "proxy_pairs", "audit_pairs")},
+        "best_eval_accuracy": max(e["eval/accuracy"] for e in result.evaluations),
         "labels": row["offline_labels"] + result.labels_asked,
         "per_eval": [{k: v for k, v in e.items() if k != "eval/samples"} | {"samples": e["eval/samples"]}
                      for e in result.evaluations],

@@ -206,7 +206,10 @@ class RoundsConfig(_Strict):
 
     enabled: bool = Field(False, description='Run preference rounds during policy optimisation.')
     every: int = Field(10, ge=1, description='RL steps between rounds (none after the last step).')
-    prompts: int = Field(64, ge=1, description='Fresh prompts per round, two answers each.')
+    prompts: int = Field(64, ge=1, description='Fresh prompts per round; one pair of answers each.')
+    samples_per_prompt: int = Field(4, ge=2, le=16, description=(
+        "Answers sampled per prompt; the pair is the first two that differ (a peaked policy often "
+        "repeats itself, and two equal answers are not worth a label)."))
     annotator: Literal["simulated", "llm_judge", "queue"] = Field("simulated", description=(
         "simulated: the task's answer key (the verifiable reward) with label noise; llm_judge: an OpenAI-"
         "compatible judge (rounds.judge); queue: a batch for people in queue_dir, labels picked up later."))

@@ -101,14 +101,16 @@ def take_pipelined(w: PolicyWorker, step: int) -> tuple[list[list[Sample]], dict
 
 
 def round_items(w: PolicyWorker, step: int):
-    """Rank 0: two answers of the current policy (the engine's weights) to each of
-    `rounds.prompts` prompts drawn afresh for this round, as `preference_rounds.Item`s."""
+    """Rank 0: a pair of answers of the current policy (the engine's weights) to each of
+    `rounds.prompts` prompts drawn afresh for this round, as `preference_rounds.Item`s: the
+    first two distinct ones of `rounds.samples_per_prompt` samples (equal when all are)."""
     from rlhf_core.training.preference_rounds import Item  # noqa: PLC0415
 
     cfg = w.cfg
     n = min(cfg.rounds.prompts, len(w.loop.prompts))
     indices = random.Random(derive_seed(cfg.seed, step, chunk=ROUND_CHUNK)).sample(range(len(w.loop.prompts)), n)
-    rollouts = w.engine.generate([w.loop.prompts[i] for i in indices], n=2, temperature=cfg.temperature,
+    rollouts = w.engine.generate([w.loop.prompts[i] for i in indices], n=cfg.rounds.samples_per_prompt,
+                                 temperature=cfg.temperature,
                                  top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
                                  seed=derive_seed(cfg.seed, step, chunk=ROUND_CHUNK + 1))
     answers: dict[int, list[str]] = {}
@@ -116,7 +118,8 @@ def round_items(w: PolicyWorker, step: int):
     for r in rollouts:
         answers.setdefault(r.group, []).append(r.response_text)
         prompts[r.group] = r.prompt
-    return [Item(prompts[g], *answers[g][:2]) for g in sorted(answers)]
+    distinct = {g: list(dict.fromkeys(a)) for g, a in answers.items()}
+    return [Item(prompts[g], d[0], d[1] if len(d) > 1 else d[0]) for g, d in sorted(distinct.items())]
 
 
 def engine_at_newest(w: PolicyWorker):
