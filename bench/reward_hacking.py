@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,6 +37,8 @@ from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
 
 AUDIT_SHARE = 0.3
+# Ray Train resumes a run name it finds in its storage: names are this invocation's own
+INVOCATION = uuid.uuid4().hex[:6]
 DEFENCES = {"kl_coef": 0.1, "shaping": {"aggregate": "mean_minus_std", "std_coef": 1.0, "bounded": True,
                                           "length_penalty": 0.5}}
 ROUNDS = {"rounds": {"enabled": True, "every": 5, "prompts": 256, "samples_per_prompt": 4, "learning_rate": 3e-4,
@@ -82,7 +85,7 @@ def reward_models(cfg: PipelineConfig, files, sft_dir: Path, work: Path, variant
     pairs = read_table(files.preferences).to_dict("records")
     train, held_out = split_by_prompt(pairs, cfg.reward.eval_share, cfg.reward.seed)
     return train_reward_models(train, held_out, sft_dir, cfg.reward, work / f"reward-{variant}", work / "ray",
-                               run_name=f"reward-{variant}")
+                               run_name=f"reward-{variant}-{INVOCATION}")
 
 
 def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, variant: str) -> dict:
@@ -94,7 +97,7 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
     pairs = read_table(files.preferences).to_dict("records")
     evals = read_table(files.eval)
     prompts = list(dict.fromkeys([r["prompt"] for r in sft_rows] + [r["prompt"] for r in pairs]))
-    name = f"{p.algorithm}-{variant}-{p.seed}"
+    name = f"{p.algorithm}-{variant}-{p.seed}-{INVOCATION}"
     row = {"algorithm": p.algorithm, "variant": variant, "seed": p.seed,
            "offline_labels": rm.proxy_pairs + rm.audit_pairs, "rm_accuracy": rm.proxy.eval_accuracy,
            "audit_rm_accuracy": rm.audit.eval_accuracy}
