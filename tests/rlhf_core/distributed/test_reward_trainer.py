@@ -6,6 +6,7 @@ run is indistinguishable from an uninterrupted one with the same seed.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -205,3 +206,39 @@ def test_killed_worker_resumes_from_last_checkpoint_with_identical_results(basel
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_bootstrap_weights_are_one_draw_per_pair_and_member():
+    from rlhf_core.distributed.reward_trainer import bootstrap_weights
+
+    assert bootstrap_weights(100, 1, seed=0) is None  # one model sees every pair once
+    w = bootstrap_weights(4000, 3, seed=0)
+    assert w.shape == (4000, 3) and torch.equal(w, bootstrap_weights(4000, 3, seed=0))
+    assert (w >= 0).all() and torch.equal(w, w.round())
+    assert abs(w.mean().item() - 1.0) < 0.05 and abs((w == 0).float().mean().item() - math.exp(-1)) < 0.02
+    assert not torch.equal(w[:, 0], w[:, 1])  # each member its own resample
+
+
+@pytest.mark.slow
+def test_an_ensemble_and_its_audit_model_train_together(ray_cluster, pairs, tiny_base, tmp_path):
+    """Three heads on one backbone, each on its own bootstrap, plus an audit model on a
+    disjoint share of the prompts, saved inside the ensemble's directory."""
+    from rlhf_core.distributed.reward_trainer import train_reward_models
+    from rlhf_core.models.reward import audit_model_dir, load_reward_model, member_stats, read_reward_meta
+
+    train, held = pairs
+    cfg = CFG.model_copy(update={"ensemble_size": 3, "audit_share": 0.3, "epochs": 1})
+    models = train_reward_models(train, held, tiny_base, cfg, tmp_path / "rm", tmp_path / "ray", run_name="ens")
+    assert models.proxy_pairs + models.audit_pairs == len(train) and models.audit_pairs > 0
+    assert len(models.proxy.member_eval_accuracy) == 3 and models.audit.member_eval_accuracy
+    assert models.proxy.eval_accuracy > 0.6 and models.audit.eval_accuracy > 0.6
+    meta = read_reward_meta(tmp_path / "rm")
+    assert meta["ensemble_size"] == 3 and len(member_stats(meta)) == 3
+    assert audit_model_dir(tmp_path / "rm") == tmp_path / "rm" / "audit"
+    model, tok, _ = load_reward_model(tmp_path / "rm")
+    assert model.config.num_labels == 3
+    from rlhf_core.models.reward import score_members
+
+    prompts = [r["prompt"] for r in held[:32]]
+    members = score_members(model, tok, prompts, [r["chosen"] for r in held[:32]], cfg.max_length)
+    assert members.shape == (3, 32) and not torch.allclose(members[0], members[1])  # the heads differ
