@@ -5,9 +5,13 @@ when it trains on the learned reward alone (`verifiable_reward_weight: 0`): held
 match is measured, never trained on. One invocation runs, from the same SFT policy (trained
 once, or `--sft-dir`):
 
-    baseline   one reward model, the reward-model score as the whole reward
-    defences   a 4-member reward-model ensemble (mean - std aggregate), bounded shaping
-               relative to the reference's score, a length penalty, a larger KL coefficient
+    baseline          one reward model, the reward-model score as the whole reward
+    defences          a 4-member reward-model ensemble (mean - std aggregate), bounded shaping
+                      relative to the reference's score, a length penalty, a larger KL coefficient
+    rounds            preference rounds every 5 steps (256 fresh prompts, simulated annotator
+                      with 10% label noise; a quarter of the labels keep the audit current)
+    defences+rounds   both
+    baseline+audit-rounds   defences off; the rounds' labels train the audit model only
 
 for each algorithm (GRPO, PPO) and seed. Both variants train an audit reward model on a
 disjoint 30% of the pairs; the audit is measured on every step, never trained against, and
@@ -48,6 +52,9 @@ VARIANTS = {
     "defences": {"reward": {"ensemble_size": 4}, "policy": DEFENCES},
     "rounds": {"reward": {}, "policy": ROUNDS},
     "defences+rounds": {"reward": {"ensemble_size": 4}, "policy": DEFENCES | ROUNDS},
+    # defences off; rounds spend their labels on the audit alone: can the audit catch the hack?
+    "baseline+audit-rounds": {"reward": {}, "policy": {"rounds": ROUNDS["rounds"] | {"train_proxy": False,
+                                                                                   "audit_share": 1.0}}},
 }
 PPO = {"prompts_per_step": 256}  # one sample per prompt: as many rollouts per step as GRPO's 32 x 8
 
