@@ -13,7 +13,7 @@ once, or `--sft-dir`):
     defences+rounds   both
     baseline+audit-rounds   defences off; the rounds' labels train the audit model only
 
-for each algorithm (GRPO, PPO) and seed. Both variants train an audit reward model on a
+for each algorithm (GRPO, PPO) and seed. Every variant trains an audit reward model on a
 disjoint 30% of the pairs; the audit is measured on every step, never trained against, and
 judged by the gates. Per row: held-out accuracy before and after, the proxy (the
 ensemble's mean score) and audit scores of the greedy answers before and after, the largest
