@@ -282,14 +282,19 @@ def bradley_terry_loss(
     diff = r_chosen - r_rejected  # (B,)
     logits = diff if margin is None else diff - margin
     loss = -F.logsigmoid(logits).mean()
-    with torch.no_grad():
-        metrics = {
-            "accuracy": (diff > 0).float().mean().item(),
-            "reward_margin": diff.mean().item(),
-            "chosen_reward": r_chosen.mean().item(),
-            "rejected_reward": r_rejected.mean().item(),
-        }
-    return loss, metrics
+    return loss, _pair_metrics(r_chosen, r_rejected)
+
+
+@torch.no_grad()
+def _pair_metrics(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, float]:
+    """Pairwise accuracy (ties count as wrong), mean margin, mean chosen and rejected reward."""
+    diff = r_chosen - r_rejected
+    return {
+        "accuracy": (diff > 0).float().mean().item(),
+        "reward_margin": diff.mean().item(),
+        "chosen_reward": r_chosen.mean().item(),
+        "rejected_reward": r_rejected.mean().item(),
+    }
 
 
 def ensemble_bradley_terry_loss(
@@ -323,14 +328,7 @@ def ensemble_bradley_terry_loss(
         weights = weights.to(per_pair.dtype)
         totals = weights.sum(0)  # (K,)
         loss = ((weights * per_pair).sum(0) / totals.clamp_min(1e-12)).mean()
-    with torch.no_grad():
-        metrics = {
-            "accuracy": (diff > 0).float().mean().item(),
-            "reward_margin": diff.mean().item(),
-            "chosen_reward": r_chosen.mean().item(),
-            "rejected_reward": r_rejected.mean().item(),
-        }
-    return loss, metrics
+    return loss, _pair_metrics(r_chosen, r_rejected)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
