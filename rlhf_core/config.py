@@ -365,6 +365,9 @@ class PolicyConfig(_Strict):
                 f"verifiable_reward is null but verifiable_reward_weight is {self.verifiable_reward_weight}: "
                 "name a verifiable reward or set its weight to 0"
             )
+        if self.rounds.enabled and self.rounds.annotator == "simulated" and self.verifiable_reward is None:
+            raise ValueError("rounds.annotator simulated labels with the task's answer key, but verifiable_reward "
+                             "is null: name one (its weight may be 0), or use annotator llm_judge or queue")
         return self
 
 
