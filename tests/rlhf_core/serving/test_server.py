@@ -456,10 +456,15 @@ def test_an_llm_judge_labels_a_round_through_the_server_and_skips_what_it_cannot
     assert out.counts["asked"] == 4 and out.counts["labelled"] == 4
     assert [p["chosen"] for p in out.pairs] == own
 
-    verdicts = JudgeAnnotator(judge.model_copy(update={"parser": "verdict", "template": JudgeConfig().template}))
-    out = verdicts.annotate(items, "round-test")
+    verdicts = JudgeAnnotator(judge.model_copy(update={"parser": "verdict"}))
+    out = verdicts.annotate(items, "round-test")  # digits where a verdict should be
     assert out.pairs == [] and out.counts["asked"] == 4
-    assert out.counts["malformed"] + out.counts["refused"] == 4
+    assert out.counts["malformed"] + out.counts["refused"] == 4 and out.counts["error"] == 0
+
+    # the default template is longer than this model's context: the server refuses each request
+    long = JudgeAnnotator(judge.model_copy(update={"parser": "verdict", "template": JudgeConfig().template}))
+    out = long.annotate(items, "round-test")
+    assert out.pairs == [] and out.counts["error"] == 4
 
     monkeypatch.setenv("RLHF_TEST_JUDGE_KEY", "wrong-key")
     out = JudgeAnnotator(judge).annotate(items[:1], "round-test")
