@@ -26,6 +26,7 @@ trained on), and a few answers the policy ended with.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -130,15 +131,17 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
         "per_eval": [{k: v for k, v in e.items() if k != "eval/samples"} | {"samples": e["eval/samples"]}
                      for e in result.evaluations],
     }
-    decision = gates_vs_reference(cfg, result.path, sft_dir, rm.proxy.path, list(evals["prompt"]),
-                                  list(evals["answer"]), p.seed)
-    row |= {"gate_passed": decision.passed, "gate_reasons": "; ".join(decision.reasons) or None}
+    decision, figures = gates_vs_reference(cfg, result.path, sft_dir, rm.proxy.path, list(evals["prompt"]),
+                                           list(evals["answer"]), p.seed)
+    row |= {"gate_passed": decision.passed, "gate_reasons": "; ".join(decision.reasons) or None,
+            "proxy_win_rate": figures.win_rate_vs_reference, "audit_win_rate": figures.audit_win_rate_vs_reference}
     return row
 
 
 def gates_vs_reference(cfg: PipelineConfig, policy_dir: Path, sft_dir: Path, reward_dir: Path,
                        prompts: list[str], answers: list[str], seed: int):
-    """The pipeline's gates against the SFT policy, as the evaluate stage computes them."""
+    """The pipeline's gates against the SFT policy, as the evaluate stage computes them.
+    -> (the decision, the candidate's figures)."""
     from rlhf_core.eval.evaluate import Policy, evaluate, scorers_for  # noqa: PLC0415
     from rlhf_core.eval.gates import gate  # noqa: PLC0415
     from rlhf_core.models.llama import load_policy  # noqa: PLC0415
@@ -152,7 +155,33 @@ def gates_vs_reference(cfg: PipelineConfig, policy_dir: Path, sft_dir: Path, rew
         scorer, prompts[:n], answers[:n], max_new_tokens=cfg.policy.max_new_tokens,
         temperature=cfg.policy.temperature, seed=seed, audit=audit,
     )
-    return gate(result.candidate.figures, result.reference.figures, None, cfg.gates)
+    return gate(result.candidate.figures, result.reference.figures, None, cfg.gates), result.candidate.figures
+
+
+def regate(cfg: PipelineConfig, works: list[Path]) -> list[dict]:
+    """The gates' proxy and audit win rates of every policy kept in these work directories
+    (`--work` of earlier invocations), each against the SFT policy of its directory."""
+    import re  # noqa: PLC0415
+
+    rows = []
+    for work in works:
+        evals = read_table(work / "data" / "eval.jsonl")
+        sft_dir = work / "sft" if (work / "sft" / "config.json").exists() else None
+        for policy_dir in sorted(work.glob("*-*")):
+            m = re.match(r"(grpo|ppo)-(.+)-(\d+)(?:-[0-9a-f]{6})?$", policy_dir.name)
+            if not m or not (policy_dir / "config.json").exists():
+                continue
+            reward = next(iter(sorted(work.glob(f"reward-{m.group(2)}*"))), None)
+            reference = sft_dir or Path(json.loads((policy_dir / "rlhf_meta.json").read_text())["base_model"])
+            decision, f = gates_vs_reference(cfg, policy_dir, reference, reward, list(evals["prompt"]),
+                                             list(evals["answer"]), int(m.group(3)))
+            rows.append({"run": policy_dir.name, "algorithm": m.group(1), "variant": m.group(2),
+                         "seed": int(m.group(3)), "accuracy": f.accuracy, "proxy_win_rate": f.win_rate_vs_reference,
+                         "audit_win_rate": f.audit_win_rate_vs_reference,
+                         "gap": f.win_rate_vs_reference - f.audit_win_rate_vs_reference,
+                         "audit_from": "policy" if (policy_dir / "audit").exists() else "reward stage"})
+            print(table(rows[-1:], list(rows[-1])), flush=True)
+    return rows
 
 
 def spread(rows: list[dict], key: str) -> str:
@@ -187,10 +216,16 @@ def main() -> None:
     parser.add_argument("--algorithms", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--name", default="reward_hacking", help="result file name under bench/results/")
+    parser.add_argument("--regate", type=Path, nargs="+", metavar="WORK",
+                        help="only re-run the gates on the policies kept in these --work directories")
     parser.add_argument("--work", type=Path, help="keep the data and models here (default: a temporary directory); "
                         "an SFT policy already there is reused")
     args = parser.parse_args()
     cfg = load_config(args.config)
+    if args.regate:
+        save(args.name, {"machine": machine(), "rows": regate(cfg, args.regate)})
+        print(f"\nwritten {RESULTS / (args.name + '.json')}")
+        return
     from rlhf_core.distributed.cluster import ray_session  # noqa: PLC0415
 
     rows: list[dict] = []

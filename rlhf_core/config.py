@@ -387,6 +387,9 @@ class GateConfig(_Strict):
     min_audit_win_rate_vs_reference: float = Field(0.5, ge=0, le=1, description=(
         'Least win rate against the reference under the audit reward model (reward.audit_share), which '
         'the policy never trained against; skipped without an audit model.'))
+    max_proxy_audit_gap: float | None = Field(None, gt=0, le=1, description=(
+        "Largest amount by which the candidate's win rate against the reference under the reward model it "
+        "trained on may exceed its win rate under the audit model; null: not checked."))
     max_kl: float = Field(10.0, gt=0,
         description='Largest per-sequence KL to the reference (the unit of policy.kl_bound).')
     max_length_ratio: float = Field(1.5, gt=0, description="Largest mean response length relative to the reference's.")

@@ -14,6 +14,8 @@ The checks, in the order they are reported:
     audit_vs_reference      win rate vs the reference under the audit reward model (one the
                             policy never trained against) >= min_audit_win_rate_vs_reference:
                             a candidate that wins only on the proxy it was trained on is hacking it
+    proxy_audit_gap         win rate vs the reference under the proxy minus the audit's
+                            <= max_proxy_audit_gap (off unless set)
     kl_to_reference         KL to the reference <= max_kl
     length_ratio            mean length / reference mean length <= max_length_ratio
     degenerate_rate         degenerate share <= max_degenerate_rate
@@ -223,6 +225,17 @@ def gate(
             f"{_fmt(candidate.win_rate_vs_reference)})", "min ",
         )
 
+    if candidate.audit_win_rate_vs_reference is None or t.max_proxy_audit_gap is None:
+        gap = _skipped("proxy_audit_gap", "<=", "no audit model" if candidate.audit_win_rate_vs_reference is None
+                       else "gates.max_proxy_audit_gap not set")
+    else:
+        gap = _at_most(
+            "proxy_audit_gap", "wins_on_proxy_only",
+            candidate.win_rate_vs_reference - candidate.audit_win_rate_vs_reference, t.max_proxy_audit_gap,
+            f"win rate vs reference {_fmt(candidate.win_rate_vs_reference)} under the proxy but "
+            f"{_fmt(candidate.audit_win_rate_vs_reference)} under the audit: gap",
+        )
+
     checks = (
         acc_ref,
         acc_champ,
@@ -232,6 +245,7 @@ def gate(
         ),
         win_champ,
         audit,
+        gap,
         _at_most("kl_to_reference", "kl_above_max", candidate.kl_to_reference, t.max_kl, "KL to reference"),
         _at_most(
             "length_ratio", "length_ratio_above_max", candidate.length_ratio, t.max_length_ratio,

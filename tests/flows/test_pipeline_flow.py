@@ -195,7 +195,7 @@ def test_gates_register_promote_and_deploy_the_candidate(full_run):
     assert gate_run.metrics["eval/candidate/win_rate_vs_reference"] == evaluation["win_rate_vs_reference"] or \
         abs(gate_run.metrics["eval/candidate/win_rate_vs_reference"] - evaluation["win_rate_vs_reference"]) < 1e-3
     report = json.loads(open(evaluation["report"]).read())
-    assert report["decision"]["passed"] is True and len(report["decision"]["checks"]) == 9
+    assert report["decision"]["passed"] is True and len(report["decision"]["checks"]) == 10
     assert report["candidate"]["figures"]["accuracy"] == evaluation["accuracy"]
     assert {"gate-decision", "deployed-endpoint", "policy-metrics"} <= asyncio.run(artifact_keys())
 
