@@ -33,7 +33,7 @@ from rlhf_core.training.preference_rounds import (
     split_for_audit,
     train_reward_model_round,
 )
-from rlhf_core.training.reward_shaping import proxy_reward
+from rlhf_core.training.reward_shaping import aggregate_ensemble, normalise_members
 from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
 
 COUNTS = ("asked", "labelled", "tie", "flipped", "malformed", "refused", "error", "queued", "picked_up")
@@ -119,15 +119,17 @@ def _label_and_train(w: PolicyWorker, state: PolicyState, step: int) -> dict[str
             "audit_pairs": audit_new, "metrics": metrics}
 
 
+def aggregated_score(w: PolicyWorker, raw: torch.Tensor) -> torch.Tensor:
+    """The ensemble's members (K, B) normalised and aggregated as `policy.shaping` says, before
+    any clipping or shaping. -> (B,)"""
+    members = normalise_members(raw, [m.mean for m in w.member_stats], [m.std for m in w.member_stats])
+    return aggregate_ensemble(members, w.cfg.shaping.aggregate, w.cfg.shaping.std_coef)[0]
+
+
 def reference_score(w: PolicyWorker, state: PolicyState) -> float:
     """The mean aggregated score of the first step's samples (the reference policy's) under the
     reward model as it is now."""
     prompts = [p for p, _ in state.reference_samples]
     responses = [r for _, r in state.reference_samples]
     raw = score_members(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)
-    off = w.cfg.shaping.model_copy(update={"clip": None, "bounded": False, "length_penalty": 0.0,
-                                            "length_decorrelate": False})
-    lengths = torch.zeros(raw.shape[1])  # unused with every length term off
-    aggregated, _ = proxy_reward(raw, [m.mean for m in w.member_stats], [m.std for m in w.member_stats], lengths, off,
-                                 None, None)
-    return float(aggregated.double().mean())
+    return float(aggregated_score(w, raw).double().mean())

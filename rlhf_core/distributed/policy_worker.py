@@ -299,10 +299,7 @@ def _measure_reference(w: PolicyWorker, state: PolicyState, raw: torch.Tensor, l
     """Every rank (collectives): the mean aggregated score and length of the first step's
     rollouts over all ranks, and (with preference rounds, which change the reward model) the
     rollouts themselves, into `state` (checkpointed with it)."""
-    off = w.cfg.shaping.model_copy(update={"clip": None, "bounded": False, "length_penalty": 0.0,
-                                            "length_decorrelate": False})
-    aggregated, _ = proxy_reward(raw, [m.mean for m in w.member_stats], [m.std for m in w.member_stats], lengths, off,
-                                 None, None)
+    aggregated = policy_rounds.aggregated_score(w, raw)
     totals = torch.tensor([aggregated.double().sum().item(), lengths.double().sum().item(), float(len(lengths))],
                           dtype=torch.float64)
     dist.all_reduce(totals)

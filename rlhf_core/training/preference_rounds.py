@@ -26,7 +26,6 @@ import json
 import os
 import random
 import re
-import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ import torch
 from rlhf_core.algos.losses import ensemble_bradley_terry_loss
 from rlhf_core.config import JudgeConfig, RoundsConfig, ValidationConfig
 from rlhf_core.data.pairs import collate_pairs, tokenize_pairs
+from rlhf_core.data.schema import write_jsonl
 from rlhf_core.models.reward import RewardStats, member_mean, reward_stats, score_pairs_members
 
 
@@ -181,7 +181,7 @@ class QueueAnnotator:
     A round writes its batch and labels nothing now (training goes on with the reward model
     as it is); each round first picks up every labelled file, so labels returned after a run
     ended train the reward model in the next run's first round. Rows with another choice are
-    counted `malformed` and skipped. Files are written atomically (a temporary name, then a rename)."""
+    counted `malformed` and skipped. Batches are written atomically (`rlhf_core.data.schema.write_jsonl`)."""
 
     def __init__(self, queue_dir: Path):
         self.dir = Path(queue_dir)
@@ -192,7 +192,7 @@ class QueueAnnotator:
         pending.mkdir(parents=True, exist_ok=True)
         rows = [{"id": f"{round_id}-{k}", "prompt": i.prompt, "answer_a": i.answer_a, "answer_b": i.answer_b}
                 for k, i in enumerate(items)]
-        _write_jsonl_atomic(pending / f"{round_id}.jsonl", rows)
+        write_jsonl(rows, pending / f"{round_id}.jsonl")
         out.counts["queued"] += len(rows)
         return out
 
@@ -220,12 +220,6 @@ class QueueAnnotator:
             consumed.mkdir(parents=True, exist_ok=True)
             os.replace(path, consumed / path.name)
         return out
-
-
-def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def make_annotator(cfg: RoundsConfig, correct: Callable | None, queue_dir: Path, seed: int) -> Annotator:
