@@ -10,6 +10,8 @@
     rlhf deploy                                           serve the champion (blue/green)
     rlhf rollback --incident ID --reason TEXT [--to V]    move the champion back and serve it
     rlhf serving [status|stop]                            what serves now; stop it
+    rlhf gateway                                          the feedback gateway in front of what serves
+    rlhf collect-feedback                                 export new feedback as a preference dataset
 
 Every command takes `--config PATH` (default: the packaged configs/demo.yaml, found from any
 directory) and `--debug`. A failed run prints one block: the stage, the cause, the report,
@@ -139,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serving", help="show the serving endpoint, or stop it")
     srv.add_argument("action", nargs="?", choices=["status", "stop"], default="status")
     _config_args(srv)
+
+    gw = sub.add_parser("gateway", help="run the feedback gateway (OpenAI-compatible, records answers and ratings)")
+    _config_args(gw)
+
+    col = sub.add_parser("collect-feedback", help="export the feedback since the last export (collect-feedback flow)")
+    _config_args(col)
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true",
                              help="show errors and tracebacks on the terminal too (they always go to the log file)")
@@ -259,6 +267,9 @@ def _flow_command(args, cfg) -> int:
     if args.command == "evaluate":
         flows, log = _flows("flows.evaluate", args, cfg)
         return _run_flow(flows.evaluate_flow, log, candidate=args.candidate, **common)
+    if args.command == "collect-feedback":
+        flows, log = _flows("flows.feedback", args, cfg)
+        return _run_plain_flow(flows.collect_feedback_flow, log, **common)
     flows, log = _flows("flows.serving", args, cfg)
     if args.command == "deploy":
         return _run_plain_flow(flows.deploy_champion_flow, log, **common)
@@ -326,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
             return _registry_command(args, cfg)
         if args.command == "serving":
             return _serving_command(args, cfg)
+        if args.command == "gateway":
+            from rlhf_core.serving.gateway import run_gateway
+
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            run_gateway(cfg)
+            return 0
         return _flow_command(args, cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -434,6 +434,41 @@ class ServingConfig(_Strict):
         return self
 
 
+class FeedbackConfig(_Strict):
+    """The feedback gateway in front of the served model, and what becomes of its ratings.
+
+    The gateway (`rlhf gateway`) passes OpenAI-compatible requests to whatever serves now
+    (`<serving state_dir>/current.json`), records every answer, and takes ratings at
+    `POST /v1/feedback` (docs/feedback.md). `collect-feedback` turns the ratings into
+    preference datasets; the pipeline trains on them beside its base data when `use` is on.
+    """
+
+    host: str = Field("127.0.0.1", description="The gateway's bind address; anything but loopback exposes it.")
+    port: int = Field(8200, ge=1, le=65535, description="The gateway's port.")
+    store_url: str | None = Field(
+        None, description="SQLAlchemy URL of the feedback store (postgresql://... to share one between gateways); "
+        "null: SQLite <serving state_dir>/feedback.db.")
+    ratings_per_minute: int = Field(
+        60, ge=1, description="Feedback one user may send per minute; more is refused (429) and counted.")
+    max_samples: int = Field(4, ge=1, le=16, description="Largest n a client may ask for (answers to choose between).")
+    upstream_timeout_s: float = Field(120.0, gt=0, description="Seconds the gateway waits for the served model.")
+    export_dir: Path | None = Field(
+        None, description="Where collect-feedback writes its datasets; null: <output_dir>/feedback.")
+    settle_s: float = Field(
+        5.0, ge=0, description="An export covers feedback older than this many seconds, so that a write still "
+        "in flight when the export starts falls into the next one.")
+    max_user_share: float = Field(
+        0.2, gt=0, le=1, description="A user whose ratings are more than this share of an export's (and more than "
+        "min_user_flood of them) is left out of it as a flood.")
+    min_user_flood: int = Field(20, ge=1, description="Fewest ratings from one user before max_user_share applies.")
+    use: bool = Field(False, description="Train on the collected feedback datasets beside the base preference data.")
+    weight: float = Field(
+        1.0, ge=0, description="Times each feedback pair is repeated in the training pairs relative to a base pair "
+        "(fractions sample that share).")
+    recency_days: float | None = Field(
+        30.0, gt=0, description="Only feedback datasets exported in the last recency_days days; null: all.")
+
+
 class MonitoringConfig(_Strict):
     """Prometheus export of the training jobs: one endpoint per job (`monitoring.prometheus`),
     listed for Prometheus in a file_sd target file."""
@@ -472,6 +507,7 @@ class PipelineConfig(_Strict):
     policy: PolicyConfig = PolicyConfig()
     gates: GateConfig = GateConfig()
     serving: ServingConfig = ServingConfig()
+    feedback: FeedbackConfig = FeedbackConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     tracking: TrackingConfig = TrackingConfig()
 

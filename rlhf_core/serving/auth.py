@@ -28,14 +28,19 @@ OPEN_PATHS = ("/health", "/metrics")  # answered without the key (probes, Promet
 
 def resolve_api_key(cfg: ServingConfig, state_dir: Path) -> str:
     """$<cfg.api_key_env> if set and non-empty; else the key in <state_dir>/api_key, generated
-    (mode 0600) on first use. Concurrent first calls agree: the file is created with
-    `os.link`, which fails if another caller created it first, and everyone reads it back."""
+    (mode 0600) on first use."""
     if key := os.environ.get(cfg.api_key_env, ""):
         return key
-    path = Path(state_dir) / "api_key"
+    return secret_file(Path(state_dir) / "api_key")
+
+
+def secret_file(path: Path) -> str:
+    """The secret in `path`, generated (mode 0600) on first use. Concurrent first calls agree:
+    the file is created with `os.link`, which fails if another caller created it first, and
+    everyone reads it back."""
     if not path.exists():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".api_key.", dir=path.parent)  # mkstemp: mode 0600
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mkstemp: mode 0600
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_urlsafe(32) + "\n")
@@ -47,21 +52,22 @@ def resolve_api_key(cfg: ServingConfig, state_dir: Path) -> str:
             os.unlink(tmp)
     if path.stat().st_mode & 0o077:
         log.warning("%s is readable by group or others; chmod 600 it", path)
-    key = path.read_text().strip()
-    if not key:
-        raise ServingError(f"{path} is empty; delete it to generate a new key")
-    return key
+    secret = path.read_text().strip()
+    if not secret:
+        raise ServingError(f"{path} is empty; delete it to generate a new one")
+    return secret
 
 
 class RequireApiKey:
     """ASGI middleware loaded into the vLLM server (`--middleware`): every request except to
-    OPEN_PATHS needs `Authorization: Bearer $VLLM_API_KEY`. vLLM's own check skips paths
+    OPEN_PATHS needs `Authorization: Bearer $VLLM_API_KEY` (or the `key` given, as the
+    feedback gateway gives it). vLLM's own check skips paths
     outside /v1, /v2, /inference, /cohere, e.g. POST /invocations. Fails closed: without
     VLLM_API_KEY only OPEN_PATHS answer."""
 
-    def __init__(self, app):
+    def __init__(self, app, key: str | None = None):
         self.app = app
-        key = os.environ.get("VLLM_API_KEY", "")
+        key = os.environ.get("VLLM_API_KEY", "") if key is None else key
         self._digest = hashlib.sha256(key.encode()).digest() if key else None
 
     def _authorised(self, scope) -> bool:
