@@ -140,3 +140,22 @@ def test_parse_feedback_takes_the_header_user_when_the_body_has_none():
     assert parse_feedback({"response_id": "r", "rating": "up", "user": "body"}, "hdr").user == "body"
     with pytest.raises(BadRequest, match="user"):
         parse_feedback({"response_id": "r", "rating": "up", "user": 5}, None)
+
+
+def test_the_upstream_follows_current_json_when_a_deploy_replaces_it(tmp_path):
+    from rlhf_core.serving.gateway import Upstream
+    from rlhf_core.serving.state import Endpoint, write_json_atomic
+
+    def endpoint(version: str, port: int) -> Endpoint:
+        return Endpoint(url=f"http://127.0.0.1:{port}", host="127.0.0.1", port=port, pid=1,
+                        served_model_name=f"policy-v{version}", version=version, model_dir="/m", log_path="/l",
+                        started_at="2024-01-01T00:00:00+00:00")
+
+    upstream = Upstream(tmp_path)
+    assert upstream.get() is None
+    write_json_atomic(tmp_path / "current.json", endpoint("1", 8100).to_dict())
+    assert upstream.get().version == "1"
+    write_json_atomic(tmp_path / "current.json", endpoint("2", 8101).to_dict())  # blue/green: a new file replaces it
+    assert (upstream.get().version, upstream.get().port) == ("2", 8101)
+    (tmp_path / "current.json").unlink()  # serving stopped
+    assert upstream.get() is None

@@ -29,9 +29,8 @@ import httpx
 import psutil
 import pytest
 
-from rlhf_core.config import ModelConfig, ServingConfig
+from rlhf_core.config import ServingConfig
 from rlhf_core.data.synthetic import answer_for, prompt_for
-from rlhf_core.models.llama import build_policy, save_pretrained_atomic
 from rlhf_core.serving.server import (
     SERVER_MODULE,
     SERVER_PREFILL_TOKENS,
@@ -50,9 +49,8 @@ from rlhf_core.serving.server import (
     stop,
     stop_process_group,
 )
-from rlhf_core.tokenizer import train_tokenizer
+from tests.rlhf_core.serving.models import POLICY, tiny_policy_dir
 
-POLICY = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2)
 KEY_ENV = "RLHF_TEST_SERVING_API_KEY"  # never set by the slow tests: the key comes from the state dir
 
 
@@ -280,10 +278,7 @@ class Serving:
 @pytest.fixture(scope="module")
 def serving(tmp_path_factory, free_ports) -> Serving:
     tmp = tmp_path_factory.mktemp("serving")
-    rng = random.Random(0)
-    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(256)]
-    tok = train_tokenizer([prompt_for(a, b, 2) + answer_for(a + b, 2) for a, b in pairs], vocab_size=64)
-    model_dir = save_pretrained_atomic(build_policy(POLICY, tok, seed=0), tok, tmp / "policy")
+    model_dir = tiny_policy_dir(tmp / "policy")
     corrupt_dir = tmp / "corrupt"
     shutil.copytree(model_dir, corrupt_dir)
     (corrupt_dir / "model.safetensors").write_bytes(random.Random(1).randbytes(4096))

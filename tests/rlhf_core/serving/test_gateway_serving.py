@@ -1,0 +1,177 @@
+"""The feedback gateway in front of a real vLLM server, run as `rlhf gateway` in its own process:
+answers through the `openai` client (plain, streamed, n=2) are recorded and rateable, and a
+gateway killed with SIGKILL in the middle of a stream of ratings has lost none it acknowledged.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlhf_core.config import ServingConfig
+from rlhf_core.feedback.store import FeedbackStore, sqlite_url
+from rlhf_core.serving.server import deploy, stop
+from tests.rlhf_core.serving.models import PLAIN_CHAT_TEMPLATE, tiny_policy_dir
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[3]
+
+
+@dataclass
+class Served:
+    state_dir: Path
+    output_dir: Path
+    cfg: ServingConfig
+    key: str
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, free_ports):
+    tmp = tmp_path_factory.mktemp("gateway")
+    model_dir = tiny_policy_dir(tmp / "policy", chat_template=PLAIN_CHAT_TEMPLATE)
+    cfg = ServingConfig(ports=tuple(free_ports(2)), api_key_env="RLHF_TEST_GATEWAY_KEY_UNSET",
+                        smoke_prompt="12+34=", kv_cache_gib=0.25)
+    state_dir = tmp / "serving"
+    deploy(model_dir, "1", cfg, state_dir)
+    yield Served(state_dir, tmp, cfg, (state_dir / "api_key").read_text().strip())
+    stop(state_dir)
+
+
+def start_gateway(served: Served, port: int, *extra: str) -> subprocess.Popen:
+    sets = [f"output_dir={served.output_dir}", f"serving.state_dir={served.state_dir}",
+            f"serving.api_key_env={served.cfg.api_key_env}", f"serving.ports=[{served.cfg.ports[0]},{served.cfg.ports[1]}]",
+            f"feedback.port={port}", *extra]
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "gateway", *[a for s in sets for a in ("--set", s)]],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            raise AssertionError(f"the gateway exited: {proc.stdout.read().decode()}")
+    proc.kill()
+    raise AssertionError("the gateway did not answer /health within 60 s")
+
+
+@pytest.fixture(scope="module")
+def gateway(served, free_ports):
+    port = free_ports(1)[0]
+    proc = start_gateway(served, port)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def openai_client(served, gateway):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{gateway}/v1", api_key=served.key, max_retries=0)
+
+
+def store(served) -> FeedbackStore:
+    return FeedbackStore(sqlite_url(served.state_dir / "feedback.db"))
+
+
+def rate(gateway: str, key: str, **body) -> httpx.Response:
+    return httpx.post(f"{gateway}/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_a_completion_through_the_gateway_is_recorded_and_rateable(served, gateway, openai_client):
+    out = openai_client.completions.create(model="policy", prompt="12+34=", max_tokens=4, temperature=0,
+                                           user="alice")
+    assert out.id.startswith("resp-") and out.model == "policy-v1"
+    r = rate(gateway, served.key, response_id=out.id, rating="up", user="alice")
+    assert r.status_code == 200 and r.json()["status"] == "created"
+    s = store(served)
+    ratings, _ = s.feedback_between(0, 1e12)
+    mine = [x for x in ratings if x["response_id"] == out.id]
+    assert [(x["text"], x["prompt"], x["model_version"], x["thumb"]) for x in mine] == [
+        (out.choices[0].text, "12+34=", "1", 1)]
+    s.close()
+
+
+def test_a_streamed_chat_is_recorded_as_the_client_saw_it(served, gateway, openai_client):
+    stream = openai_client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "12+34="}], max_tokens=6, temperature=0, stream=True)
+    ids, text = set(), []
+    for chunk in stream:
+        ids.add(chunk.id)
+        text += [c.delta.content or "" for c in chunk.choices]
+    [rid] = ids
+    assert rate(gateway, served.key, response_id=rid, rating="down", comment="wrong").status_code == 200
+    s = store(served)
+    [row] = [x for x in s.feedback_between(0, 1e12)[0] if x["response_id"] == rid]
+    assert row["text"] == "".join(text) and row["prompt"] == [{"role": "user", "content": "12+34="}]
+    s.close()
+
+
+def test_two_samples_to_choose_between(served, gateway, openai_client):
+    out = openai_client.completions.create(model="policy", prompt="56+78=", max_tokens=4, temperature=1.0, n=2,
+                                           seed=3)
+    assert len(out.choices) == 2
+    r = rate(gateway, served.key, response_id=out.id, preferred=1, user="bob")
+    assert r.status_code == 200 and r.json()["status"] == "created"
+    s = store(served)
+    [c] = [x for x in s.feedback_between(0, 1e12)[1] if x["response_id"] == out.id]
+    assert c["answers"] == [ch.text for ch in sorted(out.choices, key=lambda ch: ch.index)]
+    s.close()
+
+
+def test_without_the_key_nothing_is_served(served, gateway):
+    r = httpx.post(f"{gateway}/v1/completions", json={"prompt": "1+1=", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 401
+
+
+def test_a_gateway_killed_mid_stream_of_ratings_loses_none_it_acknowledged(served, free_ports, openai_client):
+    response_ids = [openai_client.completions.create(model="policy", prompt=f"{10 + i}+11=", max_tokens=3,
+                                                     temperature=0).id for i in range(4)]
+    port = free_ports(1)[0]
+    proc = start_gateway(served, port, "feedback.ratings_per_minute=100000")
+    url = f"http://127.0.0.1:{port}"
+    acknowledged: list[tuple[str, str]] = []
+    stop_sending = threading.Event()
+
+    def send(worker: int) -> None:
+        with httpx.Client(timeout=10, headers={"Authorization": f"Bearer {served.key}"}) as client:
+            i = 0
+            while not stop_sending.is_set():
+                user, rid = f"kill-{worker}-{i}", response_ids[i % len(response_ids)]
+                try:
+                    r = client.post(f"{url}/v1/feedback", json={"response_id": rid, "rating": "up", "user": user})
+                except httpx.HTTPError:
+                    return  # the gateway is gone
+                if r.status_code == 200:
+                    acknowledged.append((rid, user))
+                i += 1
+
+    senders = [threading.Thread(target=send, args=(w,)) for w in range(4)]
+    for t in senders:
+        t.start()
+    time.sleep(3.0)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    stop_sending.set()
+    for t in senders:
+        t.join(timeout=20)
+    assert len(acknowledged) > 20, "too few ratings were sent before the kill to test anything"
+
+    from rlhf_core.feedback.store import hash_user
+
+    salt = (served.state_dir / "user_salt").read_text().strip()
+    s = store(served)
+    stored = {(r["response_id"], r["user_hash"]) for r in s.feedback_between(0, 1e12)[0]}
+    s.close()
+    lost = [(rid, user) for rid, user in acknowledged if (rid, hash_user(user, salt)) not in stored]
+    assert lost == [], f"{len(lost)} of {len(acknowledged)} acknowledged ratings are not in the store"
