@@ -63,7 +63,7 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         candidate = Candidate(policy.path, base.path, reward.path, {
             "dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
             "reward_model.version": reward.version, "policy.run_id": policy.run_id,
-            "algorithm": policy.result.algorithm, "pipeline.run_id": run.run_id,
+            "algorithm": policy.result.algorithm, "pipeline.run_id": run.run_id, **data.paths.lineage(),
         })
         prompts, answers = eval_set(data.paths, cfg)
         evaluation = run_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)

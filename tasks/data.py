@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,13 +16,16 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
-from rlhf_core.data.schema import fingerprint
+from rlhf_core.data.schema import LINE_COLUMN, fingerprint, write_jsonl
+from rlhf_core.data.sources import read_source
+from rlhf_core.feedback.mix import mix, recent_exports
 from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.data.validation import ValidationReport
 from tasks.data_contract import (
     DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, prepare_files,
     write_report,
 )
+from tasks.feedback import export_root
 from tasks.pretrained import PretrainedBase
 from tasks.tracking import PipelineRun, stage_run
 
@@ -33,17 +37,41 @@ __all__ = ["DataFormatError", "DataPaths", "DataValidationError", "ValidatedData
 @task(name="prepare-data")
 def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase | None = None) -> DataPaths:
     """The configured data checked and rendered (`rlhf_core.data.prepare`), or the embedded demo
-    task generated under `out_dir/data`."""
+    task generated under `out_dir/data`; with `feedback.use`, the recent feedback datasets
+    mixed into the preference data first."""
+    logger = get_run_logger()
+    exports = recent_exports(export_root(cfg), cfg.feedback.recency_days) if cfg.feedback.use else []
+    if cfg.feedback.use and not exports:
+        logger.warning("feedback.use is on but %s holds no feedback dataset from the last %s days",
+                       export_root(cfg), cfg.feedback.recency_days)
     if cfg.data.preferences_path is not None:
         d = cfg.data
-        paths = prepare_files(cfg, d.preferences_path, d.eval_path, d.sft_path, d.prompts_path, out_dir / "data",
+        preferences = _with_feedback(d.preferences_path, exports, cfg, out_dir / "data" / "raw")
+        paths = prepare_files(cfg, preferences, d.eval_path, d.sft_path, d.prompts_path, out_dir / "data",
                               pretrained.policy if pretrained is not None else None)
         for note in paths.notes:
-            get_run_logger().warning("%s", note)
+            logger.warning("%s", note)
+    else:
+        files = generate_demo_data(cfg.data.demo, out_dir / "data")
+        logger.info("generated demo data under %s", files.preferences.parent)
+        preferences = _with_feedback(files.preferences, exports, cfg, out_dir / "data")
+        paths = DataPaths(Path(preferences), files.eval, files.sft, generated=True)
+    if not exports:
         return paths
-    files = generate_demo_data(cfg.data.demo, out_dir / "data")
-    get_run_logger().info("generated demo data under %s", files.preferences.parent)
-    return DataPaths(files.preferences, files.eval, files.sft, generated=True)
+    served = sorted({v for e in exports for v in e.served_versions}, key=lambda v: (len(v), v))
+    return replace(paths, feedback=tuple(e.version for e in exports), feedback_served_versions=tuple(served))
+
+
+def _with_feedback(preferences: str | Path, exports, cfg: PipelineConfig, out_dir: Path) -> str | Path:
+    """`preferences` itself without feedback datasets; else a JSONL of its rows followed by the
+    feedback pairs (`rlhf_core.feedback.mix`), in `out_dir`."""
+    if not exports:
+        return preferences
+    base = read_source(preferences).drop(columns=[LINE_COLUMN], errors="ignore")
+    rows, taken = mix(base.to_dict("records"), exports, cfg.feedback.weight, seed=cfg.data.demo.seed,
+                      where=str(preferences))
+    get_run_logger().info("training on %d base pairs and %s feedback pairs", len(base), taken)
+    return write_jsonl(rows, out_dir / "preferences-with-feedback.jsonl")
 
 
 def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:
@@ -76,6 +104,9 @@ def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> Va
     with stage_run(run, "validate", {"dataset.fingerprint": data_fp}) as stage_id:
         client = run.client
         client.set_tag(run.run_id, "dataset.fingerprint", data_fp)
+        for key, value in paths.lineage().items():  # the feedback datasets mixed in
+            client.set_tag(run.run_id, key, value)
+            client.set_tag(stage_id, key, value)
         report = check_data_contract(data_fp, paths, cfg.validation)
         report_path = _publish(report, run.out_dir, f"Validation of {paths.preferences.name}")
         client.log_artifact(stage_id, str(report_path))

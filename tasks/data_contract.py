@@ -39,9 +39,21 @@ class DataPaths:
     generated: bool
     prompts: Path | None = None  # the RL prompt set; None: the SFT and preference prompts
     notes: tuple[str, ...] = ()  # what preparing the data did to it (rows truncated or left out)
+    feedback: tuple[str, ...] = ()  # the feedback datasets mixed into the preferences
+    feedback_served_versions: tuple[str, ...] = ()  # the served versions their answers came from
 
     def summary(self) -> dict:
-        return {"status": "prepared", "preferences": str(self.preferences), "notes": list(self.notes)}
+        out = {"status": "prepared", "preferences": str(self.preferences), "notes": list(self.notes)}
+        if self.feedback:
+            out["feedback"] = list(self.feedback)
+        return out
+
+    def lineage(self) -> dict[str, str]:
+        """Tags naming the feedback datasets the run trains on, and the versions they rated."""
+        if not self.feedback:
+            return {}
+        return {"feedback.datasets": ",".join(self.feedback),
+                "feedback.served_versions": ",".join(self.feedback_served_versions)}
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,8 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     return Registration(version, promoted, previous)
 
 
-LINEAGE_TAGS = ("dataset.fingerprint", "base_model.run_id", "reward_model.version", "policy.run_id", "algorithm")
+LINEAGE_TAGS = ("dataset.fingerprint", "base_model.run_id", "reward_model.version", "policy.run_id", "algorithm",
+                "feedback.datasets", "feedback.served_versions")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,87 @@
+"""The base preference data plus the collected feedback datasets: what a run trains on.
+
+`recent_exports` lists the feedback datasets `collect-feedback` wrote (their manifests) within
+the recency window; `mix` appends their pairs to the base rows, each repeated `weight` times
+(a fraction samples that share, seeded), in the base data's format. The result is written as
+one preference file and goes through the same preparation and contract as the base data alone.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.data.formats import is_conversation
+
+MANIFEST = "manifest.json"
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+class FeedbackMixError(ValueError):
+    """Feedback that cannot be mixed into the base data (a different format)."""
+
+
+@dataclass(frozen=True)
+class FeedbackExportInfo:
+    version: str
+    path: Path
+    created_at: float
+    fingerprint: str
+    served_versions: tuple[str, ...]
+    pairs: int
+
+
+def recent_exports(root: Path, recency_days: float | None, now: float | None = None) -> list[FeedbackExportInfo]:
+    """The feedback datasets under `root` exported in the last `recency_days` days (all: None),
+    oldest first. Directories without a manifest (an export in progress) are not datasets."""
+    now = time.time() if now is None else now
+    found = []
+    for manifest_path in sorted(Path(root).glob(f"*/{MANIFEST}")):
+        if manifest_path.parent.name.startswith("."):
+            continue
+        m = json.loads(manifest_path.read_text())
+        if recency_days is not None and now - m["created_at"] > recency_days * 86400:
+            continue
+        found.append(FeedbackExportInfo(m["version"], manifest_path.parent, m["created_at"], m["fingerprint"],
+                                        tuple(sorted(m["served_versions"])), m["pairs"]))
+    return sorted(found, key=lambda e: e.created_at)
+
+
+def _format(value: Any) -> str:
+    return "conversational" if is_conversation(value) else "standard"
+
+
+def mix(base: Sequence[Mapping], exports: Sequence[FeedbackExportInfo], weight: float, seed: int = 0,
+        where: str = "the base preference data") -> tuple[list[dict], dict[str, int]]:
+    """(the base rows followed by the feedback pairs, pairs taken per feedback version). A
+    feedback pair has the base rows' `id` and `source` columns when they do:
+    `<version>-<pair>-<copy>` and `feedback:<version>`."""
+    rows = [dict(r) for r in base]
+    base_format = _format(rows[0]["prompt"]) if rows and "prompt" in rows[0] else None
+    with_id, with_source = bool(rows) and "id" in rows[0], bool(rows) and "source" in rows[0]
+    rng = random.Random(seed)
+    taken: dict[str, int] = {}
+    for export in exports:
+        pairs = [json.loads(line) for line in (export.path / "preferences.jsonl").read_text().splitlines() if line]
+        copies = []
+        for i, pair in enumerate(pairs):
+            if base_format is not None and _format(pair["prompt"]) != base_format:
+                raise FeedbackMixError(
+                    f"{export.path}/preferences.jsonl line {i + 1}: a {_format(pair['prompt'])} pair, but {where} "
+                    f"is {base_format}; serve the model the way its data is written (chat completions for "
+                    "conversational data, completions for text), or leave this feedback out (feedback.use: false)")
+            n = int(weight) + (rng.random() < weight - int(weight))
+            for copy in range(n):
+                row = {k: pair[k] for k in PAIR_COLUMNS}
+                if with_id:
+                    row = {"id": f"{export.version}-{i:06d}-{copy}", **row}
+                if with_source:
+                    row["source"] = f"feedback:{export.version}"
+                copies.append(row)
+        rows += copies
+        taken[export.version] = len(copies)
+    return rows, taken
