@@ -66,7 +66,7 @@ def rolled_back_versions(client) -> set[str]:
         versions = client.search_model_versions(f"name='{POLICY}'")
     except mlflow.exceptions.MlflowException:
         return set()
-    return {v.version for v in versions if "rolled_back_by_incident" in (v.tags or {})}
+    return {str(v.version) for v in versions if "rolled_back_by_incident" in (v.tags or {})}
 
 
 def _contract(ds: FeedbackDataset, cfg: PipelineConfig) -> FeedbackDataset:

@@ -143,6 +143,8 @@ class FeedbackStore:
         self.url = url
         self.engine: Engine = create_engine(url, future=True)
         if self.engine.dialect.name == "sqlite":
+            if self.engine.url.database not in (None, "", ":memory:"):
+                Path(self.engine.url.database).parent.mkdir(parents=True, exist_ok=True)
             event.listen(self.engine, "connect", _sqlite_pragmas)
         metadata.create_all(self.engine)
 

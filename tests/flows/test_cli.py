@@ -28,7 +28,7 @@ def test_help_lists_every_subcommand_with_its_help_line():
                          env={**os.environ, "COLUMNS": "200"})
     commands = _subcommands()
     assert {"run", "demo", "validate", "check-config", "make-demo-data", "evaluate", "promote", "deploy",
-            "rollback", "serving"} == set(commands)
+            "rollback", "serving", "gateway", "collect-feedback"} == set(commands)
     for name, help_line in commands.items():
         assert re.search(rf"^\s+{re.escape(name)}\s+{re.escape(help_line)}$", out.stdout, re.M), (name, out.stdout)
 
