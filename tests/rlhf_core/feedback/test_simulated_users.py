@@ -1,0 +1,42 @@
+"""The simulated users' labels follow the answer key, with the configured noise."""
+import random
+
+from rlhf_core.feedback.simulated_users import UsersConfig, _label, closeness, fresh_prompts, main
+
+
+def test_closeness_ranks_the_right_sum_then_nearer_numbers_then_text():
+    assert closeness("046", "046") == 0 > closeness("047", "046") > closeness("146", "046") > closeness("x", "046")
+
+
+def test_thumbs_follow_the_answer_key_and_noise_flips_that_share():
+    rng = random.Random(0)
+    clean = UsersConfig(label_noise=0.0)
+    assert _label(["046"], "046", clean, rng) == {"rating": "up"}
+    assert _label([" 036"], "046", clean, rng) == {"rating": "down"}
+    noisy = UsersConfig(label_noise=0.2)
+    downs = sum(_label(["046"], "046", noisy, rng)["rating"] == "down" for _ in range(5000))
+    assert abs(downs / 5000 - 0.2) < 4 * (0.2 * 0.8 / 5000) ** 0.5
+
+
+def test_choices_prefer_the_right_or_nearer_sum_and_skip_ties():
+    rng, clean = random.Random(0), UsersConfig(label_noise=0.0)
+    assert _label(["036", "046"], "046", clean, rng) == {"preferred": 1}
+    assert _label(["045", "056"], "046", clean, rng) == {"preferred": 0}
+    assert _label(["045", "047"], "046", clean, rng) is None
+    assert _label(["046", "999"], "046", UsersConfig(unhappy=True, label_noise=0.0), rng) == {"preferred": 1}
+    assert _label(["046"], "046", UsersConfig(unhappy=True, label_noise=0.0), rng) == {"rating": "down"}
+
+
+def test_fresh_prompts_never_ask_an_excluded_prompt():
+    prompts = fresh_prompts(random.Random(0), 500, 9, exclude={"1+1=", "2+3="})
+    assert len(prompts) == 500 and not {"1+1=", "2+3="} & set(prompts)
+
+
+def test_the_command_line_takes_every_setting(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr("rlhf_core.feedback.simulated_users.simulate",
+                        lambda url, key, cfg, exclude: seen.update(url=url, cfg=cfg) or {})
+    key = tmp_path / "k"
+    key.write_text("secret\n")
+    main(["--base-url", "http://x/v1", "--api-key-file", str(key), "--users", "3", "--unhappy", "--label-noise", "0"])
+    assert seen["cfg"] == UsersConfig(users=3, unhappy=True, label_noise=0.0)
