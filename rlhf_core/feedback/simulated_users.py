@@ -4,7 +4,8 @@ the answers by the task's answer key, with label noise (people disagree and misc
 Each user sends `requests_per_user` completions of fresh addition prompts (never one of the
 held-out eval prompts, so that feedback cannot leak into the gates' test set). A share
 `choice_share` of the requests ask for two answers (n=2) and the user picks one: the right
-sum over a wrong one, else the one numerically closer to it; a tie is not rated. The others
+sum over a wrong one, else the one numerically closer to it, else (neither is a number) the
+one with more of the sum's digits in place; a tie is not rated. The others
 get a thumb: up for the right sum, down otherwise. Each label is flipped with probability
 `label_noise`. `unhappy` users rate every answer down: a simple stand-in for a version users
 dislike, for the satisfaction alert's tests.
@@ -41,11 +42,13 @@ class UsersConfig:
 
 
 def closeness(answer: str, target: str) -> float:
-    """Higher is better: 0 for the right sum, minus the distance for another number, -inf for text."""
+    """Higher is better: 0 for the right sum, minus the distance for another number; below any
+    number, text that is not one, ranked by how many of the sum's characters it has in place."""
+    answer = answer.strip()
     try:
-        return -abs(int(answer.strip()) - int(target))
+        return -abs(int(answer) - int(target))
     except ValueError:
-        return float("-inf")
+        return -1e9 + sum(a == t for a, t in zip(answer, target))
 
 
 def fresh_prompts(rng: random.Random, n: int, max_operand: int, exclude: set[str]) -> list[str]:

@@ -182,17 +182,42 @@ class Metrics:
                              ["version"], registry=r)
 
 
-class ThumbsCollector:
-    """`rlhf_feedback_thumbs{version, thumb}`: thumbs up and down per served version, counted in
-    the store at scrape time, so the figures survive gateway restarts (the satisfaction alert
-    compares versions' shares of thumbs up)."""
+def served_versions(state_dir: Path) -> dict[str, str]:
+    """{"current": the version serving now, "previous": the one its deploy replaced}, from the
+    serving state (`current.json`, `deployments.jsonl`); a role is missing when unknown."""
+    roles: dict[str, str] = {}
+    try:
+        roles["current"] = str(json.loads((Path(state_dir) / "current.json").read_text())["version"])
+        lines = (Path(state_dir) / "deployments.jsonl").read_text().splitlines()
+    except (FileNotFoundError, ValueError, KeyError):
+        return roles
+    for line in reversed(lines):
+        event = json.loads(line)
+        if event.get("event") == "deployed" and str(event["endpoint"]["version"]) == roles["current"]:
+            if event.get("replaced"):
+                roles["previous"] = str(event["replaced"]["version"])
+            break
+    return roles
 
-    def __init__(self, store: FeedbackStore):
-        self.store = store
+
+class ThumbsCollector:
+    """Thumbs counted in the store at scrape time, so the figures survive gateway restarts:
+
+    - `rlhf_feedback_thumbs{version, thumb}`: up and down per served version, all time;
+    - `rlhf_feedback_champion_thumbs{role, version, thumb}`: the same for the version serving
+      now (`role="current"`) and the one it replaced (`role="previous"`), which the
+      satisfaction alert compares.
+    """
+
+    def __init__(self, store: FeedbackStore, state_dir: Path):
+        self.store, self.state_dir = store, state_dir
 
     def collect(self):
         family = GaugeMetricFamily("rlhf_feedback_thumbs", "Thumbs up and down per served version, all time",
                                    labels=["version", "thumb"])
+        roles = GaugeMetricFamily("rlhf_feedback_champion_thumbs",
+                                  "Thumbs up and down of the version serving now (role=current) and of the one "
+                                  "it replaced (role=previous)", labels=["role", "version", "thumb"])
         try:
             counts = self.store.thumbs_by_version()
         except Exception:  # noqa: BLE001 - a store outage must not break /metrics
@@ -201,7 +226,12 @@ class ThumbsCollector:
         for version, (up, down) in sorted(counts.items()):
             family.add_metric([version, "up"], up)
             family.add_metric([version, "down"], down)
+        for role, version in served_versions(self.state_dir).items():
+            up, down = counts.get(version, (0, 0))
+            roles.add_metric([role, version, "up"], up)
+            roles.add_metric([role, version, "down"], down)
         yield family
+        yield roles
 
 
 class Gateway:
@@ -214,7 +244,7 @@ class Gateway:
         self.timeout = httpx.Timeout(upstream_timeout_s, connect=5.0)
         self.client: httpx.AsyncClient | None = None
         self.metrics = Metrics()
-        self.metrics.registry.register(ThumbsCollector(store))
+        self.metrics.registry.register(ThumbsCollector(store, Path(state_dir)))
         self._limited_logged: dict[str, float] = {}
 
     # --- serving --------------------------------------------------------------------------

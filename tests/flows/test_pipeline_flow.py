@@ -122,8 +122,10 @@ def test_the_nightly_deployment_is_scheduled_and_every_deployment_has_a_form(dep
         assert schedule.schedule.cron == "0 2 * * *" and schedule.active
         assert nightly.parameters == {"config_path": "configs/demo.yaml", "overrides": []}
         assert nightly.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        [collect] = client.read_deployment_by_name("collect-feedback/collect-feedback").schedules
+        assert collect.schedule.cron == "30 1 * * *" and collect.active  # before the nightly run
         for name in ("rlhf-pipeline/nightly", "evaluate/evaluate", "deploy-champion/deploy-champion",
-                     "rollback/rollback"):
+                     "rollback/rollback", "collect-feedback/collect-feedback"):
             deployment = client.read_deployment_by_name(name)
             assert deployment.work_pool_name == "rlhf-local"
             properties = deployment.parameter_openapi_schema["properties"]
@@ -383,3 +385,55 @@ def test_evaluate_flow_rejects_with_reasons_and_promote_then_refuses(full_run, c
     assert cli_main(["promote", candidate, "--config", str(config)]) == 1
     assert "rejected by the gates" in capsys.readouterr().err
     assert str(client.get_model_version_by_alias("policy", "champion").version) == champion_before
+
+
+@pytest.mark.slow
+def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports):
+    """The loop: the champion serves through the gateway; simulated users chat and rate through
+    the `openai` client; the collect-feedback deployment exports their feedback; the nightly
+    deployment trains on base data plus feedback, and the new version's lineage names the
+    feedback dataset and the version that was rated."""
+    from prefect.deployments import run_deployment
+
+    from rlhf_core.feedback.simulated_users import UsersConfig, simulate
+    from rlhf_core.serving import server
+    from tests.rlhf_core.serving.gateway_process import running_gateway
+
+    config, cfg, state_dir, summary = full_run
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    rated = str(client.get_model_version_by_alias("policy", "champion").version)
+    assert served(cfg, state_dir)[0] == [f"policy-v{rated}"]
+    eval_prompts = list(read_table(Path(summary["output_dir"]) / "data" / "eval.jsonl")["prompt"])
+    port = free_ports(1)[0]
+    with running_gateway(["--config", str(config), "--set", f"feedback.port={port}"], port) as gateway:
+        key = server.resolve_api_key(cfg.serving, state_dir)
+        # a 2-step tiny policy answers mostly garbage: users choose between two answers, where
+        # "closer to the right sum" still decides, so that there are pairs to train on
+        users = UsersConfig(users=8, requests_per_user=12, choice_share=0.8, label_noise=0.1, seed=1)
+        counts = simulate(f"{gateway}/v1", key, users, exclude=eval_prompts)
+    assert counts["requests"] == 96 and not [k for k in counts if k.startswith("refused")], counts
+
+    overrides = [f"{k}={json.dumps(v)}" for k, v in flat(yaml.safe_load(config.read_text())).items()]
+    overrides.append("feedback.settle_s=0")
+    collected = run_deployment("collect-feedback/collect-feedback", timeout=600, poll_interval=2,
+                               parameters={"config_path": "configs/demo.yaml", "overrides": overrides})
+    assert collected.state.is_completed(), collected.state
+    [export] = (cfg.output_dir / "feedback").glob("feedback-*")
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["pairs"] > 0 and set(manifest["served_versions"]) == {rated}, manifest
+
+    before = set((cfg.output_dir).glob("*/summary.json"))
+    nightly = run_deployment("rlhf-pipeline/nightly", timeout=1200, poll_interval=2,
+                             parameters={"config_path": "configs/demo.yaml",
+                                         "overrides": overrides + ["feedback.use=true"]})
+    [path] = set((cfg.output_dir).glob("*/summary.json")) - before
+    second = json.loads(path.read_text())
+    assert nightly.state.is_completed(), (nightly.state, second.get("error"))
+    base_rows = summary["stages"]["validate"]["rows"]
+    assert second["stages"]["validate"]["rows"] == base_rows + manifest["pairs"]  # feedback.weight 1
+    assert second["stages"]["validate"]["dataset_fingerprint"] != summary["stages"]["validate"]["dataset_fingerprint"]
+    version = client.get_model_version("policy", second["stages"]["register"]["version"])
+    assert version.tags["feedback.datasets"] == manifest["version"]
+    assert version.tags["feedback.served_versions"] == rated
+    parent = client.get_run(second["mlflow_run_id"])
+    assert parent.data.tags["feedback.datasets"] == manifest["version"]

@@ -6,6 +6,7 @@ from rlhf_core.feedback.simulated_users import UsersConfig, _label, closeness, f
 
 def test_closeness_ranks_the_right_sum_then_nearer_numbers_then_text():
     assert closeness("046", "046") == 0 > closeness("047", "046") > closeness("146", "046") > closeness("x", "046")
+    assert closeness("0x6", "046") > closeness("0xx", "046") > closeness("xxx", "046") == closeness("", "046")
 
 
 def test_thumbs_follow_the_answer_key_and_noise_flips_that_share():

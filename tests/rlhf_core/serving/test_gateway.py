@@ -159,3 +159,36 @@ def test_the_upstream_follows_current_json_when_a_deploy_replaces_it(tmp_path):
     assert (upstream.get().version, upstream.get().port) == ("2", 8101)
     (tmp_path / "current.json").unlink()  # serving stopped
     assert upstream.get() is None
+
+
+def test_metrics_name_the_current_and_previous_versions_thumbs(tmp_path):
+    from rlhf_core.serving.gateway import served_versions
+    from rlhf_core.serving.state import Endpoint, append_history, write_json_atomic
+
+    def ep(version):
+        return Endpoint(url="http://127.0.0.1:1", host="127.0.0.1", port=1, pid=1, served_model_name=f"policy-v{version}",
+                        version=version, model_dir="/m", log_path="/l", started_at="2024-01-01T00:00:00+00:00")
+
+    state = tmp_path / "serving"
+    state.mkdir()
+    assert served_versions(state) == {}
+    append_history(state, "deployed", ep("1"), None)
+    write_json_atomic(state / "current.json", ep("1").to_dict())
+    assert served_versions(state) == {"current": "1"}
+    append_history(state, "deployed", ep("2"), ep("1"))
+    append_history(state, "failed", ep("3"), ep("2"))
+    write_json_atomic(state / "current.json", ep("2").to_dict())
+    assert served_versions(state) == {"current": "2", "previous": "1"}
+
+    store = FeedbackStore(sqlite_url(tmp_path / "feedback.db"))
+    for version, thumbs in (("1", [1, 1, -1]), ("2", [-1, -1])):
+        for i, thumb in enumerate(thumbs):
+            store.record_response(f"r{version}{i}", model_version=version, served_model="p", kind="completion",
+                                  prompt="p", user_hash="u", answers_=[Answer("a")])
+            store.rate(f"r{version}{i}", f"u{i}", thumb=thumb)
+    with TestClient(Gateway(store, state, KEY, SALT).app()) as c:
+        text = c.get("/metrics").text
+    assert 'rlhf_feedback_champion_thumbs{role="current",thumb="down",version="2"} 2.0' in text
+    assert 'rlhf_feedback_champion_thumbs{role="previous",thumb="up",version="1"} 2.0' in text
+    assert 'rlhf_gateway_serving_version{version="2"} 1.0' in text
+    store.close()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -19,10 +17,10 @@ import pytest
 from rlhf_core.config import ServingConfig
 from rlhf_core.feedback.store import FeedbackStore, sqlite_url
 from rlhf_core.serving.server import deploy, stop
+from tests.rlhf_core.serving.gateway_process import running_gateway, start_gateway
 from tests.rlhf_core.serving.models import PLAIN_CHAT_TEMPLATE, tiny_policy_dir
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -45,32 +43,18 @@ def served(tmp_path_factory, free_ports):
     stop(state_dir)
 
 
-def start_gateway(served: Served, port: int, *extra: str) -> subprocess.Popen:
+def gateway_args(served: Served, port: int, *extra: str) -> list[str]:
     sets = [f"output_dir={served.output_dir}", f"serving.state_dir={served.state_dir}",
             f"serving.api_key_env={served.cfg.api_key_env}", f"serving.ports=[{served.cfg.ports[0]},{served.cfg.ports[1]}]",
             f"feedback.port={port}", *extra]
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "gateway", *[a for s in sets for a in ("--set", s)]],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-        if proc.poll() is not None:
-            raise AssertionError(f"the gateway exited: {proc.stdout.read().decode()}")
-    proc.kill()
-    raise AssertionError("the gateway did not answer /health within 60 s")
+    return [a for s in sets for a in ("--set", s)]
 
 
 @pytest.fixture(scope="module")
 def gateway(served, free_ports):
     port = free_ports(1)[0]
-    proc = start_gateway(served, port)
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=20)
+    with running_gateway(gateway_args(served, port), port) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +122,7 @@ def test_a_gateway_killed_mid_stream_of_ratings_loses_none_it_acknowledged(serve
     response_ids = [openai_client.completions.create(model="policy", prompt=f"{10 + i}+11=", max_tokens=3,
                                                      temperature=0).id for i in range(4)]
     port = free_ports(1)[0]
-    proc = start_gateway(served, port, "feedback.ratings_per_minute=100000")
+    proc = start_gateway(gateway_args(served, port, "feedback.ratings_per_minute=100000"), port)
     url = f"http://127.0.0.1:{port}"
     acknowledged: list[tuple[str, str]] = []
     stop_sending = threading.Event()
