@@ -118,6 +118,10 @@ def test_prometheus_config_scrapes_training_and_both_serving_ports():
     vllm_targets = {t for sc in jobs["vllm"]["static_configs"] for t in sc["targets"]}
     assert vllm_targets == {"127.0.0.1:8100", "127.0.0.1:8101"}
     assert jobs["vllm"].get("metrics_path", "/metrics") == "/metrics"
+    from rlhf_core.config import FeedbackConfig
+
+    gateway_targets = {t for sc in jobs["rlhf-feedback"]["static_configs"] for t in sc["targets"]}
+    assert gateway_targets == {f"{FeedbackConfig().host}:{FeedbackConfig().port}"}
     assert cfg["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:9093"]
     assert sorted(p.name for p in PROMETHEUS_DIR.glob(cfg["rule_files"][0])) == ["rlhf.rules.yml"]
 

@@ -317,6 +317,74 @@ def test_a_run_hacking_its_reward_model_fires_the_over_optimisation_alert_and_as
 
 
 # ------------------------------------------------------------------------------------------
+# users turn unhappy with a newly served version -> satisfaction alert -> rollback asked for
+
+def test_users_unhappy_with_a_new_champion_fire_the_satisfaction_alert_and_ask_for_a_rollback(
+    stack_factory, tmp_path, free_ports
+):
+    """A real feedback gateway (`rlhf gateway`, SQLite store) scraped by the stack's Prometheus.
+    Users rate v1's answers mostly up; v2 replaces v1 (blue/green, as `current.json` and
+    `deployments.jsonl` record it) and its users rate mostly down. The answers are recorded in
+    the store directly, as the gateway records what vLLM serves: no model is needed to rate."""
+    from rlhf_core.feedback.store import Answer, FeedbackStore, sqlite_url
+    from rlhf_core.serving.state import Endpoint, append_history, write_json_atomic
+    from tests.rlhf_core.serving.gateway_process import running_gateway
+
+    def endpoint(version: str) -> Endpoint:
+        return Endpoint(url="http://127.0.0.1:9", host="127.0.0.1", port=9, pid=1,
+                        served_model_name=f"policy-v{version}", version=version, model_dir="/m", log_path="/l",
+                        started_at="2024-01-01T00:00:00+00:00")
+
+    state = tmp_path / "serving"
+    state.mkdir()
+    append_history(state, "deployed", endpoint("1"), None)
+    write_json_atomic(state / "current.json", endpoint("1").to_dict())
+    store = FeedbackStore(sqlite_url(state / "feedback.db"))
+    for version in ("1", "2"):
+        for i in range(100):
+            store.record_response(f"v{version}-{i}", model_version=version, served_model=f"policy-v{version}",
+                                  kind="completion", prompt=f"{i}+1=", user_hash=f"asker{i}", answers_=[Answer("x")])
+    store.close()
+
+    triggered = []
+    stack = stack_factory(lambda incident, reason, by: triggered.append((incident, reason)) or "flow-run-unhappy")
+    port = free_ports(1)[0]
+    sets = [f"output_dir={tmp_path}", f"serving.state_dir={state}", f"feedback.port={port}",
+            "serving.api_key_env=RLHF_TEST_UNSET_KEY", "feedback.ratings_per_minute=100000"]
+    with running_gateway([a for s in sets for a in ("--set", s)], port) as gateway:
+        (tmp_path / "stack0" / "targets" / "gateway.json").write_text(
+            f'[{{"targets": ["127.0.0.1:{port}"], "labels": {{"job_run": "gateway"}}}}]')
+        key = (state / "api_key").read_text().strip()
+
+        def rate(version: str, ups: int, downs: int) -> None:
+            with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=10, trust_env=False) as c:
+                for i in range(ups + downs):
+                    r = c.post(f"{gateway}/v1/feedback", json={"response_id": f"v{version}-{i}", "user": f"u{i}",
+                                                               "rating": "up" if i < ups else "down"})
+                    assert r.status_code == 200, r.text
+
+        rate("1", 80, 20)  # happy with v1
+        wait_for("Prometheus to scrape v1's thumbs", lambda: stack.series(
+            'role:rlhf_feedback_thumbs:count{role="current"}') == {"role=current": "100"}, 30)
+        assert not stack.firing("ChampionSatisfactionDrop")
+        append_history(state, "deployed", endpoint("2"), endpoint("1"))  # v2 replaces v1
+        write_json_atomic(state / "current.json", endpoint("2").to_dict())
+        rate("2", 20, 40)  # and its users are unhappy
+
+        def acted():
+            return [d for d in stack.decisions() if d.get("alertname") == "ChampionSatisfactionDrop"
+                    and d.get("result") == "triggered"]
+
+        [decision] = wait_for("the receiver to act on ChampionSatisfactionDrop", acted, 90, diagnose=lambda: (
+            f"shares {stack.series('role:rlhf_feedback_thumbs_up:share')}, "
+            f"counts {stack.series('role:rlhf_feedback_thumbs:count')}, "
+            f"alerts {[(a['labels'], a['state']) for a in stack.alerts()]}, targets {stack.scrape_health()}"))
+    assert decision["action"] == "rollback" and decision["runbook_url"] == "docs/runbooks/ChampionSatisfactionDrop.md"
+    [(incident, reason)] = triggered
+    assert incident.startswith("ChampionSatisfactionDrop-") and "46.67% (absolute)" in reason  # 0.8 - 1/3
+
+
+# ------------------------------------------------------------------------------------------
 # a throttled worker -> imbalance alert -> recorded, no rollback
 
 
