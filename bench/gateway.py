@@ -1,15 +1,15 @@
 """What the feedback gateway costs: latency it adds over calling vLLM directly, and ratings/s.
 
 One vLLM server (the tiny demo-sized model, CPU backend) and one gateway (`rlhf gateway`, its
-own process, SQLite store) in front of it. Latency: `--concurrency` clients send greedy
-completions of `--max-tokens` tokens, in alternating rounds straight to vLLM and through the
-gateway (so that drift on a shared machine hits both alike); printed are p50 and p99 of each
-and their difference, and the gateway's own account of the time it adds (its
-`rlhf_gateway_added_seconds` histogram: its total minus the upstream's, per request).
+own process, SQLite store) in front of it. Latency: at each of `--concurrency` (1 and 16),
+clients send greedy completions of `--max-tokens` tokens, in alternating rounds straight to
+vLLM and through the gateway (so that drift on a shared machine hits both alike); printed are
+p50, p99 and mean of each and their difference, and the gateway's own account of the time it
+adds (its `rlhf_gateway_added_seconds` histogram: its total minus the upstream's).
 Ratings: the same number of clients post thumbs for `--seconds` seconds; every one is
 acknowledged only after its SQLite transaction committed (WAL, synchronous=FULL).
 
-    .venv/bin/python bench/gateway.py                 # 16 concurrent, 6 rounds of 64 requests per side
+    .venv/bin/python bench/gateway.py                 # 1 and 16 concurrent, 6 rounds of 64 requests per side
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, save, table  # noqa: E402
+from bench.common import save, table  # noqa: E402
 from rlhf_core.config import ServingConfig  # noqa: E402
 from rlhf_core.serving.server import deploy, stop  # noqa: E402
 from tests.conftest import _free_ports  # noqa: E402
@@ -88,17 +88,35 @@ def added_histogram(metrics: str) -> dict[str, float]:
     out = {}
     for q in (0.5, 0.99):
         out[f"p{int(q * 100)}_at_most_ms"] = next(le for le, c in buckets if c >= q * total) * 1000
+    total_s = float(re.search(r'rlhf_gateway_added_seconds_sum\{route="/v1/completions"\} (\S+)', metrics).group(1))
+    out["mean_ms"] = total_s / total * 1000
     return out
+
+
+def latency_at(endpoint_url: str, gateway: str, key: str, concurrency: int, args) -> dict:
+    """Alternating rounds straight to vLLM and through the gateway, at one concurrency."""
+    direct, through = [], []
+    for _ in range(args.rounds):
+        direct += asyncio.run(completions(endpoint_url, key, args.per_round, concurrency, args.max_tokens))
+        through += asyncio.run(completions(gateway, key, args.per_round, concurrency, args.max_tokens))
+    lat = {name: {"p50_ms": percentile(xs, 0.5) * 1000, "p99_ms": percentile(xs, 0.99) * 1000,
+                  "mean_ms": statistics.mean(xs) * 1000, "requests": len(xs)}
+           for name, xs in (("direct", direct), ("gateway", through))}
+    lat["added"] = {"p50_ms": lat["gateway"]["p50_ms"] - lat["direct"]["p50_ms"],
+                    "p99_ms": lat["gateway"]["p99_ms"] - lat["direct"]["p99_ms"],
+                    "mean_ms": lat["gateway"]["mean_ms"] - lat["direct"]["mean_ms"]}
+    return lat
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--per-round", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     cfg = ServingConfig(ports=tuple(_free_ports(2)), api_key_env="RLHF_BENCH_GATEWAY_KEY_UNSET",
                         smoke_prompt="12+34=", kv_cache_gib=0.25)
@@ -110,35 +128,27 @@ def main() -> None:
             f"feedback.port={port}", "feedback.ratings_per_minute=1000000"]
     try:
         with running_gateway([a for s in sets for a in ("--set", s)], port) as gateway:
-            asyncio.run(completions(endpoint.url, key, 32, args.concurrency, args.max_tokens))  # warm-up
-            asyncio.run(completions(gateway, key, 32, args.concurrency, args.max_tokens))
-            direct, through = [], []
-            for _ in range(args.rounds):
-                direct += asyncio.run(completions(endpoint.url, key, args.per_round, args.concurrency,
-                                                  args.max_tokens))
-                through += asyncio.run(completions(gateway, key, args.per_round, args.concurrency, args.max_tokens))
+            asyncio.run(completions(endpoint.url, key, 32, max(levels), args.max_tokens))  # warm-up
+            asyncio.run(completions(gateway, key, 32, max(levels), args.max_tokens))
+            latency = {c: latency_at(endpoint.url, gateway, key, c, args) for c in levels}
             inside = added_histogram(httpx.get(f"{gateway}/metrics").text)
             rid = httpx.post(f"{gateway}/v1/completions", headers={"Authorization": f"Bearer {key}"},
                              json={"prompt": "12+34=", "max_tokens": 2}, timeout=60).json()["id"]
-            n, seconds = asyncio.run(ratings(gateway, key, rid, args.concurrency, args.seconds))
+            n, seconds = asyncio.run(ratings(gateway, key, rid, max(levels), args.seconds))
     finally:
         stop(state_dir)
-    lat = {name: {"p50_ms": percentile(xs, 0.5) * 1000, "p99_ms": percentile(xs, 0.99) * 1000,
-                  "mean_ms": statistics.mean(xs) * 1000, "requests": len(xs)}
-           for name, xs in (("direct", direct), ("gateway", through))}
-    added = {"p50_ms": lat["gateway"]["p50_ms"] - lat["direct"]["p50_ms"],
-             "p99_ms": lat["gateway"]["p99_ms"] - lat["direct"]["p99_ms"]}
-    rows = [[name, f"{v['p50_ms']:.1f}", f"{v['p99_ms']:.1f}", f"{v['mean_ms']:.1f}", v["requests"]]
-            for name, v in lat.items()]
-    rows.append(["added (gateway - direct)", f"{added['p50_ms']:+.1f}", f"{added['p99_ms']:+.1f}", "", ""])
-    print(table(["path", "p50 ms", "p99 ms", "mean ms", "requests"], rows))
-    print(f"the gateway's own account of its added time: p50 <= {inside['p50_at_most_ms']:.1f} ms, "
-          f"p99 <= {inside['p99_at_most_ms']:.1f} ms (histogram bucket bounds)")
-    print(f"ratings: {n} in {seconds:.1f} s = {n / seconds:.0f}/s at {args.concurrency} concurrent, each committed "
+    save("gateway", {"settings": vars(args), "latency": latency, "added_inside_gateway": inside,
+                     "ratings": {"count": n, "seconds": seconds, "per_second": n / seconds,
+                                 "concurrency": max(levels)}})
+    rows = [{"concurrency": c, "path": name, "p50 ms": f"{v['p50_ms']:+.1f}" if name == "added" else f"{v['p50_ms']:.1f}",
+             "p99 ms": f"{v['p99_ms']:+.1f}" if name == "added" else f"{v['p99_ms']:.1f}",
+             "mean ms": f"{v['mean_ms']:+.1f}" if name == "added" else f"{v['mean_ms']:.1f}"}
+            for c, lat in latency.items() for name, v in lat.items()]
+    print(table(rows, ["concurrency", "path", "p50 ms", "p99 ms", "mean ms"]))
+    print(f"the gateway's own account of its added time (all requests): mean {inside['mean_ms']:.1f} ms, "
+          f"p50 <= {inside['p50_at_most_ms']:.1f} ms, p99 <= {inside['p99_at_most_ms']:.1f} ms (bucket bounds)")
+    print(f"ratings: {n} in {seconds:.1f} s = {n / seconds:.0f}/s at {max(levels)} concurrent, each committed "
           "before its 200")
-    save("gateway", {"machine": machine(), "settings": vars(args), "latency": lat, "added": added,
-                     "added_inside_gateway": inside, "ratings": {"count": n, "seconds": seconds,
-                                                                 "per_second": n / seconds}})
 
 
 if __name__ == "__main__":

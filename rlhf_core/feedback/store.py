@@ -24,10 +24,12 @@ user's data goes by.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from sqlalchemy import (
     Column, Float, ForeignKey, Integer, MetaData, String, Table, Text, UniqueConstraint, create_engine, delete, event,
     func, insert, select, update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 metadata = MetaData()
@@ -153,10 +155,34 @@ class FeedbackStore:
 
     # --- served answers -------------------------------------------------------------------
 
-    def record_response(self, response_id: str, *, model_version: str, served_model: str, kind: str,
-                        prompt: Any, user_hash: str, answers_: list[Answer], created_at: float | None = None) -> None:
-        """One served response and its answers, in one transaction."""
+    @contextlib.contextmanager
+    def _transaction(self, conn: Connection | None):
+        """A transaction of its own, or a savepoint inside `conn`'s (see `apply`)."""
+        if conn is not None:
+            with conn.begin_nested():
+                yield conn
+        else:
+            with self.engine.begin() as own:
+                yield own
+
+    def apply(self, calls: list[Callable[[Connection], Any]]) -> list[Any]:
+        """Run `calls` in one transaction, each in a savepoint of its own: one commit (one
+        fsync) for many writes. -> each call's result, or the exception it raised (its own
+        writes undone, the others kept)."""
+        results: list[Any] = []
         with self.engine.begin() as conn:
+            for call in calls:
+                try:
+                    results.append(call(conn))
+                except Exception as e:  # noqa: BLE001 - handed back to the caller it belongs to
+                    results.append(e)
+        return results
+
+    def record_response(self, response_id: str, *, model_version: str, served_model: str, kind: str,
+                        prompt: Any, user_hash: str, answers_: list[Answer], created_at: float | None = None,
+                        conn: Connection | None = None) -> None:
+        """One served response and its answers, in one transaction."""
+        with self._transaction(conn) as conn:
             conn.execute(insert(responses).values(
                 id=response_id, created_at=created_at or time.time(), model_version=model_version,
                 served_model=served_model, kind=kind, prompt_json=json.dumps(prompt), user_hash=user_hash,
@@ -176,10 +202,10 @@ class FeedbackStore:
     # --- feedback -------------------------------------------------------------------------
 
     def rate(self, response_id: str, user_hash: str, *, choice_index: int = 0, thumb: int | None = None,
-             score: float | None = None, comment: str | None = None) -> Recorded:
+             score: float | None = None, comment: str | None = None, conn: Connection | None = None) -> Recorded:
         """A user's rating of one answer; the same (response, answer, user) again replaces it."""
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._transaction(conn) as conn:
             version, n = self._response(conn, response_id)
             if not 0 <= choice_index < n:
                 raise FeedbackError(f"choice_index: {choice_index} is not an answer of {response_id!r} "
@@ -201,10 +227,11 @@ class FeedbackStore:
             conn.execute(update(ratings).where(key).values(thumb=thumb, score=score, comment=comment, updated_at=now))
             return Recorded("updated", version)
 
-    def choose(self, response_id: str, user_hash: str, preferred_index: int, comment: str | None = None) -> Recorded:
+    def choose(self, response_id: str, user_hash: str, preferred_index: int, comment: str | None = None,
+               conn: Connection | None = None) -> Recorded:
         """A user's choice between the answers of one response."""
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._transaction(conn) as conn:
             version, n = self._response(conn, response_id)
             if n < 2:
                 raise FeedbackError(f"preferred: response {response_id!r} has one answer; a choice needs a "
@@ -228,10 +255,10 @@ class FeedbackStore:
                                                            updated_at=now))
             return Recorded("updated", version)
 
-    def delete_user(self, user_hash: str) -> dict[str, int]:
+    def delete_user(self, user_hash: str, conn: Connection | None = None) -> dict[str, int]:
         """Every response, answer, rating and choice of one user; returns what was deleted.
         Responses a user asked for go with the other users' ratings of them."""
-        with self.engine.begin() as conn:
+        with self._transaction(conn) as conn:
             own = select(responses.c.id).where(responses.c.user_hash == user_hash).scalar_subquery()
             counts = {
                 "ratings": conn.execute(delete(ratings).where(

@@ -27,22 +27,25 @@ metrics paths. A rating is acknowledged only once its transaction has committed.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import queue
+import threading
 import time
 import uuid
 from collections import defaultdict, deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -106,6 +109,51 @@ class RateLimiter:
             return False
         events.append(now)
         return True
+
+
+class BatchWriter:
+    """One thread applies the gateway's store writes, all those waiting in one transaction
+    (group commit): concurrent SQLite writers would queue on the file lock, each paying its own
+    fsync, and SQLite's busy handler sleeps in steps of milliseconds. A write's future resolves
+    only after the transaction holding it committed."""
+
+    def __init__(self, store: FeedbackStore, max_batch: int = 256):
+        self.store, self.max_batch = store, max_batch
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="feedback-store-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, call) -> Future:
+        future: Future = Future()
+        self._queue.put((call, future))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            batch = [item]
+            while len(batch) < self.max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)  # stop after this batch
+                    break
+                batch.append(item)
+            try:
+                results = self.store.apply([call for call, _ in batch])
+            except Exception as e:  # noqa: BLE001 - the commit failed: every write of the batch failed
+                log.exception("a feedback store transaction failed")
+                results = [e] * len(batch)
+            for (_, future), result in zip(batch, results):
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
 
 @dataclass
@@ -241,11 +289,24 @@ class Gateway:
         self.upstream = Upstream(state_dir)
         self.limiter = RateLimiter(ratings_per_minute)
         self.max_samples = max_samples
-        self.timeout = httpx.Timeout(upstream_timeout_s, connect=5.0)
-        self.client: httpx.AsyncClient | None = None
+        self.timeout_s = upstream_timeout_s
+        self.session: aiohttp.ClientSession | None = None
         self.metrics = Metrics()
         self.metrics.registry.register(ThumbsCollector(store, Path(state_dir)))
         self._limited_logged: dict[str, float] = {}
+        self.writer = BatchWriter(store)
+
+    def _record(self, answers: list[Answer], record: dict) -> None:
+        """Queue the record of a served response. The client does not wait for its commit: the
+        writer applies writes in order, so any rating of it, sent after the client got its id,
+        is applied after it. A crash can lose the records of the last few milliseconds of
+        answers (ratings of them then get 404), never an acknowledged rating."""
+        future = self.writer.submit(lambda conn: self.store.record_response(answers_=answers, **record, conn=conn))
+        future.add_done_callback(_log_failed_record)
+
+    async def _write(self, call):
+        """`call(conn)` applied by the store's writer; returns once its transaction committed."""
+        return await asyncio.wrap_future(self.writer.submit(call))
 
     # --- serving --------------------------------------------------------------------------
 
@@ -272,45 +333,46 @@ class Gateway:
         prompt = payload.get("messages") if kind == "chat" else payload.get("prompt")
         user_hash = hash_user(str(payload.get("user") or request.headers.get("x-user-id") or "anonymous"), self.salt)
         payload["model"] = endpoint.served_model_name
-        upstream_request = self.client.build_request(
-            "POST", endpoint.url + path, content=json.dumps(payload).encode(),
-            headers={"authorization": f"Bearer {self.api_key}", "content-type": "application/json"})
         t0 = time.perf_counter()
         try:
-            upstream = await self.client.send(upstream_request, stream=bool(payload.get("stream")))
-        except httpx.HTTPError as e:
+            upstream = await self.session.post(
+                endpoint.url + path, data=json.dumps(payload).encode(),
+                headers={"authorization": f"Bearer {self.api_key}", "content-type": "application/json"})
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return self._count(path, error(502, f"the served model at {endpoint.url} did not answer: {e!r}"))
         response_id = f"resp-{uuid.uuid4().hex}"
         record = dict(response_id=response_id, model_version=endpoint.version, served_model=endpoint.served_model_name,
                       kind=kind, prompt=prompt, user_hash=user_hash)
         if payload.get("stream"):
             return self._stream(path, upstream, response_id, record)
+        async with upstream:
+            content = await upstream.read()
         upstream_s = time.perf_counter() - t0
-        if upstream.status_code != 200:
-            return self._count(path, Response(upstream.content, upstream.status_code,
-                                              media_type=upstream.headers.get("content-type")))
-        data = upstream.json()
+        if upstream.status != 200:
+            return self._count(path, Response(content, upstream.status, media_type=upstream.content_type))
+        data = json.loads(content)
         data["id"] = response_id
         answers = [Answer(_text(c, kind), c.get("finish_reason")) for c in sorted(data.get("choices", []),
                                                                                    key=lambda c: c.get("index", 0))]
-        await run_in_threadpool(lambda: self.store.record_response(answers_=answers, **record))
+        self._record(answers, record)
         self.metrics.added.labels(path).observe(max(time.perf_counter() - started - upstream_s, 0.0))
         return self._count(path, JSONResponse(data, headers={"x-response-id": response_id}))
 
-    def _stream(self, path: str, upstream: httpx.Response, response_id: str, record: dict) -> Response:
+    def _stream(self, path: str, upstream: aiohttp.ClientResponse, response_id: str, record: dict) -> Response:
         kind = record["kind"]
 
         async def events():
             texts: dict[int, list[str]] = defaultdict(list)
             finish: dict[int, str | None] = {}
             try:
-                async for line in upstream.aiter_lines():
+                async for raw in upstream.content:
+                    line = raw.decode()
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
                         answers = [Answer("".join(texts[i]), finish.get(i)) for i in sorted(texts)]
-                        await run_in_threadpool(lambda: self.store.record_response(answers_=answers, **record))
+                        self._record(answers, record)
                         yield b"data: [DONE]\n\n"
                         continue
                     chunk = json.loads(data)
@@ -322,14 +384,13 @@ class Gateway:
                             finish[i] = c["finish_reason"]
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
             finally:
-                await upstream.aclose()
+                upstream.release()
 
-        if upstream.status_code != 200:
+        if upstream.status != 200:
             async def body():
-                yield await upstream.aread()
-                await upstream.aclose()
-            return self._count(path, StreamingResponse(body(), upstream.status_code,
-                                                       media_type=upstream.headers.get("content-type")))
+                async with upstream:
+                    yield await upstream.read()
+            return self._count(path, StreamingResponse(body(), upstream.status, media_type=upstream.content_type))
         return self._count(path, StreamingResponse(events(), media_type="text/event-stream",
                                                    headers={"x-response-id": response_id}))
 
@@ -363,13 +424,13 @@ class Gateway:
             return self._count(route, error(429, "too much feedback from this user; retry in a minute"))
         try:
             if fb.preferred is not None:
-                recorded = await run_in_threadpool(self.store.choose, fb.response_id, user_hash, fb.preferred,
-                                                   fb.comment)
+                recorded = await self._write(
+                    lambda conn: self.store.choose(fb.response_id, user_hash, fb.preferred, fb.comment, conn=conn))
                 kind = "choice"
             else:
-                recorded = await run_in_threadpool(
-                    lambda: self.store.rate(fb.response_id, user_hash, choice_index=fb.choice_index, thumb=fb.thumb,
-                                            score=fb.score, comment=fb.comment))
+                recorded = await self._write(
+                    lambda conn: self.store.rate(fb.response_id, user_hash, choice_index=fb.choice_index,
+                                                 thumb=fb.thumb, score=fb.score, comment=fb.comment, conn=conn))
                 kind = {1: "up", -1: "down", None: "score"}[fb.thumb]
         except FeedbackError as e:
             self.metrics.rejected.labels("unknown_response" if e.status == 404 else "malformed").inc()
@@ -390,7 +451,7 @@ class Gateway:
 
     async def delete_user(self, request: Request) -> Response:
         user_hash = hash_user(request.path_params["user"], self.salt)
-        deleted = await run_in_threadpool(self.store.delete_user, user_hash)
+        deleted = await self._write(lambda conn: self.store.delete_user(user_hash, conn=conn))
         log.info("deleted the data of user %s: %s", user_hash, deleted)
         return JSONResponse({"deleted": deleted})
 
@@ -416,11 +477,14 @@ class Gateway:
     def app(self):
         @contextlib.asynccontextmanager
         async def lifespan(_app):
-            self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=256))
+            self.session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s, connect=5.0),
+                connector=aiohttp.TCPConnector(limit=256), auto_decompress=False)
             try:
                 yield
             finally:
-                await self.client.aclose()
+                await self.session.close()
+                self.writer.close()
 
         routes = [
             Route("/health", self.health, methods=["GET"]),
@@ -432,6 +496,11 @@ class Gateway:
             Route("/v1/users/{user}", self.delete_user, methods=["DELETE"]),
         ]
         return RequireApiKey(Starlette(routes=routes, lifespan=lifespan), key=self.api_key)
+
+
+def _log_failed_record(future: Future) -> None:
+    if (e := future.exception()) is not None:
+        log.error("recording a served response failed: %r", e)
 
 
 def _text(choice: dict, kind: str) -> str:

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from rlhf_core.feedback.store import Answer, FeedbackError, FeedbackStore, hash_user, sqlite_url
+from rlhf_core.feedback.store import Answer, FeedbackError, FeedbackStore, Recorded, hash_user, sqlite_url
 
 
 @pytest.fixture
@@ -103,3 +103,19 @@ def test_an_acknowledged_rating_is_in_the_file_for_another_process(store, tmp_pa
 def test_user_hashes_depend_on_the_salt():
     assert hash_user("alice", "s1") == hash_user("alice", "s1") != hash_user("alice", "s2")
     assert len(hash_user("alice", "s1")) == 32 and "alice" not in hash_user("alice", "s1")
+
+
+def test_apply_commits_many_writes_at_once_and_undoes_only_a_failed_one(store):
+    served(store)
+    results = store.apply([
+        lambda conn: store.rate("r1", "u1", thumb=1, conn=conn),
+        lambda conn: store.rate("nope", "u2", thumb=1, conn=conn),  # unknown: fails alone
+        lambda conn: store.rate("r1", "u1", thumb=1, conn=conn),  # sees the first write of the batch
+        lambda conn: store.record_response(
+            "r1", model_version="1", served_model="p", kind="completion", prompt="p", user_hash="u",
+            answers_=[Answer("x")], conn=conn),  # a second response under an existing id: fails alone
+        lambda conn: store.rate("r1", "u3", thumb=-1, conn=conn),
+    ])
+    assert [r.status if isinstance(r, Recorded) else type(r).__name__ for r in results] == [
+        "created", "FeedbackError", "duplicate", "IntegrityError", "created"]
+    assert store.counts() == {"responses": 1, "answers": 1, "ratings": 2, "choices": 0}
