@@ -298,11 +298,29 @@ def _demo_targets(results: Path) -> list[dict]:
              "met": "yes" if r["overhead_share"] < 0.15 else "no"}]
 
 
+def gateway(results: Path) -> list[str]:
+    if (r := load("gateway", results)) is None:
+        return not_run("gateway", "gateway.py")
+    rows = [{"concurrency": c, "direct_p50": lat["direct"]["p50_ms"], "gateway_p50": lat["gateway"]["p50_ms"],
+             "added_p50": lat["added"]["p50_ms"], "direct_p99": lat["direct"]["p99_ms"],
+             "gateway_p99": lat["gateway"]["p99_ms"], "added_p99": lat["added"]["p99_ms"]}
+            for c, lat in r["latency"].items()]
+    inside, rated = r["added_inside_gateway"], r["ratings"]
+    return [measured_on(r, "gateway"), "",
+            md_table(rows, [("concurrency", "concurrent requests", ""), ("direct_p50", "vLLM p50 ms", ".1f"),
+                            ("gateway_p50", "gateway p50 ms", ".1f"), ("added_p50", "added p50 ms", "+.1f"),
+                            ("direct_p99", "vLLM p99 ms", ".1f"), ("gateway_p99", "gateway p99 ms", ".1f"),
+                            ("added_p99", "added p99 ms", "+.1f")]), "",
+            f"The gateway's own account (its total minus the upstream's, all requests): mean "
+            f"{inside['mean_ms']:.1f} ms. Ratings: {rated['per_second']:.0f}/s at {rated['concurrency']} concurrent "
+            "clients, each acknowledged after its transaction committed (SQLite, WAL, synchronous=FULL)."]
+
+
 SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
     "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
-    "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale,
+    "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
 }
 
 
