@@ -68,10 +68,11 @@ def _with_feedback(preferences: str | Path, exports, cfg: PipelineConfig, out_di
     if not exports:
         return preferences
     base = read_source(preferences).drop(columns=[LINE_COLUMN], errors="ignore")
-    rows, taken = mix(base.to_dict("records"), exports, cfg.feedback.weight, seed=cfg.data.demo.seed,
-                      where=str(preferences))
-    get_run_logger().info("training on %d base pairs and %s feedback pairs", len(base), taken)
-    return write_jsonl(rows, out_dir / "preferences-with-feedback.jsonl")
+    mixed = mix(base.to_dict("records"), exports, cfg.feedback.weight, seed=cfg.data.demo.seed,
+                where=str(preferences))
+    get_run_logger().info("training on %d base pairs and %s feedback pairs (%d feedback pairs left out: "
+                          "already in the data)", len(base), mixed.taken, mixed.already_present)
+    return write_jsonl(mixed.rows, out_dir / "preferences-with-feedback.jsonl")
 
 
 def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:

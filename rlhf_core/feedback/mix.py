@@ -1,8 +1,8 @@
 """The base preference data plus the collected feedback datasets: what a run trains on.
 
 `recent_exports` lists the feedback datasets `collect-feedback` wrote (their manifests) within
-the recency window; `mix` appends their pairs to the base rows, each repeated `weight` times
-(a fraction samples that share, seeded), in the base data's format. The result is written as
+the recency window; `mix` appends a `weight` share of their pairs (a seeded sample) to the base
+rows, in the base data's format, leaving out pairs the data holds already. The result is written as
 one preference file and goes through the same preparation and contract as the base data alone.
 """
 from __future__ import annotations
@@ -55,33 +55,53 @@ def _format(value: Any) -> str:
     return "conversational" if is_conversation(value) else "standard"
 
 
+def _key(row: Mapping) -> str:
+    return json.dumps([row[k] for k in PAIR_COLUMNS], sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Mixed:
+    rows: list[dict]  # the base rows followed by the feedback pairs taken
+    taken: dict[str, int]  # pairs taken per feedback version
+    already_present: int  # feedback pairs left out: the same (prompt, chosen, rejected) was there already
+
+
 def mix(base: Sequence[Mapping], exports: Sequence[FeedbackExportInfo], weight: float, seed: int = 0,
-        where: str = "the base preference data") -> tuple[list[dict], dict[str, int]]:
-    """(the base rows followed by the feedback pairs, pairs taken per feedback version). A
-    feedback pair has the base rows' `id` and `source` columns when they do:
-    `<version>-<pair>-<copy>` and `feedback:<version>`."""
+        where: str = "the base preference data") -> Mixed:
+    """The base rows followed by a `weight` share of each export's pairs (a seeded sample; all
+    at 1.0). A pair whose (prompt, chosen, rejected) is already in the base data or an earlier
+    export is left out and counted: it adds nothing, and the data contract refuses repeated
+    pairs. A feedback pair has the base rows' `id` and `source` columns when they do:
+    `<version>-<pair>` and `feedback:<version>`."""
+    if not 0 <= weight <= 1:
+        raise ValueError(f"feedback weight {weight}: a share of the feedback pairs, between 0 and 1")
     rows = [dict(r) for r in base]
     base_format = _format(rows[0]["prompt"]) if rows and "prompt" in rows[0] else None
     with_id, with_source = bool(rows) and "id" in rows[0], bool(rows) and "source" in rows[0]
+    seen = {_key(r) for r in rows if all(k in r for k in PAIR_COLUMNS)}
     rng = random.Random(seed)
     taken: dict[str, int] = {}
+    already_present = 0
     for export in exports:
         pairs = [json.loads(line) for line in (export.path / "preferences.jsonl").read_text().splitlines() if line]
-        copies = []
+        taken[export.version] = 0
         for i, pair in enumerate(pairs):
             if base_format is not None and _format(pair["prompt"]) != base_format:
                 raise FeedbackMixError(
                     f"{export.path}/preferences.jsonl line {i + 1}: a {_format(pair['prompt'])} pair, but {where} "
                     f"is {base_format}; serve the model the way its data is written (chat completions for "
                     "conversational data, completions for text), or leave this feedback out (feedback.use: false)")
-            n = int(weight) + (rng.random() < weight - int(weight))
-            for copy in range(n):
-                row = {k: pair[k] for k in PAIR_COLUMNS}
-                if with_id:
-                    row = {"id": f"{export.version}-{i:06d}-{copy}", **row}
-                if with_source:
-                    row["source"] = f"feedback:{export.version}"
-                copies.append(row)
-        rows += copies
-        taken[export.version] = len(copies)
-    return rows, taken
+            if weight < 1 and rng.random() >= weight:
+                continue
+            if (key := _key(pair)) in seen:
+                already_present += 1
+                continue
+            seen.add(key)
+            row = {k: pair[k] for k in PAIR_COLUMNS}
+            if with_id:
+                row = {"id": f"{export.version}-{i:06d}", **row}
+            if with_source:
+                row["source"] = f"feedback:{export.version}"
+            rows.append(row)
+            taken[export.version] += 1
+    return Mixed(rows, taken, already_present)

@@ -430,7 +430,13 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     second = json.loads(path.read_text())
     assert nightly.state.is_completed(), (nightly.state, second.get("error"))
     base_rows = summary["stages"]["validate"]["rows"]
-    assert second["stages"]["validate"]["rows"] == base_rows + manifest["pairs"]  # feedback.weight 1
+    def triples(path):
+        return {(r["prompt"], r["chosen"], r["rejected"]) for r in read_table(path).to_dict("records")}
+
+    # feedback.weight 1: every feedback pair not already in the (same, seeded) base data
+    base_file = Path(summary["output_dir"]) / "data" / "preferences.jsonl"
+    new_pairs = triples(export / "preferences.jsonl") - triples(base_file)
+    assert second["stages"]["validate"]["rows"] == base_rows + len(new_pairs)
     assert second["stages"]["validate"]["dataset_fingerprint"] != summary["stages"]["validate"]["dataset_fingerprint"]
     version = client.get_model_version("policy", second["stages"]["register"]["version"])
     assert version.tags["feedback.datasets"] == manifest["version"]

@@ -37,27 +37,38 @@ def test_recent_exports_keep_the_window_oldest_first_and_skip_unfinished_ones(tm
 def test_mix_appends_feedback_pairs_in_the_base_columns(tmp_path):
     base = [{"id": "pair-0", "prompt": "1+1=", "chosen": "02", "rejected": "03", "source": "demo"}]
     export(tmp_path, "feedback-a", 0.0, [PAIR, PAIR | {"chosen": "047"}])
-    rows, taken = mix(base, recent_exports(tmp_path, None), weight=1.0)
-    assert taken == {"feedback-a": 2} and rows[0] == base[0]
-    assert rows[1] == {"id": "feedback-a-000000-0", "prompt": "12+34=", "chosen": "046", "rejected": "036",
-                       "source": "feedback:feedback-a"}
-    rows, _ = mix([{"prompt": "1+1=", "chosen": "02", "rejected": "03"}], recent_exports(tmp_path, None), 1.0)
-    assert set(rows[1]) == {"prompt", "chosen", "rejected"}
+    mixed = mix(base, recent_exports(tmp_path, None), weight=1.0)
+    assert mixed.taken == {"feedback-a": 2} and mixed.rows[0] == base[0] and mixed.already_present == 0
+    assert mixed.rows[1] == {"id": "feedback-a-000000", "prompt": "12+34=", "chosen": "046", "rejected": "036",
+                             "source": "feedback:feedback-a"}
+    mixed = mix([{"prompt": "1+1=", "chosen": "02", "rejected": "03"}], recent_exports(tmp_path, None), 1.0)
+    assert set(mixed.rows[1]) == {"prompt", "chosen", "rejected"}
 
 
-@pytest.mark.parametrize("weight, expected", [(0.0, 0), (2.0, 200), (3.0, 300)])
-def test_whole_weights_repeat_each_pair(tmp_path, weight, expected):
-    export(tmp_path, "feedback-a", 0.0, [PAIR] * 100)
-    _, taken = mix([], recent_exports(tmp_path, None), weight)
-    assert taken == {"feedback-a": expected}
+def test_a_pair_already_in_the_base_data_or_an_earlier_export_is_left_out_and_counted(tmp_path):
+    base = [{"prompt": "12+34=", "chosen": "046", "rejected": "036"}]
+    export(tmp_path, "feedback-a", 0.0, [PAIR, PAIR | {"rejected": "045"}, PAIR | {"rejected": "045"}])
+    export(tmp_path, "feedback-b", 1.0, [PAIR | {"rejected": "045"}, PAIR | {"rejected": "044"}])
+    mixed = mix(base, recent_exports(tmp_path, None), 1.0)
+    assert mixed.taken == {"feedback-a": 1, "feedback-b": 1} and mixed.already_present == 3
+    triples = [(r["prompt"], r["chosen"], r["rejected"]) for r in mixed.rows]
+    assert len(triples) == len(set(triples)) == 3
+
+
+@pytest.mark.parametrize("weight", [-0.5, 1.5, 2.0])
+def test_a_weight_outside_zero_to_one_is_refused(tmp_path, weight):
+    export(tmp_path, "feedback-a", 0.0, [PAIR])
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        mix([], recent_exports(tmp_path, None), weight)
 
 
 def test_a_fractional_weight_samples_that_share_and_is_seeded(tmp_path):
-    export(tmp_path, "feedback-a", 0.0, [PAIR] * 2000)
+    export(tmp_path, "feedback-a", 0.0, [PAIR | {"rejected": f"{i:04d}"} for i in range(2000)])
     exports = recent_exports(tmp_path, None)
-    _, taken = mix([], exports, 0.25, seed=1)
+    taken = mix([], exports, 0.25, seed=1).taken
     assert abs(taken["feedback-a"] - 500) < 4 * (2000 * 0.25 * 0.75) ** 0.5  # binomial: within 4 sd
     assert mix([], exports, 0.25, seed=1) == mix([], exports, 0.25, seed=1)
+    assert mix([], exports, 0.0).taken == {"feedback-a": 0}
 
 
 def test_feedback_in_another_format_than_the_base_is_refused_naming_the_file(tmp_path):
