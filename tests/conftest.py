@@ -115,3 +115,63 @@ def make_pretrained_fixture():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.make_pretrained
+
+
+def _postgres_bin(name: str) -> str | None:
+    """PostgreSQL's server programs: on PATH, or where Debian's packages put them."""
+    import glob
+    import shutil
+
+    return shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server on a loopback port, in a temporary directory, for the session:
+    yields `new_database()`, a SQLAlchemy URL of a fresh, empty database each call. As root
+    (the CI machine) the server runs as the `postgres` user, which PostgreSQL insists on."""
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        pytest.skip("PostgreSQL's initdb and pg_ctl are not installed (Debian: apt-get install postgresql)")
+    as_user: list[str] = []
+    root = Path(tempfile.mkdtemp(prefix="rlhf-pg-"))
+    if os.geteuid() == 0:
+        as_user = ["runuser", "-u", "postgres", "--"]
+        user = pwd.getpwnam("postgres")
+        os.chown(root, user.pw_uid, user.pw_gid)
+    data, port = root / "data", _free_ports(1)[0]
+    try:
+        subprocess.run([*as_user, initdb, "-D", str(data), "-U", "rlhf", "--auth=trust", "--no-sync"],
+                       check=True, capture_output=True)
+        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-l", str(root / "log"), "-w", "-t", "60",
+                        "-o", f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={root}"
+                              " -c fsync=on",
+                        "start"], check=True, capture_output=True)
+    except subprocess.CalledProcessError as e:
+        log = (root / "log").read_text() if (root / "log").exists() else ""
+        shutil.rmtree(root, ignore_errors=True)
+        raise RuntimeError(f"PostgreSQL did not start: {e.stderr.decode()}{log}") from e
+    import sqlalchemy
+
+    admin = sqlalchemy.create_engine(f"postgresql+psycopg://rlhf@127.0.0.1:{port}/postgres",
+                                     isolation_level="AUTOCOMMIT")
+    made = iter(range(10**6))
+
+    def new_database() -> str:
+        name = f"t{next(made)}_{int(time.time())}"
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+        return f"postgresql+psycopg://rlhf@127.0.0.1:{port}/{name}"
+
+    try:
+        yield new_database
+    finally:
+        admin.dispose()
+        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""The feedback store on a real SQLite file: idempotent ratings, choices, deletion, windows."""
+"""The feedback store on a real SQLite file and a real PostgreSQL server: idempotent ratings,
+choices, deletion, windows."""
 import sqlite3
 import threading
 
@@ -7,8 +8,18 @@ import pytest
 from rlhf_core.feedback.store import Answer, FeedbackError, FeedbackStore, Recorded, hash_user, sqlite_url
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        s = FeedbackStore(sqlite_url(tmp_path / "feedback.db"))
+    else:
+        s = FeedbackStore(request.getfixturevalue("postgres_server")())
+    yield s
+    s.close()
+
+
 @pytest.fixture
-def store(tmp_path):
+def sqlite_store(tmp_path):
     s = FeedbackStore(sqlite_url(tmp_path / "feedback.db"))
     yield s
     s.close()
@@ -19,8 +30,8 @@ def served(store, rid="r1", user="u1", answers=("046",), version="1", prompt="12
                           prompt=prompt, user_hash=user, answers_=[Answer(a, "stop") for a in answers])
 
 
-def test_sqlite_store_runs_in_wal_mode_with_full_sync(store, tmp_path):
-    with store.engine.connect() as conn:
+def test_sqlite_store_runs_in_wal_mode_with_full_sync(sqlite_store):
+    with sqlite_store.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
@@ -93,9 +104,9 @@ def test_deleting_a_user_removes_their_responses_and_ratings_and_keeps_the_rest(
     assert store.thumbs_by_version() == {"1": (1, 0)}
 
 
-def test_an_acknowledged_rating_is_in_the_file_for_another_process(store, tmp_path):
-    served(store)
-    store.rate("r1", "u2", thumb=1)
+def test_an_acknowledged_rating_is_in_the_file_for_another_process(sqlite_store, tmp_path):
+    served(sqlite_store)
+    sqlite_store.rate("r1", "u2", thumb=1)
     with sqlite3.connect(tmp_path / "feedback.db") as other:  # a reader that shares nothing with the store
         assert other.execute("SELECT thumb FROM ratings").fetchall() == [(1,)]
 
