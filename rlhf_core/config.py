@@ -448,6 +448,12 @@ class FeedbackConfig(_Strict):
     store_url: str | None = Field(
         None, description="SQLAlchemy URL of the feedback store (postgresql://... to share one between gateways); "
         "null: SQLite <serving state_dir>/feedback.db.")
+    store_url_env: str = Field(
+        "RLHF_FEEDBACK_STORE_URL", description="Environment variable that, when set and non-empty, holds the store's "
+        "URL instead of store_url: a PostgreSQL URL carries a password, which belongs in a secret, not a config file.")
+    salt_file: Path | None = Field(
+        None, description="File holding the secret that user ids are hashed with; gateways sharing a store must share "
+        "it. null: <serving state_dir>/user_salt, generated (mode 0600) on first use.")
     ratings_per_minute: int = Field(
         60, ge=1, description="Feedback one user may send per minute; more is refused (429) and counted.")
     max_samples: int = Field(4, ge=1, le=16, description="Largest n a client may ask for (answers to choose between).")
@@ -463,8 +469,9 @@ class FeedbackConfig(_Strict):
     min_user_flood: int = Field(20, ge=1, description="Fewest ratings from one user before max_user_share applies.")
     use: bool = Field(False, description="Train on the collected feedback datasets beside the base preference data.")
     weight: float = Field(
-        1.0, ge=0, description="Times each feedback pair is repeated in the training pairs relative to a base pair "
-        "(fractions sample that share).")
+        1.0, ge=0, le=1, description="Share of the feedback pairs trained on (a seeded sample; 1: all). Pairs are "
+        "never repeated: a (prompt, chosen, rejected) already in the data is left out, as the data contract "
+        "refuses repeated pairs.")
     recency_days: float | None = Field(
         30.0, gt=0, description="Only feedback datasets exported in the last recency_days days; null: all.")
 

@@ -312,6 +312,14 @@ class FeedbackStore:
                 up_down[0 if thumb > 0 else 1] += 1
         return {v: (u, d) for v, (u, d) in counts.items()}
 
+    def version_served_before(self, version: str) -> str | None:
+        """The version whose answer was served most recently among all but `version`: the one
+        `version` replaced, where no deploy history says so (a Kubernetes rollout)."""
+        query = (select(responses.c.model_version).where(responses.c.model_version != version)
+                 .order_by(responses.c.created_at.desc()).limit(1))
+        with self.engine.connect() as conn:
+            return conn.execute(query).scalar()
+
     def last_export(self) -> dict | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(exports).order_by(exports.c.covered_until.desc()).limit(1)).first()

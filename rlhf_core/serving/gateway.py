@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -230,14 +231,21 @@ class Metrics:
                              ["version"], registry=r)
 
 
-def served_versions(state_dir: Path) -> dict[str, str]:
+def served_versions(state_dir: Path, store: FeedbackStore | None = None) -> dict[str, str]:
     """{"current": the version serving now, "previous": the one its deploy replaced}, from the
-    serving state (`current.json`, `deployments.jsonl`); a role is missing when unknown."""
+    serving state (`current.json`, and `deployments.jsonl` of the local blue/green deploy). With
+    no deploy history (a Kubernetes rollout writes none), `previous` is the version `store`
+    served an answer from most recently before. A role is missing when unknown."""
     roles: dict[str, str] = {}
     try:
         roles["current"] = str(json.loads((Path(state_dir) / "current.json").read_text())["version"])
-        lines = (Path(state_dir) / "deployments.jsonl").read_text().splitlines()
     except (FileNotFoundError, ValueError, KeyError):
+        return roles
+    try:
+        lines = (Path(state_dir) / "deployments.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        if store is not None and (previous := store.version_served_before(roles["current"])) is not None:
+            roles["previous"] = previous
         return roles
     for line in reversed(lines):
         event = json.loads(line)
@@ -274,7 +282,7 @@ class ThumbsCollector:
         for version, (up, down) in sorted(counts.items()):
             family.add_metric([version, "up"], up)
             family.add_metric([version, "down"], down)
-        for role, version in served_versions(self.state_dir).items():
+        for role, version in served_versions(self.state_dir, self.store).items():
             up, down = counts.get(version, (0, 0))
             roles.add_metric([role, version, "up"], up)
             roles.add_metric([role, version, "down"], down)
@@ -516,25 +524,29 @@ def _delta(choice: dict, kind: str) -> str:
 
 
 def store_url(cfg) -> str:
-    """`feedback.store_url`, else SQLite `feedback.db` in the serving state directory."""
+    """$<feedback.store_url_env> if set, else `feedback.store_url`, else SQLite `feedback.db` in
+    the serving state directory."""
     from rlhf_core.feedback.store import sqlite_url  # noqa: PLC0415
     from rlhf_core.serving.state import state_dir_for  # noqa: PLC0415
 
-    return cfg.feedback.store_url or sqlite_url(state_dir_for(cfg.serving, cfg.output_dir) / "feedback.db")
+    f = cfg.feedback
+    return os.environ.get(f.store_url_env) or f.store_url or sqlite_url(
+        state_dir_for(cfg.serving, cfg.output_dir) / "feedback.db")
 
 
 def build_gateway(cfg) -> Gateway:
-    """The gateway of a pipeline config: its store, the serving API key and state, and a salt
-    for user ids kept beside the key (`<state_dir>/user_salt`, mode 0600)."""
+    """The gateway of a pipeline config: its store, the serving API key and state, and the salt
+    for user ids (`feedback.salt_file`, else `<state_dir>/user_salt`, mode 0600)."""
     from rlhf_core.serving.auth import resolve_api_key, secret_file  # noqa: PLC0415
     from rlhf_core.serving.state import state_dir_for  # noqa: PLC0415
 
     state_dir = state_dir_for(cfg.serving, cfg.output_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     f = cfg.feedback
-    return Gateway(FeedbackStore(store_url(cfg)), state_dir, resolve_api_key(cfg.serving, state_dir),
-                   secret_file(state_dir / "user_salt"), ratings_per_minute=f.ratings_per_minute,
-                   max_samples=f.max_samples, upstream_timeout_s=f.upstream_timeout_s)
+    salt = secret_file(Path(f.salt_file) if f.salt_file else state_dir / "user_salt")
+    return Gateway(FeedbackStore(store_url(cfg)), state_dir, resolve_api_key(cfg.serving, state_dir), salt,
+                   ratings_per_minute=f.ratings_per_minute, max_samples=f.max_samples,
+                   upstream_timeout_s=f.upstream_timeout_s)
 
 
 def run_gateway(cfg) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rlhf_core.config import ServingConfig
 from rlhf_core.serving.errors import ServingError
@@ -109,6 +110,18 @@ def write_json_atomic(path: Path, data: dict) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def announce(state_dir: Path, *, url: str, served_model_name: str, version: str, model_dir: str) -> Endpoint:
+    """Write `current.json` for a server this project did not start (on Kubernetes the pod's
+    vLLM, announced to the feedback gateway beside it): `pid` 0, no log."""
+    split = urlsplit(url)
+    endpoint = Endpoint(url=url, host=split.hostname, port=split.port, pid=0, served_model_name=served_model_name,
+                        version=str(version), model_dir=model_dir, log_path="",
+                        started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path(state_dir) / "current.json", endpoint.to_dict())
+    return endpoint
 
 
 def append_history(state_dir: Path, event: str, endpoint: Endpoint, previous: Endpoint | None, **extra) -> None:

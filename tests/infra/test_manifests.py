@@ -330,7 +330,8 @@ def test_every_secret_used_is_documented_with_its_key():
                 f"`kubectl -n {NAMESPACE} create secret generic {name} --from-literal={key}=...`")
             used.setdefault(name, set()).add(key)
     assert used == {name: set(keys) for name, keys in documented.items()}
-    assert used == {"rlhf-serving": {"api-key"}, "rlhf-receiver-token": {"receiver-token"}}
+    assert used == {"rlhf-serving": {"api-key"}, "rlhf-receiver-token": {"receiver-token"},
+                    "rlhf-feedback": {"store-url", "user-salt"}}
 
 
 def test_the_configmap_has_the_pipeline_configs_mlflow_uri():
@@ -458,6 +459,57 @@ def test_vllm_serves_the_champion_downloaded_from_mlflow():
     env = {e["name"]: e.get("valueFrom") for e in [*init["env"], *vllm["env"]]}
     assert env["MLFLOW_TRACKING_URI"] == {"configMapKeyRef": {"name": "rlhf-config", "key": "mlflow-tracking-uri"}}
     assert env["VLLM_API_KEY"] == {"secretKeyRef": {"name": "rlhf-serving", "key": "api-key"}}
+
+
+def test_the_feedback_gateway_fronts_the_pods_vllm_with_the_same_key_and_a_shared_store():
+    pod = _deployment_pod("rlhf-vllm")
+    vllm, gateway, init = _container(pod, "vllm"), _container(pod, "gateway"), _container(pod, "fetch-champion")
+    argv = _argv(gateway)
+    assert argv[:2] == ["rlhf", "gateway"]
+    args = rlhf_cli_parser().parse_args(argv[1:])
+    assert REPO / PurePosixPath(args.config).relative_to(_workdir()) == PIPELINE_CONFIG
+    cfg = load_config(PIPELINE_CONFIG, args.overrides)
+    # it listens on the pod's address, at the port of its Service, probes and scrape job
+    port = _resolve_port(gateway, "feedback")
+    assert cfg.feedback.host == "0.0.0.0" and cfg.feedback.port == port
+    service = _one("Service", "rlhf-gateway")
+    svc_port = _service_port(service, "http")
+    assert _resolve_port(gateway, svc_port["targetPort"]) == port
+    assert service["spec"]["selector"].items() <= _one("Deployment", "rlhf-vllm")["spec"]["template"]["metadata"][
+        "labels"].items()
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = gateway[probe]["httpGet"]
+        assert get["path"] in serving.OPEN_PATHS and _resolve_port(gateway, get["port"]) == port, probe
+    # the init container announces the pod's vLLM where the gateway's state_dir is
+    script = " ".join(_argv(init))
+    assert f'url="http://127.0.0.1:{_resolve_port(vllm, "http")}"' in script
+    state = re.search(r'announce\("([^"]+)"', script).group(1)
+    init_mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+    gateway_mounts = {m["mountPath"]: m["name"] for m in gateway["volumeMounts"]}
+    assert str(cfg.serving.state_dir) == state and init_mounts[state] == gateway_mounts[state]
+    assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}[gateway_mounts[state]]
+    # the same API key as vLLM; the store URL and the salt from one Secret, shared by every pod
+    env = {e["name"]: e.get("valueFrom") for e in gateway["env"]}
+    [vllm_key] = [e["valueFrom"] for e in vllm["env"] if e["name"] == "VLLM_API_KEY"]
+    assert env[cfg.serving.api_key_env] == vllm_key
+    assert env[cfg.feedback.store_url_env] == {"secretKeyRef": {"name": "rlhf-feedback", "key": "store-url"}}
+    assert cfg.feedback.store_url is None, "the store URL holds a password: the Secret, not the config"
+    assert _mounted_files(pod, gateway)[str(cfg.feedback.salt_file)] == ("Secret", "rlhf-feedback", "user-salt")
+
+
+def test_prometheus_scrapes_each_pods_gateway_and_only_vllm_in_the_vllm_job():
+    jobs = {j["job_name"]: j for j in _k8s_prometheus_config()["scrape_configs"]}
+    pod = _deployment_pod("rlhf-vllm")
+    labels = _one("Deployment", "rlhf-vllm")["spec"]["template"]["metadata"]["labels"]
+    for job, container, port_name in (("vllm", "vllm", None), ("rlhf-feedback", "gateway", "feedback")):
+        keeps = {r["source_labels"][0]: r["regex"] for r in jobs[job]["relabel_configs"] if r.get("action") == "keep"}
+        assert keeps["__meta_kubernetes_pod_label_app_kubernetes_io_name"] == labels["app.kubernetes.io/name"]
+        if port_name is None:
+            assert keeps["__meta_kubernetes_pod_container_name"] == container
+        else:
+            assert keeps["__meta_kubernetes_pod_container_port_name"] == port_name
+            assert port_name in [p["name"] for p in _container(pod, container)["ports"]]
+            assert jobs[job].get("metrics_path", "/metrics") in serving.OPEN_PATHS
 
 
 # --- Prefect ----------------------------------------------------------------------------

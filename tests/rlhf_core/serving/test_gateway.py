@@ -7,7 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from rlhf_core.feedback.store import Answer, FeedbackStore, hash_user, sqlite_url
-from rlhf_core.serving.gateway import BadRequest, Gateway, RateLimiter, parse_feedback
+from rlhf_core.serving.gateway import BadRequest, Gateway, RateLimiter, Upstream, parse_feedback
 
 KEY, SALT = "test-key", "test-salt"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -143,7 +143,6 @@ def test_parse_feedback_takes_the_header_user_when_the_body_has_none():
 
 
 def test_the_upstream_follows_current_json_when_a_deploy_replaces_it(tmp_path):
-    from rlhf_core.serving.gateway import Upstream
     from rlhf_core.serving.state import Endpoint, write_json_atomic
 
     def endpoint(version: str, port: int) -> Endpoint:
@@ -192,3 +191,56 @@ def test_metrics_name_the_current_and_previous_versions_thumbs(tmp_path):
     assert 'rlhf_feedback_champion_thumbs{role="previous",thumb="up",version="1"} 2.0' in text
     assert 'rlhf_gateway_serving_version{version="2"} 1.0' in text
     store.close()
+
+
+def test_without_deploy_history_the_previous_version_is_the_one_served_before(tmp_path):
+    """On Kubernetes the pod's init container announces its vLLM (no deployments.jsonl): the
+    version it replaced is the one whose answers the store holds most recently."""
+    from rlhf_core.serving.gateway import served_versions
+    from rlhf_core.serving.state import announce
+
+    store = FeedbackStore(sqlite_url(tmp_path / "feedback.db"))
+    endpoint = announce(tmp_path / "state", url="http://127.0.0.1:8000", served_model_name="policy", version=3,
+                        model_dir="/models/champion")
+    assert (endpoint.host, endpoint.port, endpoint.version) == ("127.0.0.1", 8000, "3")
+    assert Upstream(tmp_path / "state").get() == endpoint
+    assert served_versions(tmp_path / "state", store) == {"current": "3"}
+    for i, version in enumerate(["1", "2", "1", "2", "3"]):  # a rollback to 1, then 2 again, then 3
+        store.record_response(f"r{i}", model_version=version, served_model="policy", kind="completion", prompt="p",
+                              user_hash="u", answers_=[Answer("a")])
+    assert served_versions(tmp_path / "state", store) == {"current": "3", "previous": "2"}
+    assert served_versions(tmp_path / "state") == {"current": "3"}  # no store: unknown, not guessed
+    store.close()
+
+
+def test_the_store_url_comes_from_the_environment_before_the_config(tmp_path, monkeypatch):
+    from rlhf_core.config import parse_config
+    from rlhf_core.serving.gateway import store_url
+
+    cfg = parse_config({"output_dir": str(tmp_path)})
+    monkeypatch.delenv(cfg.feedback.store_url_env, raising=False)
+    assert store_url(cfg) == sqlite_url(tmp_path.resolve() / "serving" / "feedback.db")
+    cfg = parse_config({"output_dir": str(tmp_path), "feedback": {"store_url": "sqlite:///from-config.db"}})
+    assert store_url(cfg) == "sqlite:///from-config.db"
+    monkeypatch.setenv(cfg.feedback.store_url_env, "postgresql://rlhf:secret@db/feedback")
+    assert store_url(cfg) == "postgresql://rlhf:secret@db/feedback"
+
+
+def test_two_gateways_on_one_postgresql_store_count_a_users_rating_once(tmp_path, postgres_server):
+    """Scale-out (a rollout's two pods): each pod's gateway on the same PostgreSQL store and
+    salt; a rating sent to one and repeated to the other is one rating of one user."""
+    url = postgres_server()
+    stores = [FeedbackStore(url), FeedbackStore(url)]
+    stores[0].record_response("resp-1", model_version="1", served_model="policy", kind="completion", prompt="12+34=",
+                              user_hash=hash_user("asker", SALT), answers_=[Answer("046")])
+    body = {"response_id": "resp-1", "rating": "up", "user": "alice"}
+    with TestClient(Gateway(stores[0], tmp_path / "a", KEY, SALT).app()) as a, \
+            TestClient(Gateway(stores[1], tmp_path / "b", KEY, SALT).app()) as b:
+        assert post(b, body).json()["status"] == "created"
+        assert post(a, body).json()["status"] == "duplicate"
+        assert post(a, {"response_id": "resp-nope", "rating": "up"}).status_code == 404
+        assert 'rlhf_feedback_thumbs{thumb="up",version="1"} 1.0' in b.get("/metrics").text
+    assert stores[0].counts()["ratings"] == 1
+    assert stores[1].delete_user(hash_user("alice", SALT))["ratings"] == 1
+    for store in stores:
+        store.close()
