@@ -425,6 +425,13 @@ class ServingConfig(_Strict):
     startup_timeout_s: float = Field(300.0, gt=0, description='Seconds a new server has until /health answers 200.')
     smoke_prompt: str = Field("Hello", description='Completed once before the new server takes traffic.')
     smoke_max_tokens: int = Field(8, ge=1, description='Tokens of the smoke completion.')
+    cpu_threads_bind: str = Field(
+        "nobind", description="vLLM's VLLM_CPU_OMP_THREADS_BIND for the servers it starts (CPU backend only): "
+        '"nobind" lets the OS schedule them, so that a new server starting beside one under traffic gets CPU '
+        '(vLLM\'s "auto" binds both to the same cores); "auto" or core lists such as "0-3" for a dedicated machine.')
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="After a switch, seconds the previous server has to finish the requests it is "
+        "answering before it is stopped.")
     extra_args: list[str] = Field([], description='Passed on to vllm.entrypoints.openai.api_server.')
 
     @model_validator(mode="after")

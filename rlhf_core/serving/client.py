@@ -1,4 +1,5 @@
-"""The HTTP calls serving makes to a vLLM server: health, the models it serves, one completion."""
+"""The HTTP calls serving makes to a vLLM server: health, the models it serves, one completion,
+the requests it has in hand."""
 from __future__ import annotations
 
 import httpx
@@ -36,6 +37,25 @@ def complete(url: str, api_key: str | None, model: str, prompt: str, max_tokens:
     if not isinstance(text, str):
         raise ServingError(f"POST {url}/v1/completions: choices[0].text is {type(text).__name__}, not a string")
     return text
+
+
+IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def requests_in_flight(url: str) -> float:
+    """Requests the server at `url` is answering or has queued, from its /metrics (0 when it
+    does not answer: nothing left to wait for)."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    try:
+        with _client(5) as client:
+            r = client.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return 0.0
+    if r.status_code != 200:
+        return 0.0
+    return sum(sample.value for family in text_string_to_metric_families(r.text) for sample in family.samples
+               if sample.name in IN_FLIGHT)
 
 
 def _client(timeout: float) -> httpx.Client:

@@ -11,6 +11,11 @@ is sized with `--kv-cache-memory-bytes` from `cfg.kv_cache_gib` (fractions of a 
 and `VLLM_CPU_KVCACHE_SPACE` is removed from the server's environment: that legacy variable
 takes whole GiB only and, if set, silently overrides the flag on the CPU backend.
 
+On the CPU backend vLLM binds its OpenMP threads to cores (`VLLM_CPU_OMP_THREADS_BIND=auto`),
+the same cores for every server: a new server starting beside one under traffic got 113 ms of
+CPU in 70 s and never became healthy. The servers started here use `cfg.cpu_threads_bind`,
+"nobind" by default.
+
 Unless `cfg.chunked_prefill`, the server never splits a prompt across scheduler steps
 (`--no-enable-chunked-prefill`; a step takes whole prompts up to `SERVER_PREFILL_TOKENS`
 tokens, or one of `max_model_len`). vLLM's CPU backend cannot sample a seeded request whose
@@ -73,7 +78,8 @@ def launch(
     env = dict(os.environ)
     env.pop(cfg.api_key_env, None)  # the server needs only VLLM_API_KEY
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes
-    env.update(VLLM_API_KEY=api_key, VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", DO_NOT_TRACK="1")
+    env.update(VLLM_API_KEY=api_key, VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", DO_NOT_TRACK="1",
+               VLLM_CPU_OMP_THREADS_BIND=cfg.cpu_threads_bind)
     # The server imports RequireApiKey from this very checkout, installed or not.
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -94,7 +100,7 @@ def stop_process_group(pid: int, timeout: float = KILL_GRACE_S) -> None:
         return
     log.warning("process group %d still running %.0f s after SIGTERM; sending SIGKILL", pid, timeout)
     _signal_group(pid, signal.SIGKILL)
-    if not _wait_group_gone(pid, 10.0):
+    if not _wait_group_gone(pid, KILL_GRACE_S):  # under load, the kernel can take many seconds to reap it
         raise ServingError(f"process group {pid} survived SIGKILL")
 
 
@@ -156,6 +162,18 @@ def _group_members(pgid: int) -> list[int]:
         if entry.isdigit() and (st := _proc_stat(int(entry))) is not None and st[1] == pgid and st[0] != "Z":
             members.append(int(entry))
     return members
+
+
+def servers_started_in(directory: Path, port: int) -> list[int]:
+    """Pids of live vLLM API servers on `port` whose working directory is `directory` (where
+    `launch` starts them): a server whose deploy died before recording it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and is_server(int(entry), port):
+            with contextlib.suppress(OSError):
+                if Path(os.readlink(f"/proc/{entry}/cwd")) == Path(directory).resolve():
+                    found.append(int(entry))
+    return found
 
 
 def is_server(pid: int, port: int) -> bool:

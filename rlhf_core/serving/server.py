@@ -37,13 +37,14 @@ import json
 import logging
 import subprocess
 import time
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from rlhf_core.config import ServingConfig
 from rlhf_core.serving.auth import OPEN_PATHS, RequireApiKey, resolve_api_key
-from rlhf_core.serving.client import complete, health, list_models
+from rlhf_core.serving.client import complete, health, list_models, requests_in_flight
 from rlhf_core.serving.errors import ServingError
 from rlhf_core.serving.process import (
     GiB,
@@ -55,6 +56,7 @@ from rlhf_core.serving.process import (
     log_summary,
     port_in_use,
     server_command,
+    servers_started_in,
     stop_process_group,
 )
 from rlhf_core.serving.state import (
@@ -78,6 +80,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 1.0
+DRAIN_GRACE_S, DRAIN_POLL_S = 1.0, 0.25
+STARTING = "starting.json"  # the deploy in progress: its endpoint, written before its server starts
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ def deploy(
     name = served_model_name or f"policy-v{version}"
     ensure_dir(state_dir)
     with deploy_lock(state_dir):
+        _stop_abandoned(state_dir)
         previous = current_endpoint(state_dir)
         port = next_port(cfg.ports, previous)
         if port_in_use(cfg.host, port):
@@ -107,28 +112,35 @@ def deploy(
         started_at = datetime.now(timezone.utc)
         log_path = state_dir / "logs" / f"{name}-port{port}-{started_at:%Y%m%dT%H%M%SZ}.log"
         start = time.monotonic()
-        proc = launch(model_dir, name, port, max_model_len, cfg, api_key, log_path)
         endpoint = Endpoint(
-            url=url_for(cfg.host, port), host=cfg.host, port=port, pid=proc.pid, served_model_name=name,
+            url=url_for(cfg.host, port), host=cfg.host, port=port, pid=0, served_model_name=name,
             version=str(version), model_dir=str(model_dir), log_path=str(log_path),
             started_at=started_at.isoformat(timespec="seconds"),
         )
+        # The intent first: a deploy killed from here on (SIGKILL included) leaves a record
+        # that the next deploy finds, and it stops the server this one started.
+        write_json_atomic(state_dir / STARTING, endpoint.to_dict())
+        proc = launch(model_dir, name, port, max_model_len, cfg, api_key, log_path)
+        endpoint = replace(endpoint, pid=proc.pid)
+        write_json_atomic(state_dir / STARTING, endpoint.to_dict())
         log.info("deploying %s (%s) on %s, pid %d, log %s", name, model_dir, endpoint.url, proc.pid, log_path)
         try:
             text = _check_new_server(proc, endpoint, api_key, cfg)
         except BaseException as e:  # KeyboardInterrupt too: never leave the new server behind
-            stop_process_group(proc.pid)
-            proc.wait()
-            append_history(state_dir, "failed", endpoint, previous, error=str(e), cause=first_error(log_path))
+            cause = first_error(log_path)
+            append_history(state_dir, "failed", endpoint, previous, error=str(e), cause=cause)
+            cleanup = _stop_new_server(proc, state_dir)
             if isinstance(e, ServingError):
-                raise ServingError(f"deploy of {name} failed: {e}\n{log_summary(log_path)}") from e
+                raise ServingError(f"deploy of {name} failed: {e}{cleanup}\n{log_summary(log_path)}") from e
             raise
         seconds = time.monotonic() - start
 
         write_json_atomic(state_dir / "current.json", endpoint.to_dict())
+        (state_dir / STARTING).unlink()
         append_history(state_dir, "deployed", endpoint, previous, seconds=round(seconds, 1))
         log.info("%s serves on %s after %.0f s", name, endpoint.url, seconds)
         if previous is not None:
+            _drain(previous, cfg.drain_timeout_s)
             log.info("stopping the previous server %s (pid %d)", previous.served_model_name, previous.pid)
             try:
                 stop_process_group(previous.pid)
@@ -143,6 +155,7 @@ def stop(state_dir: Path) -> Endpoint | None:
     if not state_dir.exists():
         return None
     with deploy_lock(state_dir):
+        _stop_abandoned(state_dir)
         endpoint = current_endpoint(state_dir)
         # current.json goes first: from then on nobody is sent to the server being stopped.
         with contextlib.suppress(FileNotFoundError):
@@ -151,6 +164,57 @@ def stop(state_dir: Path) -> Endpoint | None:
             stop_process_group(endpoint.pid)
             append_history(state_dir, "stopped", endpoint, None)
     return endpoint
+
+
+def _stop_new_server(proc: subprocess.Popen, state_dir: Path) -> str:
+    """Stop the server of a failed deploy; "" once it is gone, else what went wrong (the intent
+    record stays, so the next deploy tries again)."""
+    try:
+        stop_process_group(proc.pid)
+        proc.wait(timeout=10)
+    except (ServingError, subprocess.TimeoutExpired) as e:
+        log.error("could not stop the failed server (pid %d): %s", proc.pid, e)
+        return f" (then stopping it failed: {e}; the next deploy stops it)"
+    (state_dir / STARTING).unlink(missing_ok=True)
+    return ""
+
+
+def _stop_abandoned(state_dir: Path) -> None:
+    """Finish what a deploy that died left: stop the server it started and record it."""
+    path = state_dir / STARTING
+    try:
+        abandoned = Endpoint.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return
+    except (ValueError, KeyError, TypeError):  # killed while writing it: nothing to go on but the port
+        abandoned = None
+    groups: set[int] = set()
+    ports = [abandoned.port] if abandoned is not None else []
+    for port in ports:
+        for pid in servers_started_in(state_dir / "logs", port):
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(pid))
+    for pgid in sorted(groups):
+        log.warning("a deploy of %s died before it finished; stopping the server it started (process group %d)",
+                    abandoned.served_model_name, pgid)
+        stop_process_group(pgid)
+    if abandoned is not None:
+        append_history(state_dir, "abandoned", abandoned, None, stopped_process_groups=sorted(groups))
+    path.unlink()
+
+
+def _drain(previous: Endpoint, timeout_s: float) -> None:
+    """Give the previous server up to `timeout_s` to answer what it has in hand: requests sent to it
+    just before the switch (vLLM's `num_requests_running` and `_waiting` both 0)."""
+    deadline = time.monotonic() + timeout_s
+    time.sleep(min(DRAIN_GRACE_S, timeout_s))  # a request routed a moment before the switch is on its way
+    while time.monotonic() < deadline:
+        busy = requests_in_flight(previous.url)
+        if not busy:
+            return
+        time.sleep(DRAIN_POLL_S)
+    log.warning("the previous server %s still had requests after drain_timeout_s=%g s; stopping it anyway",
+                previous.served_model_name, timeout_s)
 
 
 def _check_new_server(proc: subprocess.Popen, endpoint: Endpoint, api_key: str, cfg: ServingConfig) -> str:

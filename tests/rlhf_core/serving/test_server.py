@@ -4,7 +4,9 @@ Fast tests (no server) cover the key, the port choice, the recorded endpoint, st
 process group and the key check loaded into the server. The slow tests run one real
 sequence on loopback, because every server start costs ~40 s on two CPU cores:
 
-    deploy v1 -> deploy a corrupt v2 (fails, v1 keeps serving) -> deploy v3 (replaces v1) -> stop
+    deploy v1 -> deploy a corrupt v2 (fails, v1 keeps serving) -> a deploy SIGKILLed in its
+    health wait (its server orphaned) -> deploy v3 under client traffic (stops the orphan,
+    replaces v1, no request fails) -> stop
 
 Each stage is a module-scoped fixture that depends on the one before, and the tests of a
 stage come before those of the next in this file, so a stage's live checks run while its
@@ -21,6 +23,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +181,37 @@ def test_the_server_splits_no_prompt_unless_chunked_prefill_is_on(chunked, max_m
     assert between == expected and SERVER_PREFILL_TOKENS == 2048
 
 
+def test_the_server_of_a_deploy_that_died_is_stopped_and_recorded_by_the_next_one(tmp_path, free_ports):
+    """A deploy killed after starting its server leaves `starting.json`; the next deploy (or
+    stop) stops every server on that port started from this state directory, and only those."""
+    from rlhf_core.serving.server import _stop_abandoned
+    from rlhf_core.serving.state import write_json_atomic
+
+    port = free_ports(1)[0]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)", SERVER_MODULE, "--port", str(port)]
+    ours = subprocess.Popen(sleeper, cwd=logs, start_new_session=True)
+    other = subprocess.Popen(sleeper, cwd=elsewhere, start_new_session=True)  # not ours: another checkout's
+    try:
+        write_json_atomic(tmp_path / "starting.json", endpoint(pid=ours.pid, port=port).to_dict())
+        _stop_abandoned(tmp_path)
+        assert ours.wait(timeout=30) is not None and other.poll() is None
+        assert not (tmp_path / "starting.json").exists()
+        [line] = [json.loads(x) for x in (tmp_path / "deployments.jsonl").read_text().splitlines()]
+        assert (line["event"], line["stopped_process_groups"]) == ("abandoned", [ours.pid])
+        _stop_abandoned(tmp_path)  # nothing left: a no-op
+        write_json_atomic(tmp_path / "starting.json", endpoint(pid=0, port=port).to_dict())  # died before launch
+        _stop_abandoned(tmp_path)
+        assert other.poll() is None and not (tmp_path / "starting.json").exists()
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait()
+
+
 def test_stop_without_a_server_is_a_no_op(tmp_path):
     assert stop(tmp_path / "never-deployed") is None
     assert stop(tmp_path) is None
@@ -305,9 +339,82 @@ def failed_v2(serving, v1):
     return failure.value, before
 
 
+DEPLOY_SCRIPT = """
+import sys
+from pathlib import Path
+from rlhf_core.config import ServingConfig
+from rlhf_core.serving.server import deploy
+deploy(Path(sys.argv[2]), "2k", ServingConfig.model_validate_json(sys.argv[1]), Path(sys.argv[3]))
+"""
+
+
 @pytest.fixture(scope="module")
-def v3(serving, failed_v2):
-    return deploy(serving.model_dir, "3", serving.cfg, serving.state_dir)
+def killed_deploy(serving, failed_v2):
+    """A deploy SIGKILLed while it waits for its new server's /health: the server, detached,
+    lives on (an orphan on the next port) with only the deploy's intent record to find it."""
+    repo = Path(__file__).resolve().parents[3]
+    proc = subprocess.Popen([sys.executable, "-c", DEPLOY_SCRIPT, serving.cfg.model_dump_json(), str(serving.model_dir),
+                             str(serving.state_dir)], cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    starting = serving.state_dir / "starting.json"
+    deadline = time.monotonic() + 120
+    while not (starting.exists() and json.loads(starting.read_text())["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphan = json.loads(starting.read_text())["pid"]
+    time.sleep(5)  # vLLM has started its engine process by now: the whole group must go
+    assert proc.poll() is None and not health(f"http://127.0.0.1:{serving.cfg.ports[1]}"), "killed too late"
+    proc.kill()
+    proc.wait()
+    return orphan
+
+
+@dataclass
+class UnderTraffic:
+    result: object  # the DeployResult
+    responses: list[tuple[int, str]]  # (status, served model) of every client request, in order
+    during: int  # how many were sent while the deploy ran
+
+
+def _clients(gateway: str, key: str, stop_at: list[float], out: list[tuple[int, str]]) -> None:
+    with httpx.Client(timeout=60, trust_env=False, headers={"Authorization": f"Bearer {key}"}) as client:
+        while time.monotonic() < stop_at[0]:
+            r = client.post(f"{gateway}/v1/completions",
+                            json={"model": "policy", "prompt": "12+34=", "max_tokens": 2, "temperature": 0})
+            out.append((r.status_code, r.json().get("model", "") if r.status_code == 200 else r.text[:200]))
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def v3_under_traffic(serving, killed_deploy, free_ports, tmp_path_factory):
+    """v3 deployed while two clients call the served model through the feedback gateway
+    (which follows current.json) as fast as it answers, before, during and after the switch."""
+    import threading
+
+    from tests.rlhf_core.serving.gateway_process import running_gateway
+
+    port = free_ports(1)[0]
+    args = ["--set", f"output_dir={tmp_path_factory.mktemp('gateway')}", "--set", f"serving.state_dir={serving.state_dir}",
+            "--set", f"feedback.port={port}"]
+    responses: list[tuple[int, str]] = []
+    with running_gateway(args, port) as gateway:
+        stop_at = [float("inf")]
+        threads = [threading.Thread(target=_clients, args=(gateway, serving.key, stop_at, responses)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        before = len(responses)
+        try:
+            result = deploy(serving.model_dir, "3", serving.cfg, serving.state_dir)
+        finally:
+            during = len(responses) - before
+            stop_at[0] = time.monotonic() + 3
+            for t in threads:
+                t.join()
+    return UnderTraffic(result, responses, during)
+
+
+@pytest.fixture(scope="module")
+def v3(v3_under_traffic):
+    return v3_under_traffic.result
 
 
 @pytest.mark.slow
@@ -412,6 +519,29 @@ def test_after_a_failed_deploy_v1_still_serves_and_nothing_is_left(serving, v1, 
     history = serving.history()
     assert [h["event"] for h in history] == ["deployed", "failed"]
     assert "SafetensorError" in history[-1]["cause"]
+
+
+@pytest.mark.slow
+def test_a_deploy_killed_in_its_health_wait_leaves_an_orphan_the_next_deploy_stops(serving, killed_deploy, v3):
+    assert not group_alive(killed_deploy)
+    assert not (serving.state_dir / "starting.json").exists()
+    events = [(h["event"], h["endpoint"]["version"]) for h in serving.history()]
+    assert events == [("deployed", "1"), ("failed", "2"), ("abandoned", "2k"), ("deployed", "3")]
+    assert serving.history()[2]["stopped_process_groups"] == [killed_deploy]
+    assert servers_on(serving.cfg.ports[1]) == [v3.endpoint.pid]
+
+
+@pytest.mark.slow
+def test_a_deploy_under_traffic_succeeds_and_no_request_fails_across_the_switch(v3_under_traffic):
+    responses = v3_under_traffic.responses
+    failed = [r for r in responses if r[0] != 200]
+    assert failed == [], f"{len(failed)} of {len(responses)} requests failed: {failed[:3]}"
+    served = [model for _, model in responses]
+    switch = served.index("policy-v3")
+    assert set(served[:switch]) == {"policy-v1"} and set(served[switch:]) <= {"policy-v1", "policy-v3"}
+    assert v3_under_traffic.during >= 20, "the clients hardly ran during the deploy"
+    print(f"{len(responses)} requests, {v3_under_traffic.during} during the deploy "
+          f"({v3_under_traffic.result.seconds:.0f} s), none failed")
 
 
 @pytest.mark.slow
