@@ -19,7 +19,8 @@ summary and log paths, the exit code; errors and tracebacks go to the log file
 (`<output_dir>/logs/`) and reach the terminal only with `--debug`.
 
 Exit codes: 0 success, 1 the run failed (summary.json says why), 2 bad usage or config,
-3 the candidate was rejected by the gates (nothing was registered or deployed).
+3 the gates rejected the candidate or could not tell it from a bar (undecided): nothing was
+registered or deployed.
 """
 from __future__ import annotations
 
@@ -191,7 +192,7 @@ def _run_flow(fn, log_path: Path, cfg=None, **kwargs) -> int:
     print_summary(summary)
     if cfg is not None and "deploy" in summary.get("stages", {}):
         print_deployment(summary["stages"]["deploy"], cfg)
-    return 3 if summary.get("status") == "rejected" else 0
+    return 3 if summary.get("status") in ("rejected", "undecided") else 0
 
 
 def _run_plain_flow(fn, log_path: Path, **kwargs) -> int:

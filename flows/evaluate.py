@@ -41,5 +41,6 @@ def evaluate_flow(
         record_gate_verdict(registered.version, evaluation, run)
         summary["candidate_version"] = registered.version
         if not evaluation.passed:
-            summary.update(status="rejected", reasons=list(evaluation.decision.reasons))
+            d = evaluation.decision
+            summary.update(status=d.status, reasons=[*d.reasons, *d.undecided])
     return summary

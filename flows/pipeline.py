@@ -9,6 +9,9 @@ without parsing logs. Its `status` is one of:
   `challenger`; with `gates.auto_promote` also `champion`, and then it serves);
 - `rejected`: the candidate failed a gate; it is not registered, `reasons` say why, and
   what serves is unchanged. The MLflow run is FINISHED with tag `gate.passed=false`;
+- `undecided`: no gate failed, but the evaluation cannot tell the candidate from a bar (a
+  candidate as good as the champion): handled like `rejected`, and `reasons` say which calls
+  are open and how many eval prompts would decide them;
 - `failed`: a stage raised; `failed_stage` and `error` say which and why.
 """
 from __future__ import annotations
@@ -68,7 +71,8 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         prompts, answers = eval_set(data.paths, cfg)
         evaluation = run_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)
         if not evaluation.passed:
-            summary.update(status="rejected", reasons=list(evaluation.decision.reasons))
+            d = evaluation.decision
+            summary.update(status=d.status, reasons=[*d.reasons, *d.undecided])
             return summary
         registration = run_stage(stages, "register", register_candidate, evaluation, cfg, run)
         if registration.promoted and cfg.serving.enabled:

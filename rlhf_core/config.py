@@ -390,6 +390,13 @@ class GateConfig(_Strict):
     max_proxy_audit_gap: float | None = Field(None, gt=0, le=1, description=(
         "Largest amount by which the candidate's win rate against the reference under the reward model it "
         "trained on may exceed its win rate under the audit model; null: not checked."))
+    win_rate_margin_vs_champion: float = Field(0.05, ge=0, le=1, description=(
+        "With intervals: a candidate is rejected against the champion only when its win rate's interval lies "
+        "below min_win_rate_vs_champion by more than this; in between it is undecided (not promoted)."))
+    confidence: float | None = Field(0.95, gt=0, lt=1, description=(
+        "Level of the paired bootstrap intervals the comparisons with the reference and the champion are "
+        "judged on; null: point estimates."))
+    bootstrap_samples: int = Field(2000, ge=100, description="Resamples of the prompts per interval.")
     max_kl: float = Field(10.0, gt=0,
         description='Largest per-sequence KL to the reference (the unit of policy.kl_bound).')
     max_length_ratio: float = Field(1.5, gt=0, description="Largest mean response length relative to the reference's.")

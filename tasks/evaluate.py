@@ -60,12 +60,13 @@ class Evaluation:
     def summary(self) -> dict:
         c = self.result.candidate.figures
         return {
-            "status": "passed" if self.passed else "rejected",
+            "status": self.decision.status,
             "accuracy": c.accuracy, "reference_accuracy": self.result.reference.figures.accuracy,
             "win_rate_vs_reference": round(c.win_rate_vs_reference, 3),
             "kl_to_reference": round(c.kl_to_reference, 3),
             "champion": self.champion_version,
             **({"reasons": list(self.decision.reasons)} if self.decision.reasons else {}),
+            **({"undecided": list(self.decision.undecided)} if self.decision.undecided else {}),
             "report": str(self.report_path),
         }
 
@@ -108,11 +109,14 @@ def _report_json(ev_result: EvalResult, decision: Decision, candidate: Candidate
 def _publish_decision(decision: Decision, champion: str | None) -> None:
     rows = [
         {"check": c.name, "observed": "–" if c.observed is None else f"{c.observed:.4g}",
+         "interval": "–" if c.low is None else f"[{c.low:.4g}, {c.high:.4g}]",
          "threshold": "–" if c.threshold is None else f"{c.op} {c.threshold:.4g}",
-         "result": f"skipped ({c.skipped})" if c.skipped else ("pass" if c.passed else "FAIL")}
+         "result": f"skipped ({c.skipped})" if c.skipped else "undecided" if c.undecided else (
+             "pass" if c.passed else "FAIL")}
         for c in decision.checks
     ]
-    verdict = "passed" if decision.passed else "rejected: " + "; ".join(decision.reasons)
+    verdict = {"passed": "passed", "rejected": "rejected: " + "; ".join(decision.reasons),
+               "undecided": "undecided: " + "; ".join(decision.undecided)}[decision.status]
     vs = f"champion v{champion}" if champion else "no champion yet"
     create_table_artifact(key="gate-decision", table=rows, description=f"Gate {verdict} (vs reference and {vs})")
 
@@ -135,7 +139,7 @@ def evaluate_candidate(
             _policy("candidate", candidate.model_dir), _policy("reference", candidate.reference_dir), champion_policy,
             scorer, prompts[:n], None if answers is None else answers[:n],
             max_new_tokens=cfg.policy.max_new_tokens, temperature=cfg.policy.temperature, seed=cfg.policy.seed,
-            audit=audit,
+            audit=audit, confidence=cfg.gates.confidence, bootstrap_samples=cfg.gates.bootstrap_samples,
         )
         decision = gate(
             result.candidate.figures, result.reference.figures,
@@ -151,9 +155,11 @@ def evaluate_candidate(
             client.log_metric(stage_id, key, value)
         for target in (stage_id, run.run_id):
             client.set_tag(target, "gate.passed", str(decision.passed).lower())
-            client.set_tag(target, "gate.reasons", "; ".join(decision.reasons)[:5000])
+            client.set_tag(target, "gate.status", decision.status)
+            client.set_tag(target, "gate.reasons", "; ".join((*decision.reasons, *decision.undecided))[:5000])
         _publish_decision(decision, champion_version)
-        log.info("gate %s: %s", "passed" if decision.passed else "REJECTED", "; ".join(decision.reasons) or "every check passed")
+        log.info("gate %s: %s", decision.status.upper(),
+                 "; ".join((*decision.reasons, *decision.undecided)) or "every check passed")
     return Evaluation(candidate, result, decision, champion_version, stage_id, report_path)
 
 
@@ -242,7 +248,8 @@ def record_gate_verdict(version: str, evaluation: Evaluation, run: PipelineRun) 
     """Tag the registered version with the verdict (`gate.*`), so `rlhf promote` can refuse it."""
     client = run.client
     for key, value in {"gate.passed": str(evaluation.passed).lower(),
-                       "gate.reasons": "; ".join(evaluation.decision.reasons),
+                       "gate.status": evaluation.decision.status,
+                       "gate.reasons": "; ".join((*evaluation.decision.reasons, *evaluation.decision.undecided)),
                        "gate.vs_champion": evaluation.champion_version or "none",
                        "eval.run_id": evaluation.run_id}.items():
         client.set_model_version_tag(POLICY, version, key, value)

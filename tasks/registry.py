@@ -101,7 +101,8 @@ def promote(
     target = get_version(client, version, name)
     if target.tags.get("gate.passed") == "false" and not force:
         raise RegistryError(
-            f"{name} v{target.version} was rejected by the gates ({target.tags.get('gate.reasons', 'see its gate report')}); "
+            f"the gates did not pass {name} v{target.version} ({target.tags.get('gate.status', 'rejected')}: "
+            f"{target.tags.get('gate.reasons', 'see its gate report')}); "
             "promote it anyway with force"
         )
     current = by_alias(client, CHAMPION, name)

@@ -187,7 +187,7 @@ def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
     client = run.client
     client.log_artifact(run.run_id, str(run.summary_path))
     client.set_tag(run.run_id, "outcome", summary["status"])
-    ok = summary["status"] in ("completed", "rejected")  # a rejection is a decision, not a crash
+    ok = summary["status"] in ("completed", "rejected", "undecided")  # a gate's verdict is a decision, not a crash
     end_run(run, run.run_id, ok, None if ok else summary.get("error"))
     return run.summary_path
 

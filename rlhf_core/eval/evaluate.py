@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
+from rlhf_core.eval.confidence import Interval, bootstrap_interval, differences, win_outcomes
 from rlhf_core.eval.gates import EvalFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
 from rlhf_core.models.reward import RewardStats, audit_model_dir, load_reward_model, normalise, score
@@ -198,6 +199,8 @@ def evaluate(
     seed: int = 0,
     n_samples: int = 3,
     audit: Scorer | None = None,
+    confidence: float | None = None,
+    bootstrap_samples: int = 2000,
 ) -> EvalResult:
     """Answer `prompts` with every policy and compute each one's `EvalFigures`.
 
@@ -206,6 +209,9 @@ def evaluate(
     KL is NaN when its vocabulary differs from the reference's (it is not gated). `audit`, a
     reward model the policy never trained against, scores the same answers for the audit
     figures (`audit_score_mean`, `audit_win_rate_vs_reference`); without it they are None.
+    With `confidence`, each policy's comparisons with the reference and the champion carry
+    paired bootstrap intervals at that level (`rlhf_core.eval.confidence`, resampling the
+    prompts `bootstrap_samples` times, seeded with `seed`).
     """
     if not prompts:
         raise ValueError("no eval prompts")
@@ -220,10 +226,22 @@ def evaluate(
     audit_scores = scored(audit) if audit is not None else None
     ref_length = response_length_stats(outputs[reference.name].texts)["mean"]
 
+    correct = None if answers is None else {
+        name: [p.strip() == a.strip() for p, a in zip(out.texts, answers)] for name, out in outputs.items()}
+
+    def interval(outcomes) -> Interval | None:
+        return None if confidence is None else bootstrap_interval(outcomes, confidence, bootstrap_samples, seed)
+
+    def intervals(name: str, vs: str, key: str) -> dict[str, Interval | None]:
+        return {f"win_rate_vs_{key}_interval": interval(win_outcomes(scores[name], scores[vs])),
+                f"accuracy_gain_vs_{key}": None if correct is None else interval(differences(correct[name], correct[vs]))}
+
     def report(policy: Policy, kl: float) -> PolicyReport:
         out = outputs[policy.name]
         length = response_length_stats(out.texts)
         figures = EvalFigures(
+            **intervals(policy.name, reference.name, "reference"),
+            **({} if champion is None else intervals(policy.name, champion.name, "champion")),
             accuracy=None if answers is None else exact_match(out.texts, answers),
             rm_score_mean=sum(scores[policy.name]) / len(prompts),
             win_rate_vs_reference=win_rate(scores[policy.name], scores[reference.name]),

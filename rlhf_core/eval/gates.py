@@ -21,6 +21,23 @@ The checks, in the order they are reported:
     degenerate_rate         degenerate share <= max_degenerate_rate
     generation_failures     failed-prompt share <= max_generation_failure_rate
 
+With confidence intervals (`gates.confidence`; `rlhf_core.eval.confidence`, paired bootstrap
+over the prompts) the four comparisons with the reference and the champion decide on the
+interval, not the point estimate, and a call may be *undecided*:
+
+    better than the reference   passes when the interval's low end is above the bar, fails
+                                when its high end is below it, else undecided
+    not worse than the champion accuracy: passes when the low end of the accuracy difference
+                                is at least -max_regression_vs_champion (non-inferiority),
+                                fails ("regressed") when its high end is below that
+    better than the champion    win rate: passes when the low end is above
+                                min_win_rate_vs_champion, fails when the high end is below it
+                                by more than win_rate_margin_vs_champion
+
+A candidate as good as the champion is then neither promoted nor rejected: the decision is
+`undecided`, and says how many prompts would decide each open call. Without intervals (None
+in the figures) the checks compare point estimates.
+
 Accuracy checks are skipped when the task has no answers (`accuracy is None`); champion
 checks are skipped when there is no champion yet; the audit check when there is no audit model. A value equal to its threshold passes
 (up to `TOLERANCE`, so `0.8 - 0.1` does not reject an accuracy of exactly 0.7). A NaN
@@ -33,6 +50,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from rlhf_core.config import GateConfig
+from rlhf_core.eval.confidence import Interval, prompts_to_decide
 
 TOLERANCE = 1e-9
 
@@ -69,6 +87,11 @@ class EvalFigures:
     generation_failures: float
     audit_score_mean: float | None = None
     audit_win_rate_vs_reference: float | None = None
+    # paired bootstrap intervals (None: the gates use the point estimates)
+    accuracy_gain_vs_reference: Interval | None = None  # of accuracy minus the reference's
+    accuracy_gain_vs_champion: Interval | None = None  # of accuracy minus the champion's
+    win_rate_vs_reference_interval: Interval | None = None
+    win_rate_vs_champion_interval: Interval | None = None
 
     def __post_init__(self) -> None:
         for name in _SHARES:
@@ -95,6 +118,8 @@ class Check:
 
     A skipped check passes, has no observed value nor threshold, and says why in `skipped`.
     `reason` is the rejection line (`code: explanation`) when the check failed, else None.
+    An undecided check has not passed, has no `reason`, and says why in `undecided`; `low`
+    and `high` are the interval it was judged on, if any.
     """
 
     name: str
@@ -104,50 +129,99 @@ class Check:
     op: Literal[">=", "<="]
     skipped: str | None = None
     reason: str | None = None
+    undecided: str | None = None
+    low: float | None = None
+    high: float | None = None
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The gate's verdict: `passed` iff no check failed; one `reasons` line per failed check."""
+    """The gate's verdict: `passed` iff every check passed; one `reasons` line per failed
+    check, one `undecided` line per check the evidence does not settle either way.
+    `status`: "passed", "rejected" (a check failed) or "undecided" (none failed, some open)."""
 
     passed: bool
     reasons: tuple[str, ...]
     checks: tuple[Check, ...]
+    undecided: tuple[str, ...] = ()
 
     @classmethod
     def from_checks(cls, checks: tuple[Check, ...]) -> "Decision":
-        failed = tuple(c.reason for c in checks if not c.passed)
-        return cls(passed=not failed, reasons=failed, checks=checks)
+        failed = tuple(c.reason for c in checks if not c.passed and c.undecided is None)
+        undecided = tuple(c.undecided for c in checks if c.undecided is not None)
+        return cls(passed=not failed and not undecided, reasons=failed, checks=checks, undecided=undecided)
+
+    @property
+    def status(self) -> str:
+        return "passed" if self.passed else "rejected" if self.reasons else "undecided"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready dict (tuples become lists)."""
         return {
+            "status": self.status,
             "passed": self.passed,
             "reasons": list(self.reasons),
+            "undecided": list(self.undecided),
             "checks": [asdict(c) for c in self.checks],
         }
 
     def to_markdown(self) -> str:
-        """A verdict line, a table of every check, then the reasons (if any)."""
+        """A verdict line, a table of every check, then the reasons and open calls (if any)."""
+        verdict = {"passed": "passed ✅", "rejected": "rejected ❌", "undecided": "undecided ⚖️"}[self.status]
         lines = [
-            f"**Gate: {'passed ✅' if self.passed else 'rejected ❌'}**",
+            f"**Gate: {verdict}**",
             "",
-            "| check | observed | threshold | result |",
-            "|---|---|---|---|",
+            "| check | observed | interval | threshold | result |",
+            "|---|---|---|---|---|",
         ]
         for c in self.checks:
             if c.skipped:
-                lines.append(f"| {c.name} | – | – | skipped ({c.skipped}) |")
+                lines.append(f"| {c.name} | – | – | – | skipped ({c.skipped}) |")
             else:
-                mark = "✅" if c.passed else "❌"
-                lines.append(f"| {c.name} | {_fmt(c.observed)} | {c.op} {_fmt(c.threshold)} | {mark} |")
-        if self.reasons:
-            lines += ["", *(f"- {r}" for r in self.reasons)]
+                mark = "undecided" if c.undecided else "✅" if c.passed else "❌"
+                interval = "–" if c.low is None else f"[{_fmt(c.low)}, {_fmt(c.high)}]"
+                lines.append(f"| {c.name} | {_fmt(c.observed)} | {interval} | {c.op} {_fmt(c.threshold)} | {mark} |")
+        if self.reasons or self.undecided:
+            lines += ["", *(f"- {r}" for r in self.reasons), *(f"- undecided: {u}" for u in self.undecided)]
         return "\n".join(lines)
 
 
 def _fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.4g}"
+
+
+def _ci(i: Interval) -> str:
+    return f"{_fmt(i.estimate)} [{_fmt(i.low)}, {_fmt(i.high)}] ({i.level:.0%}, {i.n} prompts)"
+
+
+def _open_call(what: str, interval: Interval, bar: float) -> str:
+    needed = prompts_to_decide(interval, bar)
+    more = ("no number of prompts decides it: the estimate is on the bar" if needed is None
+            else f"about {needed} prompts would decide it if the estimate held")
+    return f"{what} {_ci(interval)} is neither clearly above nor clearly below {_fmt(bar)}; {more}"
+
+
+def _better_than(name: str, code: str, interval: Interval, bar: float, fail_below: float, what: str,
+                 basis: str = "") -> Check:
+    """Passes when the interval lies above `bar`; fails when it lies below `fail_below`
+    (`bar` less a margin, or `bar` itself); else undecided."""
+    base = dict(name=name, observed=interval.estimate, threshold=bar, op=">=", low=interval.low, high=interval.high)
+    if interval.low > bar + TOLERANCE:
+        return Check(passed=True, **base)
+    if interval.high < fail_below - TOLERANCE:
+        return Check(passed=False, reason=f"{code}: {what} {_ci(interval)} < {basis}{_fmt(fail_below)}", **base)
+    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar)}", **base)
+
+
+def _not_worse_than(name: str, code: str, interval: Interval, bar: float, what: str, basis: str = "") -> Check:
+    """Non-inferiority: passes when the interval's low end is at least `bar`, fails when its
+    high end is below it, else undecided."""
+    base = dict(name=name, observed=interval.estimate, threshold=bar, op=">=", low=interval.low, high=interval.high)
+    if interval.low >= bar - TOLERANCE:
+        return Check(passed=True, **base)
+    if interval.high < bar - TOLERANCE:
+        return Check(passed=False, reason=f"{code}: {what} {_ci(interval)} < {basis}{_fmt(bar)}", **base)
+    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar)}", **base)
 
 
 def _at_least(name: str, code: str, observed: float, threshold: float, what: str, basis: str = "") -> Check:
@@ -192,6 +266,9 @@ def gate(
 
     if candidate.accuracy is None:
         acc_ref = _skipped("accuracy_vs_reference", ">=", no_answers)
+    elif (gain := candidate.accuracy_gain_vs_reference) is not None:
+        acc_ref = _better_than("accuracy_vs_reference", "accuracy_below_reference", gain, t.min_accuracy_gain,
+                               t.min_accuracy_gain, "accuracy gain over the reference", "min gain ")
     else:
         acc_ref = _at_least(
             "accuracy_vs_reference", "accuracy_below_reference", candidate.accuracy,
@@ -204,16 +281,26 @@ def gate(
     else:
         if candidate.accuracy is None:
             acc_champ = _skipped("accuracy_vs_champion", ">=", no_answers)
+        elif (diff := candidate.accuracy_gain_vs_champion) is not None:
+            acc_champ = _not_worse_than("accuracy_vs_champion", "accuracy_regressed_vs_champion", diff,
+                                        -t.max_regression_vs_champion, "accuracy minus the champion's",
+                                        "-max regression ")
         else:
             acc_champ = _at_least(
                 "accuracy_vs_champion", "accuracy_regressed_vs_champion", candidate.accuracy,
                 champion.accuracy - t.max_regression_vs_champion, "accuracy",
                 f"champion {_fmt(champion.accuracy)} - max regression {_fmt(t.max_regression_vs_champion)} = ",
             )
-        win_champ = _at_least(
-            "win_rate_vs_champion", "win_rate_vs_champion_too_low", candidate.win_rate_vs_champion,
-            t.min_win_rate_vs_champion, "win rate vs champion", "min ",
-        )
+        if (wins := candidate.win_rate_vs_champion_interval) is not None:
+            win_champ = _better_than(
+                "win_rate_vs_champion", "win_rate_vs_champion_too_low", wins, t.min_win_rate_vs_champion,
+                t.min_win_rate_vs_champion - t.win_rate_margin_vs_champion, "win rate vs champion",
+                f"min {_fmt(t.min_win_rate_vs_champion)} - margin {_fmt(t.win_rate_margin_vs_champion)} = ")
+        else:
+            win_champ = _at_least(
+                "win_rate_vs_champion", "win_rate_vs_champion_too_low", candidate.win_rate_vs_champion,
+                t.min_win_rate_vs_champion, "win rate vs champion", "min ",
+            )
 
     if candidate.audit_win_rate_vs_reference is None:
         audit = _skipped("audit_vs_reference", ">=", "no audit model")
@@ -236,13 +323,19 @@ def gate(
             f"{_fmt(candidate.audit_win_rate_vs_reference)} under the audit: gap",
         )
 
+    if (wins_ref := candidate.win_rate_vs_reference_interval) is not None:
+        win_ref = _better_than("win_rate_vs_reference", "win_rate_vs_reference_too_low", wins_ref,
+                               t.min_win_rate_vs_reference, t.min_win_rate_vs_reference, "win rate vs reference",
+                               "min ")
+    else:
+        win_ref = _at_least(
+            "win_rate_vs_reference", "win_rate_vs_reference_too_low", candidate.win_rate_vs_reference,
+            t.min_win_rate_vs_reference, "win rate vs reference", "min ",
+        )
     checks = (
         acc_ref,
         acc_champ,
-        _at_least(
-            "win_rate_vs_reference", "win_rate_vs_reference_too_low", candidate.win_rate_vs_reference,
-            t.min_win_rate_vs_reference, "win rate vs reference", "min ",
-        ),
+        win_ref,
         win_champ,
         audit,
         gap,

@@ -183,8 +183,10 @@ def test_to_dict_is_json_ready():
     d = json.loads(json.dumps(decision.to_dict()))
     assert d["passed"] is False and d["reasons"] == list(decision.reasons)
     assert [c["name"] for c in d["checks"]] == CHECK_ORDER
+    assert d["status"] == "rejected" and d["undecided"] == []
     assert d["checks"][6] == {"name": "kl_to_reference", "passed": False, "observed": 6.0, "threshold": 5.0,
-                              "op": "<=", "skipped": None, "reason": decision.reasons[0]}
+                              "op": "<=", "skipped": None, "reason": decision.reasons[0], "undecided": None,
+                              "low": None, "high": None}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,84 @@
+"""Paired bootstrap intervals for the gates: how sure a comparison on N held-out prompts is.
+
+Two policies answer the same prompts, so their comparison is paired: per prompt there is one
+outcome (`win_outcomes`: 1 the candidate's answer scored higher, 0.5 a tie, 0 lower;
+`differences`: candidate correct minus baseline correct, in {-1, 0, 1}), and the figure the
+gates judge is the mean of those outcomes. The interval resamples prompts with replacement
+(Efron's percentile bootstrap over the paired outcomes, Efron & Tibshirani 1993, ch. 13) and
+takes the central `level` share of the resampled means. Resampling pairs keeps their
+correlation: two policies that agree on most prompts get a narrow interval on their
+difference even when each one's accuracy is uncertain.
+
+`prompts_to_decide` says how many prompts would make an undecided call decided, if the
+estimate stayed where it is: the interval's half-width shrinks as 1/sqrt(N).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over paired prompts and its bootstrap interval at `level`."""
+
+    estimate: float
+    low: float
+    high: float
+    level: float
+    n: int
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+    def to_dict(self) -> dict[str, float]:
+        return {"estimate": self.estimate, "low": self.low, "high": self.high, "level": self.level, "n": self.n}
+
+
+def win_outcomes(candidate_scores: Sequence[float], baseline_scores: Sequence[float]) -> np.ndarray:
+    """(N,) per prompt: 1 where the candidate scores higher, 0.5 on a tie, 0 lower. Their mean
+    is `metrics.win_rate`."""
+    c, b = np.asarray(candidate_scores, dtype=np.float64), np.asarray(baseline_scores, dtype=np.float64)
+    if c.shape != b.shape:
+        raise ValueError(f"{c.size} candidate scores for {b.size} baseline scores")
+    return (c > b) + 0.5 * (c == b)
+
+
+def differences(candidate_correct: Sequence[bool], baseline_correct: Sequence[bool]) -> np.ndarray:
+    """(N,) per prompt: candidate correct minus baseline correct. Their mean is the accuracy gain."""
+    c, b = np.asarray(candidate_correct, dtype=np.float64), np.asarray(baseline_correct, dtype=np.float64)
+    if c.shape != b.shape:
+        raise ValueError(f"{c.size} candidate outcomes for {b.size} baseline outcomes")
+    return c - b
+
+
+def bootstrap_interval(outcomes: Sequence[float], level: float, samples: int, seed: int = 0) -> Interval:
+    """The percentile bootstrap interval of the mean of paired `outcomes` (N,): `samples`
+    resamples of N prompts with replacement, drawn from a generator seeded with `seed`."""
+    x = np.asarray(outcomes, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError("outcomes must be a non-empty 1-D sequence")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    rng = np.random.default_rng(seed)
+    means = np.empty(samples)
+    for start in range(0, samples, 256):  # (256, N) index blocks: bounded memory for large N
+        idx = rng.integers(0, x.size, size=(min(256, samples - start), x.size))
+        means[start:start + idx.shape[0]] = x[idx].mean(axis=1)
+    tail = (1 - level) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return Interval(float(x.mean()), float(low), float(high), level, int(x.size))
+
+
+def prompts_to_decide(interval: Interval, bar: float) -> int | None:
+    """Prompts at which the interval would clear `bar` on the side its estimate is on, if the
+    estimate stayed: N * (half-width / |estimate - bar|)^2. None when the estimate is on the
+    bar (no number of prompts decides it)."""
+    gap = abs(interval.estimate - bar)
+    if gap == 0:
+        return None
+    return max(interval.n + 1, math.ceil(interval.n * (interval.half_width / gap) ** 2))
