@@ -20,7 +20,8 @@ summary and log paths, the exit code; errors and tracebacks go to the log file
 
 Exit codes: 0 success, 1 the run failed (summary.json says why), 2 bad usage or config,
 3 the gates rejected the candidate or could not tell it from a bar (undecided): nothing was
-registered or deployed.
+registered or deployed. `rlhf serving status`: 0 the registry's champion serves, healthy;
+1 nothing healthy serves; 4 a healthy server that is not the champion (it says how to fix it).
 """
 from __future__ import annotations
 
@@ -239,8 +240,28 @@ def _serving_command(args, cfg) -> int:
         print("nothing is serving")
         return 1
     healthy = server.health(current.url)
-    print(json.dumps({**current.to_dict(), "healthy": healthy}, indent=2))
+    champion, why = _registry_champion(cfg)
+    print(json.dumps({**current.to_dict(), "healthy": healthy, "champion": champion}, indent=2))
+    if champion is None:
+        print(f"could not compare with the registry's champion: {why}", file=sys.stderr)
+    elif champion != current.version:
+        print(f"serving policy v{current.version}, but the registry's champion is v{champion}: "
+              f"`rlhf deploy` serves the champion; if v{current.version} should serve, "
+              f"`rlhf promote {current.version}` makes the registry say so", file=sys.stderr)
+        return 4 if healthy else 1
     return 0 if healthy else 1
+
+
+def _registry_champion(cfg) -> tuple[str | None, str]:
+    """(the `policy` version with alias champion, "") or (None, why it is unknown)."""
+    from tasks.registry import CHAMPION, by_alias
+    from tasks.tracking import tracking_client
+
+    try:
+        version = by_alias(tracking_client(cfg), CHAMPION)
+    except Exception as e:  # noqa: BLE001 - the status of what serves must not depend on the registry
+        return None, f"{type(e).__name__}: {e}"
+    return (str(version.version), "") if version is not None else (None, "no policy version is champion")
 
 
 def _flows(module: str, args, cfg) -> tuple[Any, Path]:

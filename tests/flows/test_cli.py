@@ -184,3 +184,53 @@ def test_validate_renders_conversational_data_with_the_configured_model(tmp_path
     write_jsonl(rows, tmp_path / "chat.jsonl")
     assert main(["validate", str(tmp_path / "chat.jsonl"), "--config", str(config)]) == 1
     assert "row 8 (line 8), column 'prompt': turn 1 is 'user' where 'assistant' was expected" in capsys.readouterr().out
+
+
+FAKE_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[-1])), H).serve_forever()
+"""
+
+
+def test_serving_status_says_when_what_serves_is_not_the_registrys_champion(tmp_path, capsys, free_ports):
+    """A healthy server of policy v1 while the registry's champion is v2: exit 4 and what to
+    run; once the champion is v1 again, exit 0."""
+    from mlflow.tracking import MlflowClient
+
+    from rlhf_core.serving.server import SERVER_MODULE, Endpoint, health
+    from rlhf_core.serving.state import write_json_atomic
+
+    port = free_ports(1)[0]
+    server = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, SERVER_MODULE, "--port", str(port)])
+    try:
+        state = tmp_path / "serving"
+        state.mkdir()
+        write_json_atomic(state / "current.json", Endpoint(
+            url=f"http://127.0.0.1:{port}", host="127.0.0.1", port=port, pid=server.pid, served_model_name="policy-v1",
+            version="1", model_dir="/m", log_path="/l", started_at="2024-01-01T00:00:00+00:00").to_dict())
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        client = MlflowClient(uri, registry_uri=uri)
+        client.create_registered_model("policy")
+        for _ in range(2):
+            client.create_model_version("policy", str(tmp_path))
+        client.set_registered_model_alias("policy", "champion", "2")
+        deadline = time.monotonic() + 30
+        while not health(f"http://127.0.0.1:{port}", timeout=1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        args = ["serving", "status", "--set", f"serving.state_dir={state}", "--set", f"tracking.tracking_uri={uri}"]
+        assert main(args) == 4
+        out = capsys.readouterr()
+        assert json.loads(out.out)["champion"] == "2"
+        assert "serving policy v1, but the registry's champion is v2: `rlhf deploy`" in out.err
+        client.set_registered_model_alias("policy", "champion", "1")
+        assert main(args) == 0
+        assert capsys.readouterr().err == ""
+    finally:
+        server.kill()
+        server.wait()
