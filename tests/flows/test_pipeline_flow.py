@@ -383,7 +383,7 @@ def test_evaluate_flow_rejects_with_reasons_and_promote_then_refuses(full_run, c
     assert "accuracy_below_reference" in tags["gate.reasons"] and "kl_above_max" in tags["gate.reasons"]
 
     assert cli_main(["promote", candidate, "--config", str(config)]) == 1
-    assert "rejected by the gates" in capsys.readouterr().err
+    assert f"the gates did not pass policy v{candidate} (rejected: " in capsys.readouterr().err
     assert str(client.get_model_version_by_alias("policy", "champion").version) == champion_before
 
 

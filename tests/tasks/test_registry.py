@@ -64,7 +64,10 @@ def test_promotion_records_the_previous_champion(registry):
 def test_promotion_refuses_a_rejected_version_unless_forced(registry):
     registry.set_model_version_tag(POLICY, "3", "gate.passed", "false")
     registry.set_model_version_tag(POLICY, "3", "gate.reasons", "kl_above_max: KL to reference 12 > max 10")
-    with pytest.raises(RegistryError, match="rejected by the gates \\(kl_above_max"):
+    with pytest.raises(RegistryError, match="the gates did not pass policy v3 \\(rejected: kl_above_max"):
+        promote(registry, "3", "carol", "hotfix")
+    registry.set_model_version_tag(POLICY, "3", "gate.status", "undecided")  # undecided: refused the same way
+    with pytest.raises(RegistryError, match="the gates did not pass policy v3 \\(undecided: "):
         promote(registry, "3", "carol", "hotfix")
     assert champion(registry) is None
     promote(registry, "3", "carol", "hotfix", force=True)
