@@ -194,11 +194,24 @@ def _ci(i: Interval) -> str:
     return f"{_fmt(i.estimate)} [{_fmt(i.low)}, {_fmt(i.high)}] ({i.level:.0%}, {i.n} prompts)"
 
 
-def _open_call(what: str, interval: Interval, bar: float) -> str:
-    needed = prompts_to_decide(interval, bar)
-    more = ("no number of prompts decides it: the estimate is on the bar" if needed is None
-            else f"about {needed} prompts would decide it if the estimate held")
-    return f"{what} {_ci(interval)} is neither clearly above nor clearly below {_fmt(bar)}; {more}"
+def _open_call(what: str, interval: Interval, bar: float, fail_below: float) -> str:
+    """Why a call is open, and how many prompts would close it if the estimate held: on the
+    side of the bar or of the rejection line where the estimate lies. An estimate between the
+    two (within the margin) is decided by no number of prompts."""
+    if interval.estimate > bar:
+        needed = prompts_to_decide(interval, bar)
+    elif interval.estimate < fail_below:
+        needed = prompts_to_decide(interval, fail_below)
+    else:
+        needed = None
+    if needed is None:
+        more = ("no number of prompts decides it: the estimate is on the bar" if fail_below == bar else
+                f"no number of prompts decides it: the estimate lies between {_fmt(fail_below)} and the bar, "
+                "as good as the bar within the margin")
+    else:
+        more = f"about {needed} prompts would decide it if the estimate held"
+    below = "" if fail_below == bar else f" nor clearly below {_fmt(fail_below)}"
+    return f"{what} {_ci(interval)} is neither clearly above {_fmt(bar)}{below or ' nor clearly below it'}; {more}"
 
 
 def _better_than(name: str, code: str, interval: Interval, bar: float, fail_below: float, what: str,
@@ -210,7 +223,7 @@ def _better_than(name: str, code: str, interval: Interval, bar: float, fail_belo
         return Check(passed=True, **base)
     if interval.high < fail_below - TOLERANCE:
         return Check(passed=False, reason=f"{code}: {what} {_ci(interval)} < {basis}{_fmt(fail_below)}", **base)
-    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar)}", **base)
+    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar, fail_below)}", **base)
 
 
 def _not_worse_than(name: str, code: str, interval: Interval, bar: float, what: str, basis: str = "") -> Check:
@@ -221,7 +234,7 @@ def _not_worse_than(name: str, code: str, interval: Interval, bar: float, what: 
         return Check(passed=True, **base)
     if interval.high < bar - TOLERANCE:
         return Check(passed=False, reason=f"{code}: {what} {_ci(interval)} < {basis}{_fmt(bar)}", **base)
-    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar)}", **base)
+    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar, bar)}", **base)
 
 
 def _at_least(name: str, code: str, observed: float, threshold: float, what: str, basis: str = "") -> Check:

@@ -160,7 +160,7 @@ def test_an_undecided_call_says_how_many_prompts_would_decide_it():
     decision = gate(figures(cand_c, cand_s, ref_c, ref_s, champ_c, champ_s), ref, champ, T)
     assert decision.status == "undecided" and decision.reasons == ()
     [open_call] = [u for u in decision.undecided if u.startswith("win_rate_vs_champion")]
-    assert re.search(r"about \d+ prompts would decide it", open_call) or "on the bar" in open_call
+    assert re.search(r"about \d+ prompts would decide it", open_call) or "no number of prompts" in open_call
 
 
 def test_the_same_answers_as_the_champion_are_undecided_and_say_no_prompts_decide_it():
@@ -189,3 +189,18 @@ def test_a_clearly_worse_candidate_is_rejected_as_regressed(seed):
     decision = gate(figures(cand_c, cand_s, ref_c, ref_s, champ_c, champ_s, seed), ref, champ, T)
     assert decision.status == "rejected", decision.to_markdown()
     assert "accuracy_regressed_vs_champion" in {r.split(":")[0] for r in decision.reasons}
+
+
+def test_an_estimate_within_the_margin_is_decided_by_no_number_of_prompts():
+    """Win rate 0.4975 [0.4925, 0.5] against a champion: above the rejection line (0.45),
+    below the bar (0.5): more prompts would only narrow the interval around it."""
+    from rlhf_core.eval.gates import _better_than
+
+    check = _better_than("win_rate_vs_champion", "too_low", Interval(0.4975, 0.4925, 0.5, 0.95, 200), 0.5, 0.45,
+                         "win rate vs champion")
+    assert not check.passed and check.reason is None
+    assert "no number of prompts decides it: the estimate lies between 0.45 and the bar" in check.undecided
+    above = _better_than("w", "too_low", Interval(0.55, 0.48, 0.62, 0.95, 200), 0.5, 0.45, "win rate")
+    assert "about 392 prompts would decide it" in above.undecided
+    below = _better_than("w", "too_low", Interval(0.40, 0.33, 0.47, 0.95, 200), 0.5, 0.45, "win rate")
+    assert "about 392 prompts would decide it" in below.undecided  # 200 * (0.07 / 0.05)^2, toward rejection
