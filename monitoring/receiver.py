@@ -529,6 +529,30 @@ class PrefectRollbackTrigger:
     def api_url(self) -> str | None:
         return self._settings.settings.api.url
 
+    def check(self) -> None:
+        """Raise RollbackTriggerError unless a Prefect API is configured, answers, and has the
+        deployment: a receiver that cannot start a rollback must not accept alerts."""
+        from prefect import get_client
+        from prefect.context import SettingsContext
+        from prefect.exceptions import ObjectNotFound
+
+        if self.api_url is None:
+            raise RollbackTriggerError(
+                "PREFECT_API_URL is not set: the receiver starts rollbacks on the Prefect server where the "
+                f"{self.deployment!r} deployment lives; export PREFECT_API_URL=http://<host>:4200/api")
+        with SettingsContext(profile=self._settings.profile, settings=self._settings.settings):
+            try:
+                with get_client(sync_client=True) as client:
+                    client.read_deployment_by_name(self.deployment)
+            except ObjectNotFound:
+                raise RollbackTriggerError(
+                    f"the Prefect API at {self.api_url} has no deployment {self.deployment!r}: deploy the rollback "
+                    "flow there (prefect deploy --name rollback), or pass --deployment") from None
+            except Exception as exc:  # noqa: BLE001 - any failure to reach it is the same refusal
+                raise RollbackTriggerError(
+                    f"the Prefect API at {self.api_url} (PREFECT_API_URL) did not answer: {type(exc).__name__}: "
+                    f"{exc}") from exc
+
     def parameters_for(self, incident: str, reason: str, requested_by: str) -> dict:
         return {**self.parameters, "incident": incident, "reason": reason, "requested_by": requested_by,
                 **({"config_path": self.config_path} if self.config_path else {})}
@@ -555,6 +579,12 @@ class PrefectRollbackTrigger:
                 raise RollbackTriggerError(
                     f"Prefect deployment {self.deployment!r} not found at {self.api_url or 'the ephemeral API'}"
                     " (deploy the rollback flow, or pass --deployment)") from exc
+            except RollbackTriggerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - name Prefect, not just "Connection refused"
+                raise RollbackTriggerError(
+                    f"starting the Prefect deployment {self.deployment!r} at {self.api_url or 'the ephemeral API'} "
+                    f"failed: {type(exc).__name__}: {exc}") from exc
         if not hasattr(flow_run, "id"):  # an async caller gets a coroutine from run_deployment
             raise RollbackTriggerError("PrefectRollbackTrigger must be called from synchronous code")
         return str(flow_run.id)
@@ -666,9 +696,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"monitoring.receiver: {exc}", file=sys.stderr)
         return 2
     trigger = PrefectRollbackTrigger(args.deployment, args.config_path)
-    if trigger.api_url is None:
-        log.warning(json.dumps({"event": "startup", "warning": "PREFECT_API_URL is not set: rollbacks go to a"
-                                " temporary local Prefect server, where no worker may be running"}))
+    try:
+        trigger.check()
+    except RollbackTriggerError as exc:
+        print(f"monitoring.receiver: not starting: {exc}", file=sys.stderr)
+        return 2
     server = ReceiverServer((args.host, args.port), Receiver(token, args.state_dir, trigger))
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     log.info(json.dumps({"event": "startup", "listen": f"http://{args.host}:{server.server_address[1]}/alerts",

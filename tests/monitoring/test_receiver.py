@@ -467,3 +467,31 @@ def test_rollback_alerts_about_one_run_share_one_incident():
     other = decide({**alert("PolicyKLExplosion", "f3", "2026-11-22T10:00:00Z"),
                     "labels": {"alertname": "PolicyKLExplosion", "action": "rollback", "run": "zzz", "stage": "policy"}}, "r")
     assert other.incident == "run-zzz-policy"
+
+
+def test_the_receiver_refuses_to_start_without_prefect_or_the_rollback_deployment(
+        rollback_deployment, tmp_path, capsys, free_ports):
+    """Started without a reachable Prefect API holding the rollback deployment, the receiver
+    would accept alerts it can never act on: it exits 2 naming what is missing."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    path = tmp_path / "token"
+    path.write_text("t" * 32)
+    args = ["--token-file", str(path), "--state-dir", str(tmp_path / "state"), "--port", "0"]
+    PrefectRollbackTrigger("rollback/rollback").check()  # the test server has it: no error
+
+    assert main([*args, "--deployment", "rollback/no-such-deployment"]) == 2
+    err = capsys.readouterr().err
+    assert "not starting: the Prefect API at http://" in err and "has no deployment 'rollback/no-such-deployment'" in err
+
+    closed = f"http://127.0.0.1:{free_ports(1)[0]}/api"
+    with temporary_settings(updates={PREFECT_API_URL: closed}):
+        assert main(args) == 2
+        assert f"not starting: the Prefect API at {closed} (PREFECT_API_URL) did not answer" in capsys.readouterr().err
+        with pytest.raises(RollbackTriggerError, match=f"starting the Prefect deployment 'rollback/rollback' at {closed}"):
+            PrefectRollbackTrigger("rollback/rollback")("incident-1", "test", "pytest")
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(args) == 2
+        assert "not starting: PREFECT_API_URL is not set" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
