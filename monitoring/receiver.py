@@ -13,7 +13,8 @@ receiver"). The shape of the code, and why:
 - `Store` claims each (incident, action) with a UNIQUE key inside `BEGIN IMMEDIATE`, so an
   occurrence acts at most once across Alertmanager's re-sends, replays, concurrent requests
   and receiver restarts. A failed trigger answers 500 so that Alertmanager retries; a claim
-  left `pending` past `DEFAULT_CLAIM_TTL_S` (the receiver died mid-call) may be claimed again,
+  left `pending` by a receiver process that is gone (it died mid-call; the claim names its
+  host, pid and start time), or past `DEFAULT_CLAIM_TTL_S`, is claimed again by the next delivery,
   and the Prefect idempotency key `alertmanager:<incident>` makes that retry return the flow
   run already created rather than start a second one.
 - `PrefectRollbackTrigger` starts the deployment without waiting for it: the on-call path must
@@ -28,6 +29,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sqlite3
 import stat
 import sys
@@ -274,6 +276,7 @@ CREATE TABLE IF NOT EXISTS incidents (
     group_key    TEXT,
     receiver     TEXT,
     reason       TEXT,
+    owner        TEXT,               -- the receiver process acting on it: host:pid:start
     PRIMARY KEY (incident, action)
 );
 CREATE TABLE IF NOT EXISTS notifications_seen (
@@ -303,17 +306,46 @@ class Claim:
     flow_run_id: str | None = None
 
 
+def _process_start(pid: int) -> str | None:
+    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), which
+    tells a live process from a later one that reused its pid; None if there is none."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat_line[stat_line.rindex(")") + 2:].split()[19]
+
+
+def this_process() -> str:
+    """`host:pid:start`, naming this receiver process as the owner of the claims it takes."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_process_start(os.getpid())}"
+
+
+def owner_gone(owner: str | None) -> bool:
+    """True when `owner` was a process on this host that no longer runs: its claims are
+    abandoned. Owners on other hosts (or unknown) are never presumed gone."""
+    if not owner or owner.count(":") < 2:
+        return False
+    host, pid, start = owner.rsplit(":", 2)
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    return _process_start(int(pid)) != start
+
+
 class Store:
     """The receiver's SQLite state. One connection per operation, so request threads (and
     a second receiver process on the same directory) only share the file and its locks."""
 
-    def __init__(self, path: Path, clock: Callable[[], float] = time.time):
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time, owner: str | None = None):
         self.path = Path(path)
         self.clock = clock
+        self.owner = owner or this_process()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with closing(self._connect()) as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
+            if "owner" not in {row["name"] for row in db.execute("PRAGMA table_info(incidents)")}:
+                db.execute("ALTER TABLE incidents ADD COLUMN owner TEXT")  # state written before owners
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
@@ -335,25 +367,27 @@ class Store:
     def claim(self, decision: Decision, alertname: str, group_key: str, receiver: str,
               *, retry_pending_after: float) -> Claim:
         """Claim the right to act on `decision`. First claim, a failed earlier attempt, or a
-        pending one older than `retry_pending_after` seconds: acquired. Anything else: not."""
+        pending one whose owner process is gone (the receiver died mid-call and was restarted)
+        or that is older than `retry_pending_after` seconds: acquired. Anything else: not."""
         now = self.clock()
         initial = "pending" if decision.action == "rollback" else "recorded"
         with self._transaction() as db:
             inserted = db.execute(
                 "INSERT OR IGNORE INTO incidents (incident, action, status, decided_at, updated_at, claimed_at,"
-                " attempts, alertname, group_key, receiver, reason) VALUES (?,?,?,?,?,?,1,?,?,?,?)",
+                " attempts, alertname, group_key, receiver, reason, owner) VALUES (?,?,?,?,?,?,1,?,?,?,?,?)",
                 (decision.incident, decision.action, initial, _utc(now), _utc(now), now,
-                 alertname, group_key, receiver, decision.reason),
+                 alertname, group_key, receiver, decision.reason, self.owner),
             ).rowcount
             if inserted:
                 return Claim(True, initial, 1)
-            row = db.execute("SELECT status, attempts, claimed_at, flow_run_id FROM incidents"
+            row = db.execute("SELECT status, attempts, claimed_at, flow_run_id, owner FROM incidents"
                              " WHERE incident = ? AND action = ?", (decision.incident, decision.action)).fetchone()
-            stale = row["status"] == "pending" and now - row["claimed_at"] > retry_pending_after
+            stale = row["status"] == "pending" and (
+                now - row["claimed_at"] > retry_pending_after or owner_gone(row["owner"]))
             if row["status"] == "failed" or stale:
                 db.execute("UPDATE incidents SET status = 'pending', attempts = attempts + 1, claimed_at = ?,"
-                           " updated_at = ?, group_key = ?, receiver = ? WHERE incident = ? AND action = ?",
-                           (now, _utc(now), group_key, receiver, decision.incident, decision.action))
+                           " updated_at = ?, group_key = ?, receiver = ?, owner = ? WHERE incident = ? AND action = ?",
+                           (now, _utc(now), group_key, receiver, self.owner, decision.incident, decision.action))
                 return Claim(True, "pending", row["attempts"] + 1)
             return Claim(False, row["status"], row["attempts"], row["flow_run_id"])
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -377,6 +379,38 @@ def test_a_claim_left_pending_by_a_dead_receiver_is_retried_only_after_it_goes_s
     now[0] += 31
     assert s.post(notification(alert())).json()["results"][0]["result"] == "triggered"
     assert len(trigger.calls) == 1
+
+
+CLAIM_AND_DIE = """
+import json, os, signal, sys
+from monitoring.receiver import Store, decide, parse_payload
+payload = parse_payload(sys.stdin.buffer.read())
+Store(sys.argv[1]).claim(decide(payload.alerts[0], "rlhf-receiver"), "PolicyKLExplosion", payload.group_key,
+                         "rlhf-receiver", retry_pending_after=3600)
+os.kill(os.getpid(), signal.SIGKILL)  # between the claim and the rollback's start
+"""
+
+
+def test_a_claim_left_pending_by_a_killed_receiver_process_is_retried_on_the_next_delivery(serve, tmp_path):
+    """A receiver SIGKILLed after claiming a rollback and before starting it: the restarted
+    receiver's next delivery acts at once (the claim's owner process is gone), not after the
+    claim TTL, and exactly once."""
+    import subprocess
+    import sys
+
+    trigger = RecordingTrigger()
+    s = serve(trigger, retry_pending_after=3600)
+    body = json.dumps(notification(alert())).encode()
+    died = subprocess.run([sys.executable, "-c", CLAIM_AND_DIE, str(s.receiver.store.path)], input=body,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert died.returncode == -9
+    [row] = s.receiver.store.incidents()
+    assert row["status"] == "pending" and row["owner"].split(":")[1] != str(os.getpid())
+    assert s.post(notification(alert())).json()["results"][0]["result"] == "triggered"
+    assert s.post(notification(alert())).json()["results"][0]["result"] == "duplicate"
+    assert len(trigger.calls) == 1
+    [row] = s.receiver.store.incidents()
+    assert (row["status"], row["attempts"]) == ("done", 2)
 
 
 def test_deduplication_survives_a_restart(serve, tmp_path):
