@@ -203,7 +203,8 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     previous = None
     promoted = False
     if cfg.gates.auto_promote:
-        promotion = promote(client, version, requested_by=f"pipeline:{run.run_id}", reason="gates.auto_promote")
+        promotion = promote(client, version, requested_by=f"pipeline:{run.run_id}", reason="gates.auto_promote",
+                            expected_champion=evaluation.champion_version)  # the one it was judged against
         promoted, previous = True, promotion.previous
         log.info("policy v%s promoted to %s (previous champion: %s)", version, CHAMPION, previous or "none")
     else:

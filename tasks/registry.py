@@ -11,9 +11,11 @@ What is recorded, so that a person in the MLflow UI and the rollback flow agree:
   `promotion_reason`. A promotion done by hand in the MLflow UI has no such tag; the
   deploy flow fills `previous_champion` in from what was serving (see `tasks.deploy`).
 - A rollback is an incident: the registered model carries the tag `incident.<id>` with a
-  JSON record (from, to, reason, requested_by, status). Its status is `moved` once the
-  alias moved and `completed` once the target serves, so asking again for a completed
-  incident does nothing and asking again after a failed redeploy only redeploys.
+  JSON record (from, to, reason, requested_by, status). It is written `moving` before the
+  alias moves, `moved` once it has, and `completed` once the target serves, so a rollback
+  killed at any point and asked again finishes the same move (never a second one), asking
+  again after a failed redeploy only redeploys, and asking again for a completed incident
+  does nothing.
 """
 from __future__ import annotations
 
@@ -90,13 +92,19 @@ class Promotion:
     changed: bool  # False when the version already was the champion
 
 
+_ANY = object()
+
+
 def promote(
-    client: MlflowClient, version: str, requested_by: str, reason: str, *, force: bool = False, name: str = POLICY
+    client: MlflowClient, version: str, requested_by: str, reason: str, *, force: bool = False, name: str = POLICY,
+    expected_champion: str | None | object = _ANY,
 ) -> Promotion:
     """Make `version` the champion and record the one it replaces.
 
     Refuses a version whose gate decision was a rejection unless `force` (a person may
-    overrule the gates, and that is then recorded in `promotion_reason`).
+    overrule the gates, and that is then recorded in `promotion_reason`). With
+    `expected_champion` (a version, or None for none), refuses unless the champion is still
+    that one: a run evaluated against it must not replace another run's promotion unseen.
     """
     target = get_version(client, version, name)
     if target.tags.get("gate.passed") == "false" and not force:
@@ -109,6 +117,7 @@ def promote(
     if current is not None and current.version == target.version:
         return Promotion(str(target.version), target.tags.get("previous_champion") or None, changed=False)
     previous = None if current is None else str(current.version)
+    _check_champion(previous, expected_champion, target.version, name)
     for key, value in {
         "previous_champion": previous or "",
         "promoted_by": requested_by,
@@ -116,10 +125,23 @@ def promote(
         "promotion_reason": reason + (" (forced past a gate rejection)" if force and target.tags.get("gate.passed") == "false" else ""),
     }.items():
         client.set_model_version_tag(name, target.version, key, value)
+    now = by_alias(client, CHAMPION, name)  # MLflow has no compare-and-set: narrow the window
+    _check_champion(None if now is None else str(now.version), previous, target.version, name)
     client.set_registered_model_alias(name, CHAMPION, target.version)
     if by_alias(client, CHALLENGER, name) is not None and by_alias(client, CHALLENGER, name).version == target.version:
         client.delete_registered_model_alias(name, CHALLENGER)  # the challenger won; it is no longer one
     return Promotion(str(target.version), previous, changed=True)
+
+
+def _check_champion(actual: str | None, expected: str | None | object, version: str, name: str) -> None:
+    if expected is _ANY or actual == expected:
+        return
+    def v(x):
+        return "none" if x is None else f"v{x}"
+    raise RegistryError(
+        f"not promoting {name} v{version}: champion is {v(actual)}, not {v(expected)} as expected (another run or "
+        f"a person moved it meanwhile); evaluate v{version} against the new champion (`rlhf evaluate {version}`) "
+        "and promote it then")
 
 
 # -- rollback --------------------------------------------------------------------------------
@@ -168,6 +190,13 @@ def plan_rollback(
     if existing is not None:
         if existing.get("status") == "completed":
             return "none", existing.get("from"), existing.get("to")
+        if existing.get("status") == "moving":  # killed around the alias move: finish that move
+            if current not in (existing.get("from"), existing.get("to")):
+                raise RegistryError(
+                    f"rollback for incident {incident} was interrupted moving champion from v{existing.get('from')} "
+                    f"to v{existing.get('to')}, and champion is now v{current}: someone moved it since; "
+                    "check the registry and roll back with a new incident id if needed")
+            return "move", existing.get("from"), existing.get("to")
         return "redeploy", existing.get("from"), existing.get("to")
     if current is None:
         raise RegistryError(f"rollback for incident {incident}: there is no champion to roll back")
@@ -196,13 +225,24 @@ def start_rollback(
     )
     if action != "move":
         return RollbackPlan(incident, frm, to, action, existing)
-    record = {"incident": incident, "from": frm, "to": to, "reason": reason, "requested_by": requested_by,
-              "requested_at": now_iso(), "status": "moved"}
-    client.set_registered_model_alias(name, CHAMPION, to)
-    for key, value in {"rolled_back_from": frm, "rollback.incident": incident, "rollback.reason": reason,
-                       "rollback.requested_by": requested_by, "rollback.at": record["requested_at"]}.items():
+    # The intent first (or the one recorded by an attempt that was killed): whatever happens
+    # from here, a retry finds it and finishes this move instead of planning another.
+    record = existing or {"incident": incident, "from": frm, "to": to, "reason": reason,
+                          "requested_by": requested_by, "requested_at": now_iso(), "status": "moving"}
+    if existing is None:
+        record_incident(client, incident, record, name)
+    now = by_alias(client, CHAMPION, name)
+    if now is None or str(now.version) != to:
+        if now is None or str(now.version) != frm:
+            raise RegistryError(f"rollback for incident {incident}: champion moved to "
+                                f"{'nothing' if now is None else 'v' + str(now.version)} while it was being rolled "
+                                f"back from v{frm}; nothing was changed")
+        client.set_registered_model_alias(name, CHAMPION, to)
+    for key, value in {"rolled_back_from": frm, "rollback.incident": incident, "rollback.reason": record["reason"],
+                       "rollback.requested_by": record["requested_by"], "rollback.at": record["requested_at"]}.items():
         client.set_model_version_tag(name, to, key, value)
     client.set_model_version_tag(name, frm, "rolled_back_by_incident", incident)
+    record = {**record, "status": "moved"}
     record_incident(client, incident, record, name)
     return RollbackPlan(incident, frm, to, action, record)
 

@@ -74,6 +74,17 @@ def test_promotion_refuses_a_rejected_version_unless_forced(registry):
     assert "forced past a gate rejection" in registry.get_model_version(POLICY, "3").tags["promotion_reason"]
 
 
+def test_a_promotion_expecting_another_champion_is_refused_and_changes_nothing(registry):
+    """Two runs evaluated against v1; the first promotes v2; the second, expecting v1, is told."""
+    promote(registry, "1", "alice", "v1")
+    promote(registry, "2", "run-a", "gates.auto_promote", expected_champion="1")
+    with pytest.raises(RegistryError, match="not promoting policy v3: champion is v2, not v1 as expected"):
+        promote(registry, "3", "run-b", "gates.auto_promote", expected_champion="1")
+    assert champion(registry) == "2" and "promoted_by" not in registry.get_model_version(POLICY, "3").tags
+    with pytest.raises(RegistryError, match="champion is v2, not none"):
+        promote(registry, "3", "run-b", "first", expected_champion=None)
+
+
 def test_unknown_versions_and_aliases_are_named(registry):
     with pytest.raises(RegistryError, match="no version 9"):
         promote(registry, "9", "a", "r")
@@ -89,6 +100,9 @@ def test_unknown_versions_and_aliases_are_named(registry):
         ("3", None, "1", None, ("move", "3", "1")),
         ("3", "2", None, {"status": "completed", "from": "3", "to": "2"}, ("none", "3", "2")),
         ("2", "1", None, {"status": "moved", "from": "3", "to": "2"}, ("redeploy", "3", "2")),  # the redeploy failed
+        # killed after recording its intent: before the alias moved, and after
+        ("3", "2", None, {"status": "moving", "from": "3", "to": "2"}, ("move", "3", "2")),
+        ("2", "1", None, {"status": "moving", "from": "3", "to": "2"}, ("move", "3", "2")),
     ],
 )
 def test_plan_rollback(current, previous, to_version, existing, expected):
@@ -124,6 +138,48 @@ def test_rollback_moves_champion_back_once_per_incident(registry):
     done = start_rollback(registry, "fp-abc123", "replayed", "someone")
     assert done.action == "none" and champion(registry) == "1"
     assert incident_record(registry, "fp-abc123")["reason"] == "KL explosion on v2"  # the replay changed nothing
+
+
+def test_a_rollback_killed_between_alias_move_and_record_is_finished_by_its_retry(registry, monkeypatch):
+    """Killed after moving champion and before recording the move: the retry finishes that
+    move (one incident, one move), and does not move the alias again to the version before."""
+    promote(registry, "1", "alice", "v1")
+    promote(registry, "2", "alice", "v2")
+    promote(registry, "3", "alice", "v3")
+    moves: list[str] = []
+    real_set_alias = registry.set_registered_model_alias
+    monkeypatch.setattr(registry, "set_registered_model_alias",
+                        lambda name, alias, version: (moves.append(str(version)), real_set_alias(name, alias, version)))
+    real_tag = registry.set_model_version_tag
+
+    def killed(*args):
+        raise KeyboardInterrupt("SIGKILL stands in here: the process ends between the move and its record")
+
+    monkeypatch.setattr(registry, "set_model_version_tag", killed)
+    with pytest.raises(KeyboardInterrupt):
+        start_rollback(registry, "INC-9", "error rate", "alertmanager:rlhf")
+    assert champion(registry) == "2" and incident_record(registry, "INC-9")["status"] == "moving"
+
+    monkeypatch.setattr(registry, "set_model_version_tag", real_tag)
+    retry = start_rollback(registry, "INC-9", "retried", "someone")
+    assert (retry.action, retry.from_version, retry.to_version) == ("move", "3", "2")
+    assert champion(registry) == "2" and moves == ["2"]  # one move, not a second one to v1
+    record = incident_record(registry, "INC-9")
+    assert record["status"] == "moved" and record["reason"] == "error rate"  # the first request's record
+    assert registry.get_model_version(POLICY, "3").tags["rolled_back_by_incident"] == "INC-9"
+    assert [k for k in registry.get_registered_model(POLICY).tags if k.startswith("incident.")] == ["incident.INC-9"]
+
+
+def test_a_rollback_refuses_when_champion_moved_since_its_intent_was_recorded(registry):
+    promote(registry, "1", "alice", "v1")
+    promote(registry, "2", "alice", "v2")
+    from tasks.registry import record_incident
+    record_incident(registry, "INC-7", {"incident": "INC-7", "from": "2", "to": "1", "reason": "r",
+                                        "requested_by": "x", "requested_at": "t", "status": "moving"})
+    promote(registry, "3", "bob", "a hotfix, meanwhile")
+    with pytest.raises(RegistryError, match="interrupted moving champion from v2 to v1, and champion is now v3"):
+        start_rollback(registry, "INC-7", "r", "x")
+    assert champion(registry) == "3"
 
 
 def test_incident_ids_are_checked(registry):
