@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sqlite3
 import stat
 import sys
@@ -42,6 +41,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
+
+from rlhf_core.process_owner import owner_gone, this_process
 
 log = logging.getLogger("rlhf.receiver")
 
@@ -304,32 +305,6 @@ class Claim:
     status: str
     attempts: int
     flow_run_id: str | None = None
-
-
-def _process_start(pid: int) -> str | None:
-    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), which
-    tells a live process from a later one that reused its pid; None if there is none."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat_line[stat_line.rindex(")") + 2:].split()[19]
-
-
-def this_process() -> str:
-    """`host:pid:start`, naming this receiver process as the owner of the claims it takes."""
-    return f"{socket.gethostname()}:{os.getpid()}:{_process_start(os.getpid())}"
-
-
-def owner_gone(owner: str | None) -> bool:
-    """True when `owner` was a process on this host that no longer runs: its claims are
-    abandoned. Owners on other hosts (or unknown) are never presumed gone."""
-    if not owner or owner.count(":") < 2:
-        return False
-    host, pid, start = owner.rsplit(":", 2)
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    return _process_start(int(pid)) != start
 
 
 class Store:

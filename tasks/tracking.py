@@ -16,9 +16,10 @@ from pathlib import Path
 import mlflow
 import yaml
 from mlflow.tracking import MlflowClient
-from prefect import task
+from prefect import get_run_logger, task
 
 from rlhf_core.config import PipelineConfig
+from rlhf_core.process_owner import owner_gone, this_process
 
 DEFAULT_DB = "mlflow.db"
 
@@ -98,17 +99,41 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
     return client.create_experiment(name, artifact_location=artifact_location)
 
 
+OWNER_TAG = "rlhf.owner"  # host:pid:start of the process that opened the run (rlhf_core.process_owner)
+
+
+def close_abandoned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
+    """Close as KILLED every run still RUNNING whose owner process is gone (a pipeline killed
+    mid-stage leaves its runs RUNNING forever otherwise), with the reason in `failure_reason`.
+    Runs owned by live processes, by other hosts, or by nobody known are left alone."""
+    closed = []
+    for run in client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=1000):
+        owner = run.data.tags.get(OWNER_TAG)
+        if owner_gone(owner):
+            host, pid, _ = owner.rsplit(":", 2)
+            client.set_tag(run.info.run_id, "failure_reason",
+                           f"killed: the process that ran it (pid {pid} on {host}) ended without closing it; "
+                           f"closed by pid {os.getpid()} at {datetime.now(timezone.utc).isoformat(timespec='seconds')}")
+            client.set_terminated(run.info.run_id, "KILLED")
+            closed.append(run.info.run_id)
+    return closed
+
+
 @task(name="start-pipeline-run", retries=2, retry_delay_seconds=2)
 def start_pipeline_run(cfg: PipelineConfig, config_source: str, flow_name: str = "rlhf-pipeline") -> PipelineRun:
     uri = resolve_tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
     exp_id = _experiment_id(client, cfg.tracking.experiment)
+    if closed := close_abandoned_runs(client, exp_id):
+        get_run_logger().warning("closed %d MLflow run(s) left RUNNING by a process that died: %s",
+                                 len(closed), ", ".join(closed))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     run = client.create_run(
         exp_id,
         run_name=f"{cfg.name}-{stamp}",
-        tags={"pipeline": flow_name, "config.name": cfg.name, "config.source": config_source, "git.commit": git_commit()},
+        tags={"pipeline": flow_name, "config.name": cfg.name, "config.source": config_source, "git.commit": git_commit(),
+              OWNER_TAG: this_process()},
     )
     out_dir = (cfg.output_dir / run.info.run_name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +178,8 @@ def run_stage(stages: dict, name: str, task_fn, *args):
 
 def start_stage_run(run: PipelineRun, stage: str, tags: dict[str, str] | None = None) -> str:
     child = run.client.create_run(
-        run.experiment_id, run_name=stage, tags={"mlflow.parentRunId": run.run_id, "stage": stage, **(tags or {})}
+        run.experiment_id, run_name=stage,
+        tags={"mlflow.parentRunId": run.run_id, "stage": stage, OWNER_TAG: this_process(), **(tags or {})}
     )
     return child.info.run_id
 
