@@ -36,8 +36,21 @@ def connect_ray() -> bool:
     # Workers' own logs stay in the session's log directory (/tmp/ray/session_latest/logs):
     # echoed, Ray Train's per-report lines bury the pipeline's output. A worker failure
     # still surfaces as the exception trainer.fit() raises.
+    protect_ray_token()  # before Ray writes a new token: its directory is ours alone
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    protect_ray_token()
     return True
+
+
+def protect_ray_token(directory: Path | None = None) -> None:
+    """Ray keeps the token of its clusters in ~/.ray/auth_token, written with the umask's mode
+    (0644: readable by every user of the machine). Keep the directory 0700 and the file 0600."""
+    directory = directory or Path.home() / ".ray"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    token = directory / "auth_token"
+    if token.exists():
+        os.chmod(token, 0o600)
 
 
 @contextmanager

@@ -29,3 +29,21 @@ def test_one_local_cluster_for_the_stages_with_single_node_train_settings_a_user
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["up"] and not seen["stage_started_its_own"] and not seen["up_after"]
     assert seen["env"] == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def test_rays_token_is_kept_from_other_users(tmp_path):
+    """Ray writes ~/.ray/auth_token with the umask's mode (0644 here): the directory becomes
+    0700 before Ray starts and the token 0600 after."""
+    import stat
+
+    from rlhf_core.distributed.cluster import protect_ray_token
+
+    directory = tmp_path / ".ray"
+    protect_ray_token(directory)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    (directory / "auth_token").write_text("token")
+    os.chmod(directory / "auth_token", 0o644)
+    os.chmod(directory, 0o755)
+    protect_ray_token(directory)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "auth_token").stat().st_mode) == 0o600
