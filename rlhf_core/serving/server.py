@@ -189,11 +189,9 @@ def _stop_abandoned(state_dir: Path) -> None:
     except (ValueError, KeyError, TypeError):  # killed while writing it: nothing to go on but the port
         abandoned = None
     groups: set[int] = set()
-    ports = [abandoned.port] if abandoned is not None else []
-    for port in ports:
-        for pid in servers_started_in(state_dir / "logs", port):
-            with contextlib.suppress(ProcessLookupError):
-                groups.add(os.getpgid(pid))
+    for pid in servers_started_in(state_dir / "logs", abandoned.port) if abandoned is not None else []:
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(pid))
     for pgid in sorted(groups):
         log.warning("a deploy of %s died before it finished; stopping the server it started (process group %d)",
                     abandoned.served_model_name, pgid)
