@@ -1,6 +1,7 @@
 """`rlhf`: the command line for people and schedulers.
 
     rlhf run [--config PATH] [--set key.path=value ...]   run the pipeline
+             [--resume RUN_ID]                            or continue a failed or killed run
     rlhf demo                                             run it on the packaged configs/demo.yaml
     rlhf validate PATH [--eval PATH] [--record]           validate preference data only
     rlhf check-config PATH                                validate a config file only
@@ -97,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config", default=DEFAULT_CONFIG, help=f"pipeline config YAML (default {DEFAULT_CONFIG})")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set sft.epochs=2 (repeatable)")
+    run.add_argument("--resume", metavar="RUN_ID",
+                     help="continue a failed or killed run (its MLflow run id): completed stages are reused, "
+                          "an interrupted training stage continues from its checkpoint; --config only says "
+                          "where the MLflow store is, the run keeps the config it started with")
 
     demo = sub.add_parser("demo", help=f"run the pipeline on the embedded demo ({DEFAULT_CONFIG})")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -280,7 +285,9 @@ def _flows(module: str, args, cfg) -> tuple[Any, Path]:
 def _flow_command(args, cfg) -> int:
     if args.command in ("run", "demo"):
         flows, log = _flows("flows.pipeline", args, cfg)
-        return _run_flow(flows.rlhf_pipeline, log, cfg=cfg, config_path=args.config, overrides=args.overrides)
+        resume = getattr(args, "resume", None)
+        return _run_flow(flows.rlhf_pipeline, log, cfg=cfg, config_path=args.config, overrides=args.overrides,
+                         **({"resume": resume} if resume else {}))
     if args.command == "validate":
         flows, log = _flows("flows.validate", args, cfg)
         return _run_flow(flows.validate_data_flow, log, preferences_path=args.path, eval_path=args.eval_path,
@@ -324,6 +331,20 @@ def _validate_here(args, cfg) -> int:
     return 0
 
 
+def _check_resume(args, cfg):
+    """Before any server starts: can `--resume` continue that run? Returns (its config, "") (the
+    config it started with: `--config` only says where the MLflow store is), or (cfg, why not)."""
+    from tasks.tracking import ResumeRefused, recorded_config, resumable_run, tracking_client
+
+    if args.overrides:
+        return cfg, "--set cannot change a resumed run: it continues with the config it started with"
+    try:
+        resumable_run(tracking_client(cfg), args.resume)
+        return recorded_config(cfg, args.resume), ""
+    except ResumeRefused as exc:
+        return cfg, str(exc)
+
+
 def _check_inputs(args) -> None:
     from tasks.data_contract import could_exist
 
@@ -355,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             _check_inputs(args)
             if not args.record:
                 return _validate_here(args, cfg)
+        if getattr(args, "resume", None):
+            cfg, refused = _check_resume(args, cfg)
+            if refused:
+                print(f"error: {refused}", file=sys.stderr)
+                return 2
         if args.command == "promote":
             return _registry_command(args, cfg)
         if args.command == "serving":

@@ -105,6 +105,8 @@ def print_failure(summary: dict[str, Any], exit_code: int, log_path: Path | None
         print(f"  summary:  {summary['summary_path']}")
     if log_path is not None:
         print(f"  log:      {log_path}  (tracebacks; add --debug to see them here)")
+    if summary.get("pipeline") == "rlhf-pipeline" and summary.get("mlflow_run_id"):
+        print(f"  resume:   rlhf run --resume {summary['mlflow_run_id']}  (completed stages are reused)")
     print(f"  exit code {exit_code}")
     print(RULE)
 

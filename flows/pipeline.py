@@ -30,19 +30,25 @@ from tasks.policy import optimise_policy
 from tasks.pretrained import prepare_pretrained
 from tasks.reward import train_reward_model_task
 from tasks.sft import train_base_policy, use_pretrained_base
-from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
+from tasks.tracking import recorded_config, recorded_outcome, run_stage, start_pipeline_run, summary_header
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> dict[str, Any]:
+def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None,
+                  resume: str | None = None) -> dict[str, Any]:
     """Run the RLHF pipeline on the config at `config_path`.
 
     Args:
         config_path: pipeline config (YAML); the default is the packaged `configs/demo.yaml`.
         overrides: `key.path=value` items applied on top of the file, e.g. `sft.epochs=2`.
+        resume: MLflow run id of a failed or killed pipeline run to continue: its completed
+            stages are reused, with the config it started with (the config given here only
+            says which MLflow store holds it).
     """
     cfg = load_config(config_path, overrides)
-    run = start_pipeline_run(cfg, config_source=str(config_path))
+    if resume:
+        cfg = recorded_config(cfg, resume)
+    run = start_pipeline_run(cfg, config_source=str(config_path), resume=resume or None)
     summary = summary_header(run, "rlhf-pipeline", str(config_path))
     with recorded_outcome(run, summary) as stages:
         pretrained = None  # the demo builds its own model

@@ -44,6 +44,7 @@ class TrainedPolicy:
             **({"labels_asked": r.labels_asked, "round_pairs": r.round_pairs} if r.labels_asked else {}),
             "kl_max": round(r.kl_max, 3), "kl_bound": r.kl_bound, "steps": r.steps,
             "nonfinite_skipped": r.nonfinite_skipped, "attempts": r.attempts,
+            **({"resumed_from_step": r.resumed_from_step} if r.resumed_from_step is not None else {}),
             "seconds": round(r.seconds, 1), "model_path": str(r.path),
         }
 
@@ -117,7 +118,7 @@ def optimise_policy(
                     out_dir=run.out_dir / "models" / "policy",
                     storage_path=run.out_dir / "ray",
                     on_metrics=on_metrics,
-                    run_name=f"policy-{stage_id[:8]}",
+                    run_name="policy",  # one per pipeline run (storage_path is the run's): a resumed run continues it
                     answers=prompt_answers(data),
                     replay_pairs=read_table(data.paths.preferences).to_dict("records"),
                     validation=cfg.validation,

@@ -41,6 +41,8 @@ class RewardModel:
         r, audit = self.result, self.models.audit
         out = {"status": "completed", "eval_accuracy": round(r.eval_accuracy, 4), "registered_version": self.version,
                "steps": r.steps, "attempts": r.attempts, "seconds": round(r.seconds, 1), "model_path": str(r.path)}
+        if r.resumed_from_step is not None:
+            out["resumed_from_step"] = r.resumed_from_step
         if len(r.member_eval_accuracy) > 1:
             out["members"] = len(r.member_eval_accuracy)
         if audit is not None:
@@ -98,7 +100,7 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
                 out_dir=run.out_dir / "models" / "reward",
                 storage_path=run.out_dir / "ray",
                 on_metrics=on_metrics,
-                run_name=f"reward-{stage_id[:8]}",
+                run_name="reward",  # one per pipeline run (storage_path is the run's): a resumed run continues it
             )
         result = models.proxy
         audit_figures = {} if models.audit is None else {

@@ -56,6 +56,13 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys):
     assert main(["run", "--config", str(bad)]) == 2
 
 
+def test_resume_of_a_run_that_cannot_continue_exits_2_saying_why_before_any_server_starts(tiny_config, capsys):
+    assert main(["run", "--config", str(tiny_config), "--resume", "0" * 32]) == 2
+    assert f"cannot resume {'0' * 32}: no such run in sqlite:///" in capsys.readouterr().err
+    assert main(["run", "--config", str(tiny_config), "--resume", "0" * 32, "--set", "sft.epochs=2"]) == 2
+    assert "--set cannot change a resumed run" in capsys.readouterr().err
+
+
 def test_validate_of_a_missing_file_is_a_usage_error(capsys):
     assert main(["validate", "/nonexistent/prefs.jsonl"]) == 2
     assert "no such file or directory: /nonexistent/prefs.jsonl" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """How a stage's outcome is recorded in the run summary."""
 from __future__ import annotations
 
+import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,113 @@ def test_runs_left_running_by_a_dead_process_are_closed_as_killed_and_no_others(
                       "finished": "FINISHED"}
     assert "ended without closing it" in client.get_run(runs["dead"]).data.tags["failure_reason"]
     assert close_abandoned_runs(client, exp) == []
+
+
+# -- resuming a run ---------------------------------------------------------------------------
+
+class _Result:
+    def __init__(self, path: Path, figure: int):
+        self.path, self.figure = path, figure
+
+    def summary(self) -> dict:
+        return {"status": "completed", "figure": self.figure}
+
+
+def test_a_journalled_stage_is_reused_not_run_again_while_its_files_exist(tmp_path):
+    from tasks.journal import Stages
+
+    model = tmp_path / "model"
+    model.mkdir()
+    calls = []
+
+    def train(figure):
+        calls.append(figure)
+        return _Result(model, figure)
+
+    first = Stages(tmp_path / "stages")
+    assert run_stage(first, "sft", train, 1).figure == 1
+    assert [p.name for p in (tmp_path / "stages").iterdir()] == ["train.pkl"]  # whole, no temporary left
+
+    again = Stages(tmp_path / "stages")  # the rerun of the run
+    assert run_stage(again, "sft", train, 2).figure == 1 and calls == [1]
+    assert again["sft"] == {"status": "completed", "figure": 1, "reused": True}
+
+    model.rmdir()  # its files are gone: it runs again
+    rerun = Stages(tmp_path / "stages")
+    assert run_stage(rerun, "sft", train, 3).figure == 3 and calls == [1, 3]
+    assert rerun["sft"] == {"status": "completed", "figure": 3}
+
+
+def test_a_failed_stage_is_not_journalled(tmp_path):
+    from tasks.journal import Stages
+
+    stages = Stages(tmp_path / "stages")
+    with pytest.raises(RuntimeError):
+        run_stage(stages, "sft", lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    assert not (tmp_path / "stages").exists()
+
+
+@pytest.fixture
+def store(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    return client, client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+
+
+def test_resume_is_refused_with_the_reason_for_runs_it_cannot_continue(store):
+    import subprocess
+    import sys
+
+    from rlhf_core.process_owner import this_process
+    from tasks.tracking import OWNER_TAG, ResumeRefused, resumable_run
+
+    client, exp = store
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = f"{socket.gethostname()}:{gone.stdout.strip()}:12345"
+
+    def parent(status: str, owner: str, **tags) -> str:
+        run_id = client.create_run(exp, tags={"pipeline": "rlhf-pipeline", OWNER_TAG: owner, **tags}).info.run_id
+        if status != "RUNNING":
+            client.set_terminated(run_id, status)
+        return run_id
+
+    for run_id, reason in [
+        ("0" * 32, "no such run"),
+        (parent("FINISHED", dead, outcome="rejected"), "it finished (rejected); there is nothing to continue"),
+        (parent("RUNNING", this_process()), "it is still running (process " + this_process()),
+        (parent("FAILED", dead, **{"mlflow.parentRunId": "p1", "stage": "sft"}),
+         "it is the run of a stage (sft); resume its pipeline run, p1"),
+        (parent("FAILED", dead, pipeline="evaluate"), "it is not an rlhf-pipeline run (its pipeline tag: evaluate)"),
+    ]:
+        with pytest.raises(ResumeRefused, match=re.escape(reason)):
+            resumable_run(client, run_id)
+    for status, owner in (("FAILED", dead), ("KILLED", dead), ("RUNNING", dead)):  # a dead owner's RUNNING run too
+        run_id = parent(status, owner)
+        assert resumable_run(client, run_id).info.run_id == run_id
+
+
+def test_a_retried_prefect_flow_run_continues_the_run_it_opened_and_only_a_failed_one(store, tmp_path):
+    from tasks.tracking import FLOW_RUN_TAG, _reopen, _run_to_resume
+
+    client, exp = store
+    failed = client.create_run(exp, tags={"pipeline": "rlhf-pipeline", FLOW_RUN_TAG: "flow-1",
+                                          "output_dir": str(tmp_path), "failure_reason": "out of memory"}).info.run_id
+    client.set_terminated(failed, "FAILED")
+    done = client.create_run(exp, tags={"pipeline": "rlhf-pipeline", FLOW_RUN_TAG: "flow-2"}).info.run_id
+    client.set_terminated(done, "FINISHED")
+
+    assert _run_to_resume(client, exp, "rlhf-pipeline", None, "flow-2") is None  # finished: a new run
+    assert _run_to_resume(client, exp, "rlhf-pipeline", None, "flow-3") is None  # never opened one
+    assert _run_to_resume(client, exp, "rlhf-pipeline", None, None) is None  # not in a flow run
+    previous = _run_to_resume(client, exp, "rlhf-pipeline", None, "flow-1")
+    assert previous.info.run_id == failed
+
+    from prefect.logging import disable_run_logger
+
+    with disable_run_logger():
+        reopened = _reopen(client, previous)
+    assert (reopened.run_id, reopened.out_dir) == (failed, tmp_path)
+    run = client.get_run(failed)
+    assert run.info.status == "RUNNING" and "failure_reason" not in run.data.tags
+    assert run.data.tags["resume.count"] == "1" and run.data.tags["resume.previous"] == "FAILED: out of memory"
