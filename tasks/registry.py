@@ -52,12 +52,21 @@ def register_model_version(
     client: MlflowClient, name: str, run_id: str, artifact_path: str, tags: dict[str, str], description: str = ""
 ) -> str:
     """Create (if needed) the registered model `name` and add `runs:/<run_id>/<artifact_path>`
-    as a new version carrying `tags` (lineage). Returns the version number as a string."""
+    as a new version carrying `tags` (lineage). Returns the version number as a string.
+
+    Idempotent: when `name` already has a version from that source (a stage killed after
+    registering, then run again), that version is returned, with `tags` set on it."""
     try:
         client.create_registered_model(name)
     except MlflowException as exc:
         if "already exists" not in str(exc).lower() and exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
+    source = f"runs:/{run_id}/{artifact_path}"
+    for existing in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+        if existing.source == source:
+            for key, value in tags.items():
+                client.set_model_version_tag(name, existing.version, key, value)
+            return str(existing.version)
     version = client.create_model_version(
         name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=tags, description=description
     )
@@ -115,6 +124,7 @@ def promote(
         )
     current = by_alias(client, CHAMPION, name)
     if current is not None and current.version == target.version:
+        _drop_challenger(client, name, target.version)  # a retried registration may have set it again
         return Promotion(str(target.version), target.tags.get("previous_champion") or None, changed=False)
     previous = None if current is None else str(current.version)
     _check_champion(previous, expected_champion, target.version, name)
@@ -128,9 +138,15 @@ def promote(
     now = by_alias(client, CHAMPION, name)  # MLflow has no compare-and-set: narrow the window
     _check_champion(None if now is None else str(now.version), previous, target.version, name)
     client.set_registered_model_alias(name, CHAMPION, target.version)
-    if by_alias(client, CHALLENGER, name) is not None and by_alias(client, CHALLENGER, name).version == target.version:
-        client.delete_registered_model_alias(name, CHALLENGER)  # the challenger won; it is no longer one
+    _drop_challenger(client, name, target.version)
     return Promotion(str(target.version), previous, changed=True)
+
+
+def _drop_challenger(client: MlflowClient, name: str, version: str) -> None:
+    """The champion is no challenger: drop the alias if it points at `version`."""
+    challenger = by_alias(client, CHALLENGER, name)
+    if challenger is not None and challenger.version == version:
+        client.delete_registered_model_alias(name, CHALLENGER)
 
 
 def _check_champion(actual: str | None, expected: str | None | object, version: str, name: str) -> None:
