@@ -7,7 +7,7 @@ moves `champion` back for an incident (once per incident) and redeploys.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlflow
 from mlflow.tracking import MlflowClient
@@ -60,15 +60,41 @@ def _publish(d: Deployment, state_dir) -> None:
     )
 
 
+# A deploy that finds the champion moved while it served the old one serves the new one; a
+# champion that keeps moving (people promoting in a loop) is reported rather than chased.
+MAX_CHAMPION_MOVES = 3
+
+
 @task(name="deploy-champion")
 def deploy_champion(cfg: PipelineConfig) -> Deployment:
-    """Serve the champion; a no-op (re-checked with a smoke completion) when it already serves."""
+    """Serve the champion; a no-op (re-checked with a smoke completion) when it already serves.
+
+    Two deploys may run at once (a scheduled run and a manual one): they take turns on the
+    serving state's lock, and each checks after its turn that what it served is still the
+    champion, else serves the new one, so that the registry and what serves agree at the end.
+    """
     log = get_run_logger()
-    uri = resolve_tracking_uri(cfg)
-    client = MlflowClient(uri)
-    champion = by_alias(client, CHAMPION)
-    if champion is None:
-        raise RegistryError(f"{POLICY} has no {CHAMPION}: promote a version first (`rlhf promote VERSION`)")
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    served = []
+    for _ in range(MAX_CHAMPION_MOVES + 1):
+        champion = by_alias(client, CHAMPION)
+        if champion is None:
+            raise RegistryError(f"{POLICY} has no {CHAMPION}: promote a version first (`rlhf promote VERSION`)")
+        if served and served[-1].version == str(champion.version):
+            first, last = served[0], served[-1]
+            return last if len(served) == 1 else replace(last, changed=any(d.changed for d in served),
+                                                          previous_version=first.previous_version)
+        if served:
+            log.warning("the champion moved to v%s while v%s was being deployed: serving v%s",
+                        champion.version, served[-1].version, champion.version)
+        served.append(_serve(client, champion, cfg, log))
+    raise server.ServingError(f"the champion moved {MAX_CHAMPION_MOVES} times during one deploy "
+                              f"(served in turn: {', '.join('v' + d.version for d in served)}); run `rlhf deploy` again "
+                              "once promotions have settled")
+
+
+def _serve(client: MlflowClient, champion, cfg: PipelineConfig, log) -> Deployment:
+    """Serve `champion` (a `policy` model version), or check that it already serves."""
     version = str(champion.version)
     state_dir = server.state_dir_for(cfg.serving, cfg.output_dir)
     key = server.resolve_api_key(cfg.serving, state_dir)
@@ -84,7 +110,7 @@ def deploy_champion(cfg: PipelineConfig) -> Deployment:
     if current is not None and not champion.tags.get("previous_champion") and current.version != version:
         # promoted by hand in the MLflow UI: what served until now is what a rollback returns to
         client.set_model_version_tag(POLICY, version, "previous_champion", current.version)
-    model_dir = fetch_version(uri, version, state_dir / "models")
+    model_dir = fetch_version(client.tracking_uri, version, state_dir / "models")
     result = server.deploy(model_dir, version, cfg.serving, state_dir)
     client.set_model_version_tag(POLICY, version, "serving.endpoint", result.endpoint.url)
     client.set_model_version_tag(POLICY, version, "serving.deployed_at", now_iso())

@@ -17,12 +17,17 @@ def test_each_registration_is_a_new_version_with_its_lineage(tmp_path):
     v2 = client.get_model_version("reward-model", "2")
     assert v2.tags["dataset.fingerprint"] == "sha256:1"
     assert v2.source.endswith("/model")
+    # a stage killed after registering and run again registers the same source once
+    again = register_model_version(client, "reward-model", run.info.run_id, "model", {"dataset.fingerprint": "sha256:x"})
+    assert again == "2" and len(client.search_model_versions("name = 'reward-model'")) == 2
+    assert client.get_model_version("reward-model", "2").tags["dataset.fingerprint"] == "sha256:x"
 
 
 # -- aliases, promotion and rollback bookkeeping (a real MLflow SQLite store) ------------------
 
 import pytest  # noqa: E402
 
+from rlhf_core.serving.errors import ServingError  # noqa: E402
 from tasks.registry import (  # noqa: E402
     CHALLENGER, CHAMPION, POLICY, RegistryError, by_alias, complete_rollback, incident_record, plan_rollback,
     promote, start_rollback,
@@ -59,6 +64,13 @@ def test_promotion_records_the_previous_champion(registry):
     assert tags["previous_champion"] == "1" and tags["promoted_by"] == "bob" and tags["promotion_reason"] == "better win rate"
     again = promote(registry, "2", "bob", "again")
     assert not again.changed and again.previous == "1"
+
+
+def test_a_retried_registration_that_set_challenger_again_leaves_the_champion_alone(registry):
+    promote(registry, "2", "pipeline", "gates.auto_promote")
+    registry.set_registered_model_alias(POLICY, CHALLENGER, "2")  # what register does before promoting
+    again = promote(registry, "2", "pipeline", "gates.auto_promote", expected_champion=None)
+    assert not again.changed and registry.get_registered_model(POLICY).aliases == {CHAMPION: 2}
 
 
 def test_promotion_refuses_a_rejected_version_unless_forced(registry):
@@ -204,3 +216,39 @@ def test_fetch_version_reads_the_given_store_not_the_process_wide_one(registry, 
     assert model == tmp_path / "models" / "v2" and (model / "config.json").is_file()
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["v2"]  # no temporary directory left
     assert fetch_version(registry.tracking_uri, "2", tmp_path / "models") == model  # downloaded once
+
+
+def test_a_deploy_that_finds_the_champion_moved_during_its_turn_serves_the_new_one(registry, monkeypatch, tmp_path):
+    """The bookkeeping of `deploy_champion` when another run promotes while it serves: which
+    version it serves next. The serving itself (vLLM) is the serving tests' business; here
+    `_serve` records the version and, on its first call, is overtaken by another promotion."""
+    from prefect.logging import disable_run_logger
+
+    from rlhf_core.config import load_config
+    from rlhf_core.default_config import DEFAULT_CONFIG
+    from tasks import deploy
+
+    cfg = load_config(DEFAULT_CONFIG, [f"tracking.tracking_uri={registry.tracking_uri}", f"output_dir={tmp_path}"])
+    promote(registry, "1", "run a", "test")
+    served = []
+
+    def serve(client, champion, cfg, log):
+        served.append(str(champion.version))
+        if len(served) == 1:
+            promote(client, "2", "run b", "test")  # the other run, meanwhile
+        return deploy.Deployment(str(champion.version), "http://127.0.0.1:1", "m", "p", "t",
+                                 served[-2] if len(served) > 1 else None, True, 1.0, "K")
+
+    monkeypatch.setattr(deploy, "_serve", serve)
+    with disable_run_logger():
+        d = deploy.deploy_champion.fn(cfg)
+    assert served == ["1", "2"] and d.version == "2" and d.previous_version is None and d.changed
+
+    def restless(client, champion, cfg, log):  # a champion that never settles is reported, not chased
+        served.append(str(champion.version))
+        promote(client, "3" if champion.version == 2 else "2", "someone", "test")
+        return deploy.Deployment(str(champion.version), "u", "m", "p", "t", None, True, 1.0, "K")
+
+    monkeypatch.setattr(deploy, "_serve", restless)
+    with disable_run_logger(), pytest.raises(ServingError, match="the champion moved 3 times during one deploy"):
+        deploy.deploy_champion.fn(cfg)
