@@ -13,6 +13,8 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from rlhf_core.distributed.rendezvous import LoopbackTorchConfig
+
 
 # Ray Train's defaults suit large clusters. On the one node we start ourselves (the embedded
 # default) the Train controller polls its workers every 0.25 s, not every 2 s: each committed
@@ -85,9 +87,11 @@ def torch_trainer(
     """The Ray Train set-up every stage shares: `train_fn()` (its settings bound to it, not in
     Ray Train's config dict) on `num_workers` workers placed by `placement_strategy`, runs and
     checkpoints under `storage_path/run_name` (the last two checkpoints kept), `max_failures`
-    restarts from the last checkpoint, and `env` in every worker's environment."""
+    restarts from the last checkpoint, `env` in every worker's environment, and the torch
+    process group on loopback when the workers share a node (`rendezvous`)."""
     return TorchTrainer(
         train_loop_per_worker=train_fn,
+        torch_config=LoopbackTorchConfig(),  # the rendezvous store on loopback when workers share a node
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, placement_strategy=placement_strategy),
         run_config=RunConfig(
             name=run_name,

@@ -47,3 +47,58 @@ def test_rays_token_is_kept_from_other_users(tmp_path):
     protect_ray_token(directory)
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert stat.S_IMODE((directory / "auth_token").stat().st_mode) == 0o600
+
+
+def _listening_sockets_beyond_loopback_and_ray() -> dict:
+    """In a Ray Train worker, after an all-reduce: every socket this process listens on that is
+    neither on loopback nor Ray's own worker server; gathered from all ranks onto rank 0."""
+    import ipaddress
+    import os
+
+    import psutil
+    import ray
+    import torch
+    import torch.distributed as dist
+    from ray.core.generated.common_pb2 import Address
+
+    t = torch.ones(1)
+    dist.all_reduce(t)  # gloo's connections are up
+    worker = ray._private.worker.global_worker
+    ray_port = Address.FromString(worker.core_worker.get_owner_address(ray.put(0))).port
+    open_ = [f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(os.getpid()).net_connections("inet")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port != ray_port
+             and not ipaddress.ip_address(c.laddr.ip).is_loopback]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"rank": dist.get_rank(), "open": open_, "sum": t.item(),
+                                      "store_port": os.environ.get("MASTER_PORT")})
+    return {"ranks": gathered}
+
+
+def _fit(torch_config, tmp_path, name):
+    from ray import cloudpickle
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    trainer = TorchTrainer(_listening_sockets_beyond_loopback_and_ray, torch_config=torch_config,
+                           scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(name=name, storage_path=str(tmp_path)))
+    return trainer.fit().return_value["ranks"]
+
+
+def test_the_training_process_group_listens_on_loopback_only(ray_cluster, tmp_path):
+    """With the pipeline's set-up (`torch_trainer` → `LoopbackTorchConfig`) two workers on one
+    node rendezvous and talk over loopback: no socket of theirs beyond Ray's own server is
+    reachable from another host. Ray Train's default set-up, the control, opens the store on
+    every interface."""
+    from ray.train.torch import TorchConfig
+
+    from rlhf_core.distributed.rendezvous import LoopbackTorchConfig
+
+    ours = _fit(LoopbackTorchConfig(), tmp_path, "loopback")
+    assert [r["sum"] for r in ours] == [2.0, 2.0]  # the group works
+    assert [r["open"] for r in ours] == [[], []], ours
+
+    default = _fit(TorchConfig(), tmp_path, "default")
+    assert any(r["open"] for r in default), default  # the control: the check sees an open store
+    assert any(addr.endswith(f":{default[0]['store_port']}") for addr in default[0]["open"]), default

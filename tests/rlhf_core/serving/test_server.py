@@ -498,6 +498,18 @@ def test_v1_is_detached_and_its_key_is_in_neither_ps_nor_the_log(serving, v1):
 
 
 @pytest.mark.slow
+def test_v1_and_its_engine_listen_on_loopback_only(serving, v1):
+    """Every socket the server's processes (API server, engine core, workers) listen on is the
+    configured host's (127.0.0.1 by default): nothing is reachable from another machine."""
+    import ipaddress
+
+    listening = {f"{c.laddr.ip}:{c.laddr.port}" for proc in group_members(v1.endpoint.pid)
+                 for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    assert f"127.0.0.1:{v1.endpoint.port}" in listening
+    assert all(ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback for a in listening), listening
+
+
+@pytest.mark.slow
 def test_a_corrupt_model_fails_with_the_cause(serving, failed_v2):
     error, _ = failed_v2
     message = str(error)
