@@ -1,13 +1,18 @@
 """Two pipeline runs started together (a scheduled one and a manual one) on one MLflow store and
 one serving state: both finish, or the one that lost the race to promote is refused with a
-message that says so; afterwards the registry's champion is what serves."""
+message that says so; afterwards the registry's champion is what serves. Meanwhile every
+socket their processes listen on is sampled: nothing of the project's listens beyond loopback."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+
+import psutil
 
 import pytest
 import yaml
@@ -16,6 +21,51 @@ from mlflow.tracking import MlflowClient
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+class Listeners(threading.Thread):
+    """Every listening TCP socket of the processes under `roots` (their descendants included:
+    Ray's daemons and workers, the served model), sampled every 0.3 s until `stop()`."""
+
+    def __init__(self, roots: list[int]):
+        super().__init__(daemon=True)
+        self.roots, self.seen, self._done = roots, {}, threading.Event()  # pid -> (cmdline, {addr})
+
+    def run(self) -> None:
+        while not self._done.wait(0.3):
+            for root in self.roots:
+                try:
+                    procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    continue
+                for proc in procs:
+                    try:
+                        socks = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+                        cmdline = " ".join(proc.cmdline())
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        continue
+                    entry = self.seen.setdefault(proc.pid, (cmdline, set()))
+                    entry[1].update(f"{a.ip}:{a.port}" for a in socks)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(10)
+
+    def beyond_loopback(self) -> dict[int, tuple[str, list[str]]]:
+        """The listeners not on loopback that are not Ray's. Ray 2.60 has no loopback-only mode:
+        its daemons (GCS, raylet, agents) listen on every interface, and so does the one
+        gRPC server of each process that runs a Ray core worker (the driver and each worker),
+        so one such socket is allowed in those; a second would be ours (a rendezvous store, a
+        collective's listener, an engine's port)."""
+        found = {}
+        for pid, (cmdline, addrs) in self.seen.items():
+            wide = sorted(a for a in addrs if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback)
+            ray_daemon = any(d in cmdline for d in ("gcs_server", "raylet", "/ray/dashboard/", "/ray/_private/runtime_env/",
+                                                    "/ray/_private/log_monitor.py", "/ray/autoscaler/"))
+            core_worker = "default_worker.py" in cmdline or "flows.cli" in cmdline  # as first seen, before Ray renames it
+            if wide and not ray_daemon and not (core_worker and len(wide) == 1):
+                found[pid] = (cmdline[:200], wide)
+        return found
 
 
 def test_two_runs_started_together_leave_one_champion_that_serves(tmp_path, tiny_config_factory, free_ports):
@@ -37,7 +87,10 @@ def test_two_runs_started_together_leave_one_champion_that_serves(tmp_path, tiny
         procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=REPO,
                                   env=env, stdout=open(tmp_path / f"run{i}.log", "w"), stderr=subprocess.STDOUT,
                                   start_new_session=True) for i in range(2)]
+        listeners = Listeners([p.pid for p in procs])
+        listeners.start()
         codes = [p.wait(1200) for p in procs]
+        listeners.stop()
         logs = [(tmp_path / f"run{i}.log").read_text() for i in range(2)]
         summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "runs").glob("test-*/summary.json"))]
         assert len(summaries) == 2, logs  # two runs, two output directories
@@ -58,6 +111,12 @@ def test_two_runs_started_together_leave_one_champion_that_serves(tmp_path, tiny
         assert not (state_dir / "starting.json").exists()
         exp = client.get_experiment_by_name("tests").experiment_id
         assert not client.search_runs([exp], "attributes.status = 'RUNNING'")
+        assert current.pid in listeners.seen, "the sampler never saw the served model"
+        assert any("default_worker.py" in cmd and any(a.startswith("127.0.0.1:") for a in addrs)
+                   for cmd, addrs in listeners.seen.values()), "nor a training worker's rendezvous"
+        assert any("gcs_server" in cmd and not all(a.startswith("127.") for a in addrs)  # it sees wide sockets
+                   for cmd, addrs in listeners.seen.values())
+        assert listeners.beyond_loopback() == {}, listeners.beyond_loopback()
         print("\nexit codes", codes, "| champion v" + champion, "| outcomes",
               [(s["status"], s.get("stages", {}).get("register", {}).get("version")) for s in summaries])
     finally:
