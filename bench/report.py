@@ -316,11 +316,24 @@ def gateway(results: Path) -> list[str]:
             "clients, each acknowledged after its transaction committed (SQLite, WAL, synchronous=FULL)."]
 
 
+def resume(results: Path) -> list[str]:
+    if (r := load("resume", results)) is None:
+        return not_run("resume", "resume.py")
+    rows = [{**row, "steps": ", ".join(f"{s} {v}" for s, v in (row.get("resumed_from_step") or {}).items() if v)}
+            for row in r["rows"] if row.get("saved_s") is not None]
+    return [measured_on(r, "resume"), "",
+            f"Starting over (the same config, uninterrupted, in a fresh store): {r['scratch_s']:.1f} s.", "",
+            md_table(rows, [("stage", "killed in", ""), ("killed_after_s", "killed after s", ".1f"),
+                            ("seconds", "resume to the end s", ".1f"), ("saved_s", "saved s", "+.1f"),
+                            ("saved_share", "saved share", ".0%"), ("steps", "resumed from step", "")])]
+
+
 SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
     "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
+    "resume": resume,
 }
 
 
