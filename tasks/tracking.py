@@ -5,6 +5,7 @@ run", because Prefect may run tasks on other threads than the flow.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -161,6 +162,7 @@ def start_pipeline_run(cfg: PipelineConfig, config_source: str, flow_name: str =
     if previous is not None:
         return _reopen(client, previous)
     out_dir = _new_out_dir(Path(cfg.output_dir), f"{cfg.name}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}")
+    hold_run_dir(out_dir, out_dir.name)
     run = client.create_run(
         exp_id,
         run_name=out_dir.name,
@@ -186,6 +188,32 @@ def _new_out_dir(parent: Path, name: str) -> Path:
         except FileExistsError:
             continue
     raise RuntimeError(f"no free output directory for {name} under {parent}")
+
+
+_held_run_dirs: dict[Path, object] = {}  # out_dir -> its open lock file, while this process runs the run
+
+
+def hold_run_dir(out_dir: Path, run: str) -> None:
+    """One process at a time per run: an exclusive lock on `<out_dir>/run.lock`, held until
+    `release_run_dir` (the run's end) or the process's death (the kernel drops it). Two resumes
+    of one run started together: the second is refused here."""
+    if out_dir in _held_run_dirs:  # this process holds it already (a retried start)
+        return
+    f = open(out_dir / "run.lock", "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ResumeRefused(f"cannot resume {run}: another process is running it now "
+                            f"({out_dir / 'run.lock'} is locked)") from None
+    _held_run_dirs[out_dir] = f
+
+
+def release_run_dir(out_dir: Path) -> None:
+    f = _held_run_dirs.pop(out_dir, None)
+    if f is not None:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def _run_to_resume(client: MlflowClient, exp_id: str, flow_name: str, resume: str | None, flow_run_id: str | None):
@@ -225,6 +253,7 @@ def resumable_run(client: MlflowClient, run_id: str, flow_name: str = "rlhf-pipe
 def _reopen(client: MlflowClient, previous) -> PipelineRun:
     """Mark a failed or killed parent run RUNNING again, owned by this process, and say so in its tags."""
     run_id, tags = previous.info.run_id, previous.data.tags
+    hold_run_dir(Path(tags["output_dir"]), run_id)
     attempt = int(tags.get("resume.count", "0")) + 1
     for key, value in {
         "resume.count": str(attempt), OWNER_TAG: this_process(),
@@ -347,6 +376,7 @@ def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
     client.set_tag(run.run_id, "outcome", summary["status"])
     ok = summary["status"] in ("completed", "rejected", "undecided")  # a gate's verdict is a decision, not a crash
     end_run(run, run.run_id, ok, None if ok else summary.get("error"))
+    release_run_dir(run.out_dir)
     return run.summary_path
 
 

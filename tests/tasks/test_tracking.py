@@ -173,3 +173,23 @@ def test_a_retried_prefect_flow_run_continues_the_run_it_opened_and_only_a_faile
     run = client.get_run(failed)
     assert run.info.status == "RUNNING" and "failure_reason" not in run.data.tags
     assert run.data.tags["resume.count"] == "1" and run.data.tags["resume.previous"] == "FAILED: out of memory"
+
+
+def test_one_process_at_a_time_holds_a_run(tmp_path):
+    """Two resumes of one run started together: the second is refused until the first ends."""
+    from tasks.tracking import ResumeRefused, hold_run_dir, release_run_dir
+
+    import subprocess
+    import sys
+
+    hold = ("import sys; from pathlib import Path; from tasks.tracking import hold_run_dir; "
+            "hold_run_dir(Path(sys.argv[1]), 'r1')")
+    hold_run_dir(tmp_path, "r1")
+    hold_run_dir(tmp_path, "r1")  # this process already holds it: a retried start goes on
+    other = subprocess.run([sys.executable, "-c", hold, str(tmp_path)], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[2])
+    assert other.returncode == 1
+    assert f"cannot resume r1: another process is running it now ({tmp_path / 'run.lock'} is locked)" in other.stderr
+    release_run_dir(tmp_path)
+    assert subprocess.run([sys.executable, "-c", hold, str(tmp_path)], cwd=Path(__file__).resolve().parents[2]).returncode == 0
+
