@@ -61,8 +61,10 @@ class Listeners(threading.Thread):
         for pid, (cmdline, addrs) in self.seen.items():
             wide = sorted(a for a in addrs if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback)
             ray_daemon = any(d in cmdline for d in ("gcs_server", "raylet", "/ray/dashboard/", "/ray/_private/runtime_env/",
-                                                    "/ray/_private/log_monitor.py", "/ray/autoscaler/"))
-            core_worker = "default_worker.py" in cmdline or "flows.cli" in cmdline  # as first seen, before Ray renames it
+                                                    "/ray/_private/log_monitor.py", "/ray/autoscaler/",
+                                                    "ray::DashboardAgent", "ray::RuntimeEnvAgent"))
+            # a Ray worker is first seen as default_worker.py or, once Ray renamed it, as ray::IDLE, ray::<actor>
+            core_worker = "default_worker.py" in cmdline or "flows.cli" in cmdline or cmdline.startswith("ray::")
             if wide and not ray_daemon and not (core_worker and len(wide) == 1):
                 found[pid] = (cmdline[:200], wide)
         return found
@@ -112,7 +114,7 @@ def test_two_runs_started_together_leave_one_champion_that_serves(tmp_path, tiny
         exp = client.get_experiment_by_name("tests").experiment_id
         assert not client.search_runs([exp], "attributes.status = 'RUNNING'")
         assert current.pid in listeners.seen, "the sampler never saw the served model"
-        assert any("default_worker.py" in cmd and any(a.startswith("127.0.0.1:") for a in addrs)
+        assert any(("default_worker.py" in cmd or cmd.startswith("ray::")) and any(a.startswith("127.0.0.1:") for a in addrs)
                    for cmd, addrs in listeners.seen.values()), "nor a training worker's rendezvous"
         assert any("gcs_server" in cmd and not all(a.startswith("127.") for a in addrs)  # it sees wide sockets
                    for cmd, addrs in listeners.seen.values())
