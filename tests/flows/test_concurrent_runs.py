@@ -18,18 +18,26 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+RAY_DAEMONS = ("gcs_server", "raylet", "/ray/dashboard/", "/ray/_private/runtime_env/", "/ray/_private/log_monitor.py",
+               "/ray/autoscaler/", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
 class Listeners(threading.Thread):
     """Every listening TCP socket of the processes under `roots` (their descendants included:
-    Ray's daemons and workers, the served model), sampled every 0.3 s until `stop()`."""
+    Ray's daemons and workers, the served model), sampled every 0.3 s until `stop()`.
+
+    A process is named by the longest command line any sample read: one first sampled while it
+    exits reads as empty (the kernel frees its memory before its files), and its parent's
+    command line, kept beside, still tells a Ray worker (raylet starts them) from the rest."""
 
     def __init__(self, roots: list[int]):
         super().__init__(daemon=True)
         self.roots, self.seen, self._done = roots, {}, threading.Event()  # pid -> (cmdline, {addr})
+        self.parents: dict[int, str] = {}  # pid -> the parent's command line
 
     def run(self) -> None:
         while not self._done.wait(0.3):
@@ -42,10 +50,17 @@ class Listeners(threading.Thread):
                     try:
                         socks = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
                         cmdline = " ".join(proc.cmdline())
-                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        parent = proc.parent()
+                        parent_cmdline = " ".join(parent.cmdline()) if parent else ""
+                    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                         continue
-                    entry = self.seen.setdefault(proc.pid, (cmdline, set()))
-                    entry[1].update(f"{a.ip}:{a.port}" for a in socks)
+                    self.record(proc.pid, cmdline, parent_cmdline, {f"{a.ip}:{a.port}" for a in socks})
+
+    def record(self, pid: int, cmdline: str, parent_cmdline: str, addrs: set[str]) -> None:
+        known, seen_addrs = self.seen.get(pid, ("", set()))
+        self.seen[pid] = (max(known, cmdline, key=len), seen_addrs | addrs)
+        if len(parent_cmdline) > len(self.parents.get(pid, "")):
+            self.parents[pid] = parent_cmdline
 
     def stop(self) -> None:
         self._done.set()
@@ -60,16 +75,36 @@ class Listeners(threading.Thread):
         found = {}
         for pid, (cmdline, addrs) in self.seen.items():
             wide = sorted(a for a in addrs if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback)
-            ray_daemon = any(d in cmdline for d in ("gcs_server", "raylet", "/ray/dashboard/", "/ray/_private/runtime_env/",
-                                                    "/ray/_private/log_monitor.py", "/ray/autoscaler/",
-                                                    "ray::DashboardAgent", "ray::RuntimeEnvAgent"))
-            # a Ray worker is first seen as default_worker.py or, once Ray renamed it, as ray::IDLE, ray::<actor>
-            core_worker = "default_worker.py" in cmdline or "flows.cli" in cmdline or cmdline.startswith("ray::")
+            ray_daemon = any(d in cmdline for d in RAY_DAEMONS)
+            # a Ray worker is first seen as default_worker.py or, once Ray renamed it, as ray::IDLE,
+            # ray::<actor>; one seen only while it exited is known by its parent, the raylet
+            core_worker = ("default_worker.py" in cmdline or "flows.cli" in cmdline or cmdline.startswith("ray::")
+                           or (not cmdline and "raylet" in self.parents.get(pid, "")))
             if wide and not ray_daemon and not (core_worker and len(wide) == 1):
                 found[pid] = (cmdline[:200], wide)
         return found
 
 
+def test_the_sampler_tells_ray_processes_from_the_projects():
+    """The rules on made-up samples: the test below relies on them and cannot show them fail."""
+    sampler = Listeners([])
+    raylet = "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --node_ip_address=10.0.0.2"
+    sampler.record(1, "ray::IDLE", raylet, {":::4001"})  # a worker's one gRPC server
+    sampler.record(2, "", raylet, {":::4002"})  # the same, first seen while it exited
+    sampler.record(3, raylet, "python -m flows.cli run", {"0.0.0.0:4003", ":::4004"})  # a Ray daemon
+    sampler.record(4, "ray::RayTrainWorker", raylet, {":::4005", "127.0.0.1:29500"})  # the store on loopback
+    sampler.record(5, "python -m vllm.entrypoints.openai.api_server", "python -m flows.cli run", {"127.0.0.1:8000"})
+    assert sampler.beyond_loopback() == {}
+    sampler.record(4, "", raylet, {"0.0.0.0:29501"})  # a second wide socket in a worker is ours
+    sampler.record(6, "", "python -m flows.cli run", {":::4006"})  # an unknown exiting child of the driver
+    sampler.record(7, "python -m vllm.entrypoints.openai.api_server", "python -m flows.cli run", {"0.0.0.0:8001"})
+    assert sorted(sampler.beyond_loopback()) == [4, 6, 7]
+    sampler.record(2, "ray::IDLE", raylet, set())  # a later sample names it; the name stays
+    assert sampler.seen[2][0] == "ray::IDLE"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
 def test_two_runs_started_together_leave_one_champion_that_serves(tmp_path, tiny_config_factory, free_ports):
     from prefect.settings import PREFECT_API_URL
 
