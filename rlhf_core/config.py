@@ -105,6 +105,28 @@ class GRPOConfig(_Strict):
     clip_range: float = Field(0.2, gt=0, lt=1, description="Clip range of the policy's probability ratio.")
 
 
+class DPOConfig(_Strict):
+    """DPO, or its IPO variant (`policy.algorithm: dpo`): the policy learns from the preference
+    pairs directly, against the frozen SFT policy as reference; no rollouts, and no reward model
+    in training (the gates still use one to compare candidates). Trains on the same pairs the
+    reward model trains on (its held-out prompts stay out). One optimizer step takes
+    `batch_size` pairs, all workers together, in micro-batches of `micro_batch_size` pairs."""
+
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="sigmoid: DPO's loss; ipo: IPO's squared loss on length-averaged log-probs.")
+    beta: float = Field(0.1, gt=0, description='Strength of the tie to the reference policy (DPO/IPO beta).')
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5,
+        description="Share of labels assumed flipped (conservative DPO); sigmoid loss only.")
+    epochs: int = Field(2, ge=1, description='Passes over the training pairs.')
+    batch_size: int = Field(64, ge=1, description='Pairs per optimizer step, all workers together.')
+    micro_batch_size: int = Field(16, ge=1, description='Pairs per forward/backward on one worker.')
+    learning_rate: float = Field(5e-5, gt=0, description='Peak learning rate, reached after the warm-up.')
+    warmup_steps: int = Field(5, ge=0, description='Optimizer steps of linear learning-rate warm-up.')
+    max_length: int = Field(64, ge=2, description='Longest prompt + response, in tokens.')
+    on_overlength: Literal["truncate", "reject"] = Field(
+        "truncate", description="Pairs longer than max_length: cut the response's tail, or refuse the data.")
+
+
 class RewardShapingConfig(_Strict):
     """How the reward models' scores become the policy's reward-model term
     (`rlhf_core.training.reward_shaping.proxy_reward`), in this order:
@@ -243,7 +265,8 @@ class PolicyConfig(_Strict):
     step accumulated over micro-batches of `micro_batch_size` sequences per worker.
     """
 
-    algorithm: Literal["ppo", "grpo"] = Field("grpo", description='RL algorithm.')
+    algorithm: Literal["ppo", "grpo", "dpo"] = Field(
+        "grpo", description='RL algorithm (ppo, grpo), or dpo: offline preference optimisation (`policy.dpo`).')
     seed: int = Field(0, ge=0, description='Seed every rollout seed derives from (non-negative).')
     num_workers: int = Field(2, ge=1, description='Ray Train workers (data-parallel ranks).')
     use_gpu: bool | None = Field(None, description='Train on GPUs; null: use GPUs when the cluster has them.')
@@ -297,6 +320,7 @@ class PolicyConfig(_Strict):
         description='The stage fails when held-out accuracy gains less than this over the SFT policy.')
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    dpo: DPOConfig = DPOConfig()
     shaping: RewardShapingConfig = RewardShapingConfig()
     rounds: RoundsConfig = RoundsConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
@@ -315,12 +339,23 @@ class PolicyConfig(_Strict):
         return getattr(self, self.algorithm).clip_range
 
     @property
+    def dpo_grad_accum_steps(self) -> int:
+        return self.dpo.batch_size // (self.num_workers * self.dpo.micro_batch_size)
+
+    @property
     def grad_accum_steps(self) -> int:
         return self.minibatch_size // (self.num_workers * self.micro_batch_size)
 
     @model_validator(mode="after")
     def _batches_divide(self) -> "PolicyConfig":
         n, mb, w = self.rollouts_per_step, self.minibatch_size, self.num_workers
+        if self.algorithm == "dpo":  # no rollouts: only its own batches must divide
+            d = self.dpo
+            if d.batch_size % (w * d.micro_batch_size):
+                raise ValueError(
+                    f"dpo.batch_size ({d.batch_size}) must be a multiple of num_workers x dpo.micro_batch_size "
+                    f"({w} x {d.micro_batch_size})")
+            return self
         if self.prompts_per_step % w:
             raise ValueError(
                 f"prompts_per_step ({self.prompts_per_step}) must be divisible by num_workers ({w}): "

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
+
+from rlhf_core.chat import response_ids
 
 SHOWN_ROWS = 5  # offending rows named in an OverlengthError
 
@@ -49,6 +51,7 @@ class TokenizedPairs:
     rejected_lengths: np.ndarray
     pad_token_id: int
     truncated: int  # pairs with at least one side cut to max_length
+    prompt_lengths: np.ndarray | None = None  # (N,) int32: tokens of the prompt (`tokenize_policy_pairs`)
 
     def __len__(self) -> int:
         return len(self.chosen_lengths)
@@ -116,6 +119,63 @@ def tokenize_pairs(
     return TokenizedPairs(c_ids, c_len, r_ids, r_len, pad, len(over))
 
 
+def tokenize_policy_pairs(
+    rows: Sequence[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerFast,
+    max_length: int,
+    on_overlength: Literal["truncate", "reject"] = "truncate",
+) -> TokenizedPairs:
+    """Pairs as a policy sees them: the prompt's ids, then each response's ids ending with EOS
+    (`rlhf_core.chat.response_ids`), tokenized apart as a rollout is (prompt, then generated
+    tokens), with `prompt_lengths` set so a loss can take the response tokens only.
+
+    Longer than `max_length`: "truncate" cuts the response's tail and counts the pair,
+    "reject" raises `OverlengthError` naming the rows. A prompt that leaves no room for one
+    response token is always an error."""
+    if on_overlength not in ("truncate", "reject"):
+        raise ValueError(f"on_overlength must be 'truncate' or 'reject', got {on_overlength!r}")
+    chosen, rejected, prompt_lengths, over, no_room = [], [], [], [], []
+    for i, row in enumerate(rows):
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        c = prompt + response_ids(tokenizer, row["chosen"])
+        r = prompt + response_ids(tokenizer, row["rejected"])
+        if len(prompt) >= max_length:
+            no_room.append((i, len(prompt)))
+        elif max(len(c), len(r)) > max_length:
+            over.append((i, max(len(c), len(r))))
+        chosen.append(c[:max_length])
+        rejected.append(r[:max_length])
+        prompt_lengths.append(len(prompt))
+    if no_room:
+        shown = ", ".join(f"{row_label(rows[i], i)} ({n} tokens)" for i, n in no_room[:SHOWN_ROWS])
+        raise OverlengthError(
+            f"{len(no_room)} of {len(rows)} preference pairs have a prompt of max_length={max_length} tokens or "
+            f"more, which leaves no room for a response: {shown}. Raise the max_length or shorten the prompts")
+    if over and on_overlength == "reject":
+        shown = ", ".join(f"{row_label(rows[i], i)} ({n} tokens)" for i, n in over[:SHOWN_ROWS])
+        more = f" and {len(over) - SHOWN_ROWS} more" if len(over) > SHOWN_ROWS else ""
+        raise OverlengthError(
+            f"{len(over)} of {len(rows)} preference pairs exceed max_length={max_length} tokens "
+            f"(prompt, response, </s>): {shown}{more}. Raise the max_length or set on_overlength=truncate")
+    width = max((len(s) for s in chosen + rejected), default=1)
+    c_ids, c_len = _pad(chosen, width, tokenizer.pad_token_id)
+    r_ids, r_len = _pad(rejected, width, tokenizer.pad_token_id)
+    return TokenizedPairs(c_ids, c_len, r_ids, r_len, tokenizer.pad_token_id, len(over),
+                          np.array(prompt_lengths, dtype=np.int32))
+
+
+def response_mask(pairs: TokenizedPairs, indices: Sequence[int], width: int) -> torch.Tensor:
+    """(2B, width - 1) 1 where the next-token log-prob at position t scores a response token
+    (token t + 1 is past the prompt and inside the sequence), rows ordered as `collate_pairs`."""
+    if pairs.prompt_lengths is None:
+        raise ValueError("response_mask needs pairs from tokenize_policy_pairs (prompt lengths)")
+    idx = np.asarray(indices, dtype=np.int64)
+    starts = np.concatenate([pairs.prompt_lengths[idx]] * 2)  # (2B,)
+    lengths = np.concatenate([pairs.chosen_lengths[idx], pairs.rejected_lengths[idx]])
+    target = np.arange(1, width)[None, :]  # the token each position predicts
+    return torch.from_numpy(((target >= starts[:, None]) & (target < lengths[:, None])).astype(np.int64))
+
+
 def collate_pairs(pairs: TokenizedPairs, indices: Sequence[int]) -> PairBatch:
     """The pairs at `indices` as one right-padded batch, as wide as its longest sequence."""
     idx = np.asarray(indices, dtype=np.int64)
@@ -179,3 +239,23 @@ def rank_step_indices(
     order = epoch_permutation(n_items, seed, epoch)[: steps * per_rank_batch * world_size]
     mine = [order[p] for p in shard(len(order), rank, world_size)]
     return [mine[s * per_rank_batch : (s + 1) * per_rank_batch] for s in range(steps)]
+
+
+@dataclass
+class DataPosition:
+    """Where a training run on pairs stands: the next (epoch, step in epoch) and what its
+    committed steps consumed and measured. A checkpoint saves it whole (`asdict`)."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    consumed: list[list[int]] = field(default_factory=list)
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def advance(self, steps_in_epoch: int, consumed: list[int], metrics: dict[str, float]) -> None:
+        self.global_step += 1
+        self.step_in_epoch += 1
+        if self.step_in_epoch == steps_in_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        self.consumed.append(consumed)
+        self.history.append({"step": self.global_step, **metrics})

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from rlhf_core.training.ppo_step import StepOutcome, guard_nonfinite
+from rlhf_core.training.sft import warmup_cosine
 
 
 class EngineBatching(Protocol):
@@ -40,6 +41,19 @@ def deepspeed_config(
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def warmup_cosine_lr(optimizer: torch.optim.Optimizer, total: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up then cosine decay to 10%, as SFT (`rlhf_core.training.sft.warmup_cosine`);
+    passed to `deepspeed.initialize` as `lr_scheduler` (bound with `functools.partial`), since
+    DeepSpeed's WarmupLR / WarmupCosineLR give the first step lr 0."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, max(warmup, 1)))
+
+
+def module_grad_norm(module: torch.nn.Module) -> float:
+    """Global L2 norm of the module's gradients (without ZeRO, DeepSpeed does not keep it)."""
+    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else float("nan")
 
 
 class DeepSpeedBackwardAndStep:

@@ -40,11 +40,11 @@ from transformers import AutoModelForSequenceClassification
 from rlhf_core.algos.losses import bradley_terry_loss, ensemble_bradley_terry_loss
 from rlhf_core.config import RewardConfig
 from rlhf_core.data.pairs import (
-    TokenizedPairs, collate_pairs, rank_step_indices, split_by_prompt, steps_per_epoch, tokenize_pairs,
+    DataPosition, TokenizedPairs, collate_pairs, rank_step_indices, split_by_prompt, steps_per_epoch, tokenize_pairs,
 )
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
-from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters
+from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, kill_if_due
 from rlhf_core.distributed.stage import StageRuntime, record_attempt, run_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
@@ -53,7 +53,7 @@ from rlhf_core.models.reward import (
 )
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.base_policy import StageFailed
-from rlhf_core.training.sft import MetricsCallback, warmup_cosine
+from rlhf_core.training.sft import MetricsCallback
 
 ENGINE_TAG = "engine"
 
@@ -82,16 +82,11 @@ def deepspeed_config(cfg: RewardConfig, use_gpu: bool) -> dict[str, Any]:
     `cfg.zero_stage`, AdamW with `cfg.weight_decay`, clipping; bf16 on GPU, fp32 on CPU.
 
     The learning-rate schedule is passed to `deepspeed.initialize` as a callable instead
-    (`_lr_schedule`): DeepSpeed's WarmupLR / WarmupCosineLR give the first step lr 0.
+    (`deepspeed_engine.warmup_cosine_lr`): DeepSpeed's WarmupLR / WarmupCosineLR give the first step lr 0.
     """
     return deepspeed_engine.deepspeed_config(cfg, train_batch_size=cfg.global_batch_size,
                                              learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                              use_gpu=use_gpu)
-
-
-def _lr_schedule(optimizer: torch.optim.Optimizer, total: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up then cosine decay to 10%, as SFT (`rlhf_core.training.sft.warmup_cosine`)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, max(warmup, 1)))
 
 
 # ----------------------------------------------------------------------------- driver
@@ -251,25 +246,6 @@ def bootstrap_weights(num_pairs: int, members: int, seed: int) -> torch.Tensor |
 # ----------------------------------------------------------------------------- worker
 
 
-@dataclass
-class _Position:
-    """Where training stands: the next (epoch, step in epoch) and what committed steps did."""
-
-    epoch: int = 0
-    step_in_epoch: int = 0
-    global_step: int = 0
-    consumed: list[list[int]] = field(default_factory=list)
-    history: list[dict[str, float]] = field(default_factory=list)
-
-    def advance(self, steps_in_epoch: int, consumed: list[int], metrics: dict[str, float]) -> None:
-        self.global_step += 1
-        self.step_in_epoch += 1
-        if self.step_in_epoch == steps_in_epoch:
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        self.consumed.append(consumed)
-        self.history.append({"step": self.global_step, **metrics})
-
-
 def _train_loop(loop: RewardLoop) -> dict[str, Any] | None:
     cfg, runtime = loop.cfg, loop.runtime
     worker = start_worker(runtime, cfg.seed)
@@ -284,11 +260,11 @@ def _train_loop(loop: RewardLoop) -> dict[str, Any] | None:
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_config(cfg, runtime.use_gpu),
-        lr_scheduler=partial(_lr_schedule, total=total_steps, warmup=cfg.warmup_steps),
+        lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=cfg.warmup_steps),
     )
 
     saved = resume_latest("reward", {ENGINE_TAG: engine}, rank, world)
-    pos = _Position(**saved) if saved is not None else _Position()
+    pos = DataPosition(**saved) if saved is not None else DataPosition()
     record_attempt(runtime, rank, pos.global_step if saved is not None else None)
 
     plan, plan_epoch = [], None
@@ -341,18 +317,13 @@ def _optimizer_step(
             loss, m = ensemble_bradley_terry_loss(rewards[: batch.num_pairs], rewards[batch.num_pairs :], w, cfg.margin)
         engine.backward(loss)
         if cfg.zero_stage == 0 and engine.is_gradient_accumulation_boundary():
-            grad_norm = _grad_norm(engine.module)  # without ZeRO DeepSpeed does not keep it
+            grad_norm = module_grad_norm(engine.module)  # without ZeRO DeepSpeed does not keep it
         engine.step()
         sums += [loss.item(), m["accuracy"], m["reward_margin"], m["chosen_reward"], m["rejected_reward"]]
     if cfg.zero_stage > 0:
         norm = engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
     return [*(sums / cfg.grad_accum_steps).tolist(), grad_norm], time.perf_counter() - start
-
-
-def _grad_norm(module: torch.nn.Module) -> float:
-    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else float("nan")
 
 
 def _step_metrics(gathered: list[Any], engine, cfg: RewardConfig, truncated: int) -> dict[str, float]:
@@ -375,12 +346,8 @@ def _step_metrics(gathered: list[Any], engine, cfg: RewardConfig, truncated: int
     return {k: float(v) for k, v in metrics.items()}
 
 
-
-
-
-
 def _evaluate_and_save(
-    state_dict: dict[str, torch.Tensor], model_config, loop: RewardLoop, pos: _Position
+    state_dict: dict[str, torch.Tensor], model_config, loop: RewardLoop, pos: DataPosition
 ) -> dict[str, Any]:
     """Rank 0: held-out accuracy and loss, normalisation stats, HF save. -> the run summary."""
     model = AutoModelForSequenceClassification.from_config(model_config, dtype=torch.float32)

@@ -16,15 +16,14 @@ import pytest
 import ray.cloudpickle
 import torch
 
-from rlhf_core.config import PipelineConfig, PolicyConfig, RolloutPipelineConfig
-from rlhf_core.data.schema import read_table
-from rlhf_core.data.synthetic import generate_demo_data
+from rlhf_core.config import PolicyConfig, RolloutPipelineConfig
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
 from rlhf_core.distributed.policy_worker import deepspeed_config
-from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score, score_members
+from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
 from rlhf_core.tokenizer import load_tokenizer
-from rlhf_core.training.base_policy import make_base_policy
+
+from .conftest import N_EVAL
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -60,38 +59,6 @@ class JsonlSink:
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-
-
-N_EVAL = 48  # held-out prompts of the test's demo data
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """Demo data, a tiny SFT policy and an (untrained-head) reward model, built once."""
-    tmp = tmp_path_factory.mktemp("policy-demo")
-    cfg = PipelineConfig.model_validate({
-        "data": {"demo": {"seed": 0, "n_sft": 2000, "n_pairs": 400, "n_eval": N_EVAL}},
-        "model": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
-        "sft": {"epochs": 3, "batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 5},
-    })
-    files = generate_demo_data(cfg.data.demo, tmp / "data")
-    sft, prefs, evals = read_table(files.sft), read_table(files.preferences), read_table(files.eval)
-    texts = list(sft["prompt"] + sft["completion"]) + list(prefs["prompt"] + prefs["chosen"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        base = make_base_policy(list(sft["prompt"]), list(sft["completion"]), texts, list(evals["prompt"]),
-                                list(evals["answer"]), cfg, tmp / "sft")
-        rm = reward_model_from_base(base.path, seed=0).eval()
-        tok = load_tokenizer(base.path)
-        raw = score(rm, tok, list(prefs["prompt"][:64]), list(prefs["chosen"][:64]), max_length=32)
-        save_reward_model(rm, tok, tmp / "rm", reward_stats(raw))
-    finally:
-        torch.set_num_threads(threads)
-    return {
-        "sft": base.path, "rm": tmp / "rm", "sft_accuracy": base.eval_accuracy,
-        "prompts": sorted(set(prefs["prompt"])), "eval_prompts": list(evals["prompt"]), "eval_answers": list(evals["answer"]),
-    }
 
 
 def run(demo, tmp: Path, cfg: PolicyConfig = CFG, **kwargs):

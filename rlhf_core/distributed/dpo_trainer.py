@@ -1,0 +1,330 @@
+"""Offline preference optimisation of the policy (DPO, IPO) on Ray Train + DeepSpeed,
+resumable after a lost worker: `policy.algorithm: dpo`.
+
+The policy starts from the SFT policy and learns from the preference pairs directly
+(`rlhf_core.algos.preference.dpo_loss`) against the frozen SFT policy as reference: no
+rollouts, no vLLM engine, no reward model. Each step's reference log-probs are computed
+alongside the policy's (one extra forward pass without gradients) rather than stored.
+
+Driver, `train_dpo`: tokenizes the pairs (prompt, then response; `tokenize_policy_pairs`) and
+checks them before anything starts, then runs the workers (`rlhf_core.distributed.stage`).
+
+Worker, `_train_loop`: the same data-parallel plan and checkpoint as the reward stage
+(`rlhf_core.data.pairs.rank_step_indices`, `DataPosition`): every optimizer step reads only
+this rank's part of the epoch's shuffled order, and a restarted group resumes at exactly the
+next batch. At the end rank 0 measures, on the held-out prompts, greedy exact-match accuracy
+(before: the reference, which is the SFT policy) and the KL to the reference of sampled
+answers, and saves the policy in Hugging Face format. The result is a `PolicyTrainResult`, so
+evaluation, gates, registry and serving treat a DPO policy as any other.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from rlhf_core.algos.losses import logprobs_from_logits
+from rlhf_core.algos.preference import dpo_loss, sequence_logprobs
+from rlhf_core.config import PolicyConfig
+from rlhf_core.data.pairs import (
+    DataPosition, TokenizedPairs, collate_pairs, rank_step_indices, response_mask, steps_per_epoch,
+    tokenize_policy_pairs,
+)
+from rlhf_core.distributed import deepspeed_engine
+from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
+from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
+from rlhf_core.distributed.fault_injection import KillWorkerOnce, kill_if_due
+from rlhf_core.distributed.policy_trainer import PolicyTrainResult
+from rlhf_core.distributed.stage import MetricsCallback, StageRuntime, record_attempt, run_stage, start_worker
+from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
+from rlhf_core.eval.accuracy import exact_match, greedy_completions
+from rlhf_core.models.llama import load_policy, save_pretrained_atomic
+from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.base_policy import StageFailed
+
+ENGINE_TAG = "actor"
+EVAL_BATCH = 256  # prompts per generate call at the end
+
+
+@dataclass(frozen=True)
+class _Batching:
+    """What `deepspeed_engine.deepspeed_config` reads, from the policy config's DPO section."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    max_grad_norm: float
+    zero_stage: int
+
+
+@dataclass(frozen=True)
+class DPOLoop:
+    """What every worker of a DPO run is given (it crosses the Ray boundary: it pickles)."""
+
+    runtime: StageRuntime
+    cfg: PolicyConfig
+    sft_dir: str
+    out_dir: str
+    train: ray.ObjectRef  # TokenizedPairs with prompt lengths, in the object store
+    evals: ray.ObjectRef  # the held-out pairs, the same form
+    eval_prompts: tuple[str, ...]
+    eval_answers: tuple[str, ...]
+
+
+def train_dpo(
+    train_pairs: Sequence[Mapping[str, Any]],
+    eval_pairs: Sequence[Mapping[str, Any]],
+    eval_prompts: Sequence[str],
+    eval_answers: Sequence[str],
+    sft_dir: Path,
+    cfg: PolicyConfig,
+    out_dir: Path,
+    storage_path: Path,
+    on_metrics: MetricsCallback | None = None,
+    run_name: str = "policy",
+    *,
+    _kill_once: KillWorkerOnce | None = None,
+) -> PolicyTrainResult:
+    """Train the SFT policy in `sft_dir` with DPO (or IPO, `cfg.dpo.loss_type`) on `train_pairs`
+    (rows with `prompt`, `chosen`, `rejected`, optional `id`), report the implicit reward on
+    `eval_pairs` and held-out accuracy on `eval_prompts` / `eval_answers` (empty answers: none
+    measured), and save the policy to `out_dir`.
+
+    Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
+    already holds a run is resumed. `on_metrics(step, {"policy/...": v})` runs on rank 0 and
+    must pickle. Raises `StageFailed` (after saving) when the held-out accuracy gains less than
+    `cfg.min_accuracy_gain`.
+    """
+    if cfg.algorithm != "dpo":
+        raise ValueError(f"train_dpo runs policy.algorithm dpo, not {cfg.algorithm!r}")
+    if len(train_pairs) == 0:
+        raise ValueError("policy (dpo): the training set is empty (0 preference pairs)")
+    if eval_answers and len(eval_answers) != len(eval_prompts):
+        raise ValueError(f"policy (dpo): {len(eval_prompts)} held-out prompts but {len(eval_answers)} answers")
+    tokenizer = load_tokenizer(sft_dir)
+    train = _tokenize("training", train_pairs, tokenizer, cfg)
+    evals = _tokenize("held-out", eval_pairs, tokenizer, cfg) if len(eval_pairs) else None
+    if steps_per_epoch(len(train), cfg.dpo.batch_size) == 0:
+        raise ValueError(f"policy (dpo): {len(train)} training pairs are fewer than one batch of "
+                         f"dpo.batch_size={cfg.dpo.batch_size}")
+
+    def loop_for(runtime: StageRuntime) -> DPOLoop:
+        return DPOLoop(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(out_dir).resolve()), ray.put(train),
+                       ray.put(evals), tuple(eval_prompts), tuple(eval_answers))
+
+    run = run_stage(
+        "policy", loop_for, _train_loop, on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers,
+        use_gpu=cfg.use_gpu, placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures,
+        storage_path=storage_path, run_name=run_name,
+    )
+    s = run.summary
+    result = PolicyTrainResult(
+        path=Path(out_dir), algorithm="dpo" if cfg.dpo.loss_type == "sigmoid" else "ipo",
+        accuracy_before=s["accuracy_before"], accuracy_after=s["accuracy_after"],
+        rm_score_before=None, rm_score_after=None, audit_score_before=None, audit_score_after=None,
+        labels_asked=0, round_pairs=0, kl_final=s["kl"], kl_max=s["kl"], kl_bound=cfg.kl_bound,
+        steps=s["global_step"], nonfinite_skipped=0, attempts=run.attempts, resumed_from_step=run.resumed_from_step,
+        seconds=run.seconds, checkpoint_path=run.checkpoint_path,
+        evaluations=[{"step": s["global_step"], **s["held_out"]}], consumed=s["consumed"], metrics_history=s["history"],
+    )
+    gain = result.accuracy_gain
+    if gain is not None and gain < cfg.min_accuracy_gain:
+        raise StageFailed(f"policy (dpo): held-out accuracy gained {gain:+.3f}, less than "
+                          f"policy.min_accuracy_gain={cfg.min_accuracy_gain}")
+    return result
+
+
+def _tokenize(which: str, rows, tokenizer, cfg: PolicyConfig) -> TokenizedPairs:
+    try:
+        return tokenize_policy_pairs(rows, tokenizer, cfg.dpo.max_length, cfg.dpo.on_overlength)
+    except ValueError as exc:  # OverlengthError: say which set and which setting, keep the type
+        raise type(exc)(f"policy.dpo ({which} pairs): {exc}") from None
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def pair_logprobs(model: torch.nn.Module, pairs: TokenizedPairs, indices: Sequence[int], average: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(response | prompt) of the chosen and the rejected response of the pairs at
+    `indices` under `model` (summed over response tokens, or averaged with `average`) ->
+    ((B,), (B,)). Runs one forward pass over the 2B sequences; gradients flow when enabled."""
+    batch = collate_pairs(pairs, indices)
+    device = next(model.parameters()).device
+    ids = batch.input_ids.to(device)
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
+    token_logprobs = logprobs_from_logits(logits[:, :-1].float(), ids[:, 1:])  # (2B, L-1)
+    mask = response_mask(pairs, indices, ids.shape[1]).to(device)
+    seq = sequence_logprobs(token_logprobs, mask, average)
+    return seq[: batch.num_pairs], seq[batch.num_pairs :]
+
+
+def _train_loop(loop: DPOLoop) -> dict[str, Any] | None:
+    cfg, d, runtime = loop.cfg, loop.cfg.dpo, loop.runtime
+    worker = start_worker(runtime, cfg.seed)
+    rank, world = worker.rank, worker.world
+    train: TokenizedPairs = ray.get(loop.train)
+
+    accum = cfg.dpo_grad_accum_steps
+    per_rank_batch = d.micro_batch_size * accum
+    steps_epoch = steps_per_epoch(len(train), d.batch_size)
+    total_steps = steps_epoch * d.epochs
+    model = load_policy(loop.sft_dir)
+    reference = load_policy(loop.sft_dir).eval().requires_grad_(False)
+    engine, *_ = worker.deepspeed.initialize(
+        model=model, model_parameters=list(model.parameters()),
+        config=deepspeed_engine.deepspeed_config(
+            _Batching(d.micro_batch_size, accum, cfg.max_grad_norm, cfg.zero_stage), train_batch_size=d.batch_size,
+            learning_rate=d.learning_rate, weight_decay=0.0, use_gpu=runtime.use_gpu),
+        lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=d.warmup_steps),
+    )
+    saved = resume_latest("policy", {ENGINE_TAG: engine}, rank, world)
+    pos = DataPosition(**saved) if saved is not None else DataPosition()
+    record_attempt(runtime, rank, pos.global_step if saved is not None else None)
+
+    plan, plan_epoch = [], None
+    meter = WorkerMeter(runtime.use_gpu)
+    while pos.global_step < total_steps:
+        if plan_epoch != pos.epoch:
+            plan, plan_epoch = rank_step_indices(len(train), cfg.seed, pos.epoch, rank, world, per_rank_batch), pos.epoch
+        indices = plan[pos.step_in_epoch]
+        meter.start()
+        local, step_time = _optimizer_step(engine, reference, train, indices, cfg, meter)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (step_time, indices, local, meter.figures(len(indices))))
+        metrics = _step_metrics(gathered, engine, d.batch_size, train.truncated)
+        pos.advance(steps_epoch, [i for _, idx, _, _ in gathered for i in idx], metrics)
+        if rank == 0:
+            runtime.emit(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
+        kill_if_due(runtime.kill_once, rank, pos.global_step)
+        if pos.global_step % cfg.checkpoint_every == 0 or pos.global_step == total_steps:
+            report_checkpoint("policy", {ENGINE_TAG: engine}, asdict(pos), metrics, rank, world)
+
+    state_dict = full_fp32_parameters(engine, rank)
+    if rank != 0:
+        return None
+    return _evaluate_and_save(state_dict, reference, loop, pos)
+
+
+LOCAL_FIGURES = ("loss", "reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected", "logp_chosen",
+                 "logp_rejected")
+
+
+def _optimizer_step(engine, reference, pairs: TokenizedPairs, indices: list[int], cfg: PolicyConfig,
+                    meter: WorkerMeter) -> tuple[list[float], float]:
+    """One optimizer step over this rank's `indices` in micro-batches. -> (the figures of
+    `LOCAL_FIGURES` averaged over the micro-batches, then the grad norm; seconds)."""
+    d = cfg.dpo
+    start = time.perf_counter()
+    average = d.loss_type == "ipo"
+    sums = np.zeros(len(LOCAL_FIGURES))
+    grad_norm = math.nan
+    accum = cfg.dpo_grad_accum_steps
+    for k in range(accum):
+        micro = indices[k * d.micro_batch_size : (k + 1) * d.micro_batch_size]
+        with meter.compute():
+            with torch.no_grad():
+                ref_chosen, ref_rejected = pair_logprobs(reference, pairs, micro, average)
+            chosen, rejected = pair_logprobs(engine, pairs, micro, average)
+            loss, m = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, d.beta, d.loss_type, d.label_smoothing)
+        engine.backward(loss)
+        if cfg.zero_stage == 0 and engine.is_gradient_accumulation_boundary():
+            grad_norm = module_grad_norm(engine.module)
+        engine.step()
+        sums += [m[f] for f in LOCAL_FIGURES]
+    if cfg.zero_stage > 0:
+        norm = engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else math.nan
+    return [*(sums / accum).tolist(), grad_norm], time.perf_counter() - start
+
+
+def _step_metrics(gathered: list[Any], engine, batch_size: int, truncated: int) -> dict[str, float]:
+    """Flat `policy/*` metrics of one step from every rank's (step time, indices, local figures)."""
+    local = np.array([g[2] for g in gathered])  # (world, len(LOCAL_FIGURES) + 1)
+    mean = local.mean(axis=0)
+    times = [g[0] for g in gathered]
+    metrics = {f"policy/{name}": mean[i] for i, name in enumerate(LOCAL_FIGURES)}
+    metrics |= {
+        "policy/grad_norm": local[0, -1],  # global norm, the same on every rank
+        "policy/lr": engine.get_lr()[0],
+        "policy/pairs_per_s": batch_size / max(times),
+        "policy/truncated": truncated,
+    }
+    metrics |= {f"policy/step_time_s/worker_{r}": t for r, t in enumerate(times)}
+    return {k: float(v) for k, v in metrics.items()}
+
+
+@torch.no_grad()
+def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: DPOLoop, pos: DataPosition
+                       ) -> dict[str, Any]:
+    """Rank 0: held-out accuracy of the reference and the trained policy, the implicit reward on
+    the held-out pairs, the KL to the reference of sampled answers; the HF save. -> the summary."""
+    cfg = loop.cfg
+    model = load_policy(loop.sft_dir)
+    model.load_state_dict(state_dict)
+    model.eval()
+    tokenizer = load_tokenizer(loop.sft_dir)
+    before = after = None
+    if loop.eval_answers:
+        prompts, answers = list(loop.eval_prompts), list(loop.eval_answers)
+        before = exact_match(greedy_completions(reference, tokenizer, prompts, cfg.max_new_tokens, EVAL_BATCH), answers)
+        after = exact_match(greedy_completions(model, tokenizer, prompts, cfg.max_new_tokens, EVAL_BATCH), answers)
+    held_out: dict[str, float] = {}
+    evals: TokenizedPairs | None = ray.get(loop.evals)
+    if evals is not None:
+        average = cfg.dpo.loss_type == "ipo"
+        idx = list(range(len(evals)))
+        chosen, rejected = pair_logprobs(model, evals, idx, average)
+        ref_chosen, ref_rejected = pair_logprobs(reference, evals, idx, average)
+        _, m = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.dpo.beta, cfg.dpo.loss_type,
+                        cfg.dpo.label_smoothing)
+        held_out = {f"eval/{k}": v for k, v in m.items()}
+    kl = sampled_kl(model, reference, tokenizer, list(loop.eval_prompts), cfg.max_new_tokens, cfg.temperature,
+                    seed=cfg.seed)
+    meta = {"stage": "policy", "algorithm": "dpo", "loss_type": cfg.dpo.loss_type, "base_model": loop.sft_dir,
+            "reward_model": None, "steps": pos.global_step, "accuracy_before": before, "accuracy_after": after,
+            "kl": kl, "kl_bound": cfg.kl_bound}
+    save_pretrained_atomic(model, tokenizer, Path(loop.out_dir), extra=meta)
+    return {**asdict(pos), "accuracy_before": before, "accuracy_after": after, "kl": kl, "held_out": held_out}
+
+
+@torch.no_grad()
+def sampled_kl(model, reference, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float,
+               seed: int) -> float:
+    """Mean over `prompts` of log π(y|x) − log π_ref(y|x) for one answer y sampled from `model`
+    per prompt, both at the sampling `temperature` (the k1 estimate of KL(π || π_ref) per
+    sequence, the unit of `policy.kl_bound`)."""
+    if not prompts:
+        return 0.0
+    torch.manual_seed(seed)
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    total = 0.0
+    try:
+        for i in range(0, len(prompts), EVAL_BATCH):
+            enc = tokenizer(prompts[i : i + EVAL_BATCH], return_tensors="pt", padding=True)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                 top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            width = enc["input_ids"].shape[1]
+            generated = out[:, width:]
+            # the answer's tokens up to and including the first EOS
+            after_eos = torch.cumsum((generated == tokenizer.eos_token_id).long(), dim=1)
+            answer = (after_eos == 0) | ((after_eos == 1) & (generated == tokenizer.eos_token_id))
+            attention = torch.cat([enc["attention_mask"], answer.long()], dim=1)
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
+            diff = []
+            for m in (model, reference):
+                logits = m(input_ids=out, attention_mask=attention, position_ids=positions).logits
+                logits = logits[:, width - 1 : -1].float()
+                diff.append(logprobs_from_logits(logits / temperature, generated))
+            total += sequence_logprobs(diff[0] - diff[1], answer).sum().item()
+    finally:
+        tokenizer.padding_side = side
+    return total / len(prompts)

@@ -1,0 +1,190 @@
+"""DPO / IPO as a policy stage on a real local Ray cluster with DeepSpeed ZeRO on CPU.
+
+The fast tests check the tokenization, the log-probs against a token-by-token reference and
+the input checks made before anything starts; the slow ones train the demo fixture's tiny
+SFT policy (tests/rlhf_core/distributed/conftest.py) on its preference pairs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray.cloudpickle
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core.config import PolicyConfig
+from rlhf_core.data.pairs import OverlengthError, collate_pairs, response_mask, split_by_prompt, tokenize_policy_pairs
+from rlhf_core.distributed.dpo_trainer import pair_logprobs, sampled_kl, train_dpo
+from rlhf_core.distributed.fault_injection import KillWorkerOnce
+from rlhf_core.models.llama import load_policy
+from rlhf_core.tokenizer import load_tokenizer
+
+from .conftest import N_EVAL
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+# 400 demo pairs -> ~320 training pairs; batch 32 (16 x 2 workers) -> 10 steps an epoch
+CFG = PolicyConfig(algorithm="dpo", num_workers=2, zero_stage=2, checkpoint_every=5, max_failures=1,
+                   min_accuracy_gain=-1.0,
+                   dpo={"beta": 0.1, "epochs": 2, "batch_size": 32, "micro_batch_size": 16, "learning_rate": 1e-3,
+                        "warmup_steps": 2, "max_length": 16})
+KILL_AT_STEP = 7  # after the checkpoint at step 5: steps 6-7 are lost and redone
+
+
+class JsonlSink:
+    """A picklable on_metrics callback that appends `{"step": s, **metrics}` lines to a file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def splits(demo):
+    return split_by_prompt(demo["pairs"], eval_share=0.2, seed=0)
+
+
+def run(demo, splits, tmp: Path, cfg: PolicyConfig = CFG, **kwargs):
+    train, held = splits
+    return train_dpo(train, held, demo["eval_prompts"], demo["eval_answers"], demo["sft"], cfg, tmp / "policy",
+                     tmp / "ray", run_name="policy", **kwargs)
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+def test_policy_pairs_mark_exactly_the_response_tokens(demo):
+    tok = load_tokenizer(demo["sft"])
+    rows = [{"prompt": "12+34=", "chosen": "046", "rejected": "1"}]
+    pairs = tokenize_policy_pairs(rows, tok, max_length=32)
+    prompt = tok("12+34=")["input_ids"]
+    chosen = tok("046", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    rejected = tok("1", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert pairs.prompt_lengths.tolist() == [len(prompt)]
+    assert pairs.chosen_ids[0, : pairs.chosen_lengths[0]].tolist() == prompt + chosen
+    assert pairs.rejected_ids[0, : pairs.rejected_lengths[0]].tolist() == prompt + rejected
+    batch = collate_pairs(pairs, [0])
+    mask = response_mask(pairs, [0], batch.input_ids.shape[1])
+    # position t predicts token t + 1: the marked targets are the responses, EOS included
+    assert batch.input_ids[0, 1:][mask[0].bool()].tolist() == chosen
+    assert batch.input_ids[1, 1:][mask[1].bool()].tolist() == rejected
+
+
+def test_overlength_pairs_are_cut_in_the_response_or_refused_by_name(demo):
+    tok = load_tokenizer(demo["sft"])
+    rows = [{"id": "ok", "prompt": "12+34=", "chosen": "046", "rejected": "047"},
+            {"id": "long", "prompt": "12+34=", "chosen": "0" * 30, "rejected": "047"}]
+    pairs = tokenize_policy_pairs(rows, tok, max_length=12)
+    assert pairs.truncated == 1 and pairs.chosen_lengths[1] == 12 and pairs.prompt_lengths[1] < 12
+    with pytest.raises(OverlengthError, match=r"1 of 2 preference pairs exceed max_length=12 tokens .*id=long"):
+        tokenize_policy_pairs(rows, tok, max_length=12, on_overlength="reject")
+    with pytest.raises(OverlengthError, match=r"prompt of max_length=4 tokens or more.*id=ok"):
+        tokenize_policy_pairs(rows, tok, max_length=4)
+
+
+def _loop_logprob(model, ids: list[int], prompt_len: int) -> float:
+    """log π(response | prompt), one token at a time, each from the sequence's prefix alone."""
+    total = 0.0
+    for t in range(prompt_len, len(ids)):
+        logits = model(input_ids=torch.tensor([ids[:t]])).logits[0, -1].double()
+        total += torch.log_softmax(logits, -1)[ids[t]].item()
+    return total
+
+
+@torch.no_grad()
+def test_pair_logprobs_match_a_token_by_token_reference(demo):
+    model, tok = load_policy(demo["sft"]).eval(), load_tokenizer(demo["sft"])
+    rows = [{"prompt": "12+34=", "chosen": "046", "rejected": "46"}, {"prompt": "9+1=", "chosen": "010", "rejected": "0"}]
+    pairs = tokenize_policy_pairs(rows, tok, max_length=32)
+    chosen, rejected = pair_logprobs(model, pairs, [0, 1], average=False)
+    for i in range(2):
+        for side, got in (("chosen", chosen), ("rejected", rejected)):
+            ids = getattr(pairs, f"{side}_ids")[i, : getattr(pairs, f"{side}_lengths")[i]].tolist()
+            assert got[i].item() == pytest.approx(_loop_logprob(model, ids, int(pairs.prompt_lengths[i])), abs=1e-4)
+    averaged, _ = pair_logprobs(model, pairs, [0, 1], average=True)
+    n_tokens = pairs.chosen_lengths - pairs.prompt_lengths
+    assert averaged.tolist() == pytest.approx((chosen / torch.from_numpy(n_tokens)).tolist(), abs=1e-6)
+
+
+@torch.no_grad()
+def test_sampled_kl_of_a_policy_to_itself_is_zero(demo):
+    model, tok = load_policy(demo["sft"]).eval(), load_tokenizer(demo["sft"])
+    assert sampled_kl(model, model, tok, demo["eval_prompts"][:16], 4, 1.0, seed=0) == pytest.approx(0, abs=1e-9)
+
+
+def test_dpo_config_batches_must_divide():
+    with pytest.raises(ValueError, match=r"dpo.batch_size \(30\) must be a multiple of num_workers x dpo.micro_batch_size \(2 x 16\)"):
+        PolicyConfig(algorithm="dpo", dpo={"batch_size": 30, "micro_batch_size": 16})
+
+
+def test_bad_input_fails_before_training(demo, splits, tmp_path):
+    train, held = splits
+    with pytest.raises(ValueError, match="training set is empty"):
+        train_dpo([], held, [], [], demo["sft"], CFG, tmp_path / "m", tmp_path / "ray")
+    with pytest.raises(ValueError, match=r"31 training pairs are fewer than one batch of dpo.batch_size=32"):
+        train_dpo(train[:31], held, [], [], demo["sft"], CFG, tmp_path / "m", tmp_path / "ray")
+    reject = CFG.model_copy(update={"dpo": CFG.dpo.model_copy(update={"max_length": 9, "on_overlength": "reject"})})
+    with pytest.raises(OverlengthError, match=r"policy.dpo \(training pairs\): .* exceed max_length=9"):
+        train_dpo(train, held, [], [], demo["sft"], reject, tmp_path / "m", tmp_path / "ray")
+    with pytest.raises(ValueError, match="train_dpo runs policy.algorithm dpo, not 'grpo'"):
+        train_dpo(train, held, [], [], demo["sft"], PolicyConfig(), tmp_path / "m", tmp_path / "ray")
+    assert not (tmp_path / "ray").exists()
+
+
+# ----------------------------------------------------------------------------- slow
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_cluster, demo, splits, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dpo")
+    sink = JsonlSink(tmp / "metrics.jsonl")
+    return run(demo, splits, tmp, on_metrics=sink), sink.path
+
+
+@pytest.mark.slow
+def test_dpo_learns_the_preferences_and_saves_a_policy(baseline, demo, splits):
+    result, metrics_path = baseline
+    per_epoch = len(splits[0]) // 32
+    steps = 2 * per_epoch
+    assert result.algorithm == "dpo" and result.steps == steps == len(result.metrics_history)
+    history = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    assert [m["step"] for m in history] == list(range(1, steps + 1))
+    # step 1's forward passes run before its update: the policy is the reference, the loss log 2
+    assert history[0]["policy/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert history[0]["policy/reward_margin"] == pytest.approx(0, abs=1e-5)
+    assert np.mean([m["policy/loss"] for m in history[-5:]]) < 0.6
+    held = result.evaluations[-1]
+    assert held["eval/reward_accuracy"] > 0.7 and held["eval/reward_margin"] > 0, held
+    for accuracy in (result.accuracy_before, result.accuracy_after):
+        assert 0 <= accuracy <= 1 and math.isclose(accuracy * N_EVAL, round(accuracy * N_EVAL))
+    assert result.accuracy_before == pytest.approx(demo["sft_accuracy"])  # the reference is the SFT policy
+    assert 0 < result.kl_final < CFG.kl_bound
+    assert {"config.json", "model.safetensors", "tokenizer.json", "rlhf_meta.json"} <= {p.name for p in result.path.iterdir()}
+    # every step consumed 32 distinct pairs, each epoch's pairs distinct
+    assert all(len(c) == len(set(c)) == 32 for c in result.consumed)
+    for epoch in range(2):
+        seen = [i for c in result.consumed[epoch * per_epoch : (epoch + 1) * per_epoch] for i in c]
+        assert len(seen) == len(set(seen))
+    print(f"\nDPO: held-out accuracy {result.accuracy_before:.3f} -> {result.accuracy_after:.3f}, implicit-reward "
+          f"accuracy {held['eval/reward_accuracy']:.3f}, KL {result.kl_final:.3f}, {result.seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_at_the_next_batch_and_ends_the_same(baseline, demo, splits, tmp_path):
+    result, _ = baseline
+    kill = KillWorkerOnce(rank=1, at_step=KILL_AT_STEP, marker=tmp_path / "killed")
+    resumed = run(demo, splits, tmp_path, _kill_once=kill)
+    assert resumed.attempts == 2 and resumed.resumed_from_step == 5
+    assert resumed.consumed == result.consumed
+    a, b = load_file(result.path / "model.safetensors"), load_file(resumed.path / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
