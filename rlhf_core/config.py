@@ -105,7 +105,21 @@ class GRPOConfig(_Strict):
     clip_range: float = Field(0.2, gt=0, lt=1, description="Clip range of the policy's probability ratio.")
 
 
-class DPOConfig(_Strict):
+class OfflineTrainingConfig(_Strict):
+    """What the offline policy methods (DPO, IPO, KTO) train with: passes over the data,
+    batches, learning rate, sequence length."""
+
+    epochs: int = Field(2, ge=1, description='Passes over the training data.')
+    batch_size: int = Field(64, ge=1, description='Pairs (DPO) or examples (KTO) per optimizer step, all workers together.')
+    micro_batch_size: int = Field(16, ge=1, description='Pairs or examples per forward/backward on one worker.')
+    learning_rate: float = Field(5e-5, gt=0, description='Peak learning rate, reached after the warm-up.')
+    warmup_steps: int = Field(5, ge=0, description='Optimizer steps of linear learning-rate warm-up.')
+    max_length: int = Field(64, ge=2, description='Longest prompt + response, in tokens.')
+    on_overlength: Literal["truncate", "reject"] = Field(
+        "truncate", description="Longer than max_length: cut the response's tail, or refuse the data.")
+
+
+class DPOConfig(OfflineTrainingConfig):
     """DPO, or its IPO variant (`policy.algorithm: dpo`): the policy learns from the preference
     pairs directly, against the frozen SFT policy as reference; no rollouts, and no reward model
     in training (the gates still use one to compare candidates). Trains on the same pairs the
@@ -117,14 +131,21 @@ class DPOConfig(_Strict):
     beta: float = Field(0.1, gt=0, description='Strength of the tie to the reference policy (DPO/IPO beta).')
     label_smoothing: float = Field(0.0, ge=0, lt=0.5,
         description="Share of labels assumed flipped (conservative DPO); sigmoid loss only.")
-    epochs: int = Field(2, ge=1, description='Passes over the training pairs.')
-    batch_size: int = Field(64, ge=1, description='Pairs per optimizer step, all workers together.')
-    micro_batch_size: int = Field(16, ge=1, description='Pairs per forward/backward on one worker.')
-    learning_rate: float = Field(5e-5, gt=0, description='Peak learning rate, reached after the warm-up.')
-    warmup_steps: int = Field(5, ge=0, description='Optimizer steps of linear learning-rate warm-up.')
-    max_length: int = Field(64, ge=2, description='Longest prompt + response, in tokens.')
-    on_overlength: Literal["truncate", "reject"] = Field(
-        "truncate", description="Pairs longer than max_length: cut the response's tail, or refuse the data.")
+
+
+class KTOConfig(OfflineTrainingConfig):
+    """KTO (`policy.algorithm: kto`): the policy learns from unpaired answers labelled desirable
+    or undesirable (a thumbs up or down), against the frozen SFT policy as reference. From
+    preference data each pair gives one labelled answer, its chosen (desirable) or its rejected
+    (undesirable) one, drawn with `desirable_share`, so no prompt keeps both. KTO's reference
+    point, the policy's KL to the reference, is estimated on each batch from mismatched
+    prompt-answer pairs."""
+
+    beta: float = Field(0.1, gt=0, description='Strength of the tie to the reference policy (KTO beta).')
+    desirable_weight: float = Field(1.0, gt=0, description='Weight of the desirable answers in the loss (lambda_D).')
+    undesirable_weight: float = Field(1.0, gt=0, description='Weight of the undesirable answers in the loss (lambda_U).')
+    desirable_share: float = Field(0.5, gt=0, lt=1,
+        description="From preference pairs: the share of pairs that give their chosen answer (the rest their rejected).")
 
 
 class RewardShapingConfig(_Strict):
@@ -265,8 +286,9 @@ class PolicyConfig(_Strict):
     step accumulated over micro-batches of `micro_batch_size` sequences per worker.
     """
 
-    algorithm: Literal["ppo", "grpo", "dpo"] = Field(
-        "grpo", description='RL algorithm (ppo, grpo), or dpo: offline preference optimisation (`policy.dpo`).')
+    algorithm: Literal["ppo", "grpo", "dpo", "kto"] = Field(
+        "grpo", description='RL algorithm (ppo, grpo), or an offline method on the labels alone: dpo (`policy.dpo`), '
+                            'kto (`policy.kto`).')
     seed: int = Field(0, ge=0, description='Seed every rollout seed derives from (non-negative).')
     num_workers: int = Field(2, ge=1, description='Ray Train workers (data-parallel ranks).')
     use_gpu: bool | None = Field(None, description='Train on GPUs; null: use GPUs when the cluster has them.')
@@ -321,6 +343,7 @@ class PolicyConfig(_Strict):
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     dpo: DPOConfig = DPOConfig()
+    kto: KTOConfig = KTOConfig()
     shaping: RewardShapingConfig = RewardShapingConfig()
     rounds: RoundsConfig = RoundsConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
@@ -339,8 +362,13 @@ class PolicyConfig(_Strict):
         return getattr(self, self.algorithm).clip_range
 
     @property
-    def dpo_grad_accum_steps(self) -> int:
-        return self.dpo.batch_size // (self.num_workers * self.dpo.micro_batch_size)
+    def offline(self) -> OfflineTrainingConfig | None:
+        """The offline method's section (`dpo`, `kto`); None for PPO and GRPO."""
+        return {"dpo": self.dpo, "kto": self.kto}.get(self.algorithm)
+
+    @property
+    def offline_grad_accum_steps(self) -> int:
+        return self.offline.batch_size // (self.num_workers * self.offline.micro_batch_size)
 
     @property
     def grad_accum_steps(self) -> int:
@@ -349,11 +377,11 @@ class PolicyConfig(_Strict):
     @model_validator(mode="after")
     def _batches_divide(self) -> "PolicyConfig":
         n, mb, w = self.rollouts_per_step, self.minibatch_size, self.num_workers
-        if self.algorithm == "dpo":  # no rollouts: only its own batches must divide
-            d = self.dpo
+        if self.offline is not None:  # no rollouts: only the method's own batches must divide
+            d, name = self.offline, self.algorithm
             if d.batch_size % (w * d.micro_batch_size):
                 raise ValueError(
-                    f"dpo.batch_size ({d.batch_size}) must be a multiple of num_workers x dpo.micro_batch_size "
+                    f"{name}.batch_size ({d.batch_size}) must be a multiple of num_workers x {name}.micro_batch_size "
                     f"({w} x {d.micro_batch_size})")
             return self
         if self.prompts_per_step % w:

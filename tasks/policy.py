@@ -1,6 +1,7 @@
-"""Prefect task for the policy-optimisation stage (PPO or GRPO on Ray Train + DeepSpeed,
-rollouts from vLLM). The final policy is logged to the stage's MLflow run; registering it
-as a `policy` version is the gates' decision (a later stage), not this one's."""
+"""Prefect task for the policy-optimisation stage: PPO or GRPO on Ray Train + DeepSpeed with
+rollouts from vLLM, or DPO / IPO on the preference pairs (`policy.algorithm: dpo`). The final
+policy is logged to the stage's MLflow run; registering it as a `policy` version is the
+gates' decision (a later stage), not this one's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,9 @@ from prefect.artifacts import create_markdown_artifact
 from monitoring.progress import ProgressSink
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data.schema import read_table
+from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
+from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
+from rlhf_core.distributed.offline_trainer import train_offline
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult, train_policy
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
 from tasks.data import ValidatedData
@@ -105,24 +108,27 @@ def optimise_policy(
         prompts, answers = eval_set(data.paths, cfg)
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
         try:
-            figures = {"policy/reward_mean": "reward", "policy/kl": "KL"}
-            with ProgressSink("policy", cfg.policy.steps, figures) as progress, \
-                    exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
-                result = train_policy(
-                    training_prompts(data),
-                    prompts,
-                    answers or [],
-                    base.path,
-                    reward.path,
-                    cfg.policy,
-                    out_dir=run.out_dir / "models" / "policy",
-                    storage_path=run.out_dir / "ray",
-                    on_metrics=on_metrics,
-                    run_name="policy",  # one per pipeline run (storage_path is the run's): a resumed run continues it
-                    answers=prompt_answers(data),
-                    replay_pairs=read_table(data.paths.preferences).to_dict("records"),
-                    validation=cfg.validation,
-                )
+            if cfg.policy.offline is not None:  # dpo, kto: no rollouts, no reward model in training
+                result = _train_offline(data, base, cfg, run, stage_id, sink, prompts, answers)
+            else:
+                figures = {"policy/reward_mean": "reward", "policy/kl": "KL"}
+                with ProgressSink("policy", cfg.policy.steps, figures) as progress, \
+                        exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
+                    result = train_policy(
+                        training_prompts(data),
+                        prompts,
+                        answers or [],
+                        base.path,
+                        reward.path,
+                        cfg.policy,
+                        out_dir=run.out_dir / "models" / "policy",
+                        storage_path=run.out_dir / "ray",
+                        on_metrics=on_metrics,
+                        run_name="policy",  # one per pipeline run (storage_path is the run's): a resumed run continues it
+                        answers=prompt_answers(data),
+                        replay_pairs=read_table(data.paths.preferences).to_dict("records"),
+                        validation=cfg.validation,
+                    )
         except CircuitBreakerTripped as exc:
             for key, value in {"circuit_breaker.reason": exc.trip.reason, "circuit_breaker.step": exc.trip.step,
                                "circuit_breaker.checkpoint": exc.checkpoint_path or "none"}.items():
@@ -138,6 +144,9 @@ def optimise_policy(
             "policy/audit_score_before": result.audit_score_before, "policy/audit_score_after": result.audit_score_after,
             "policy/labels_asked": result.labels_asked, "policy/round_pairs": result.round_pairs,
         })
+        if cfg.policy.offline is not None:  # the loss's figures on the held-out pairs
+            held_out = {k: v for k, v in result.evaluations[-1].items() if k != "step"}
+            sink(result.steps, {f"policy/held_out_{k.removeprefix('eval/')}": v for k, v in held_out.items()})
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         client.set_tag(stage_id, "checkpoint.path", str(result.checkpoint_path))
         create_markdown_artifact(key="policy-metrics", markdown=_report(result), description="Policy optimisation")
@@ -145,3 +154,19 @@ def optimise_policy(
                  _round(result.accuracy_before), _round(result.accuracy_after),
                  _round(result.rm_score_before), _round(result.rm_score_after))
     return TrainedPolicy(result, stage_id)
+
+
+def _train_offline(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, run: PipelineRun, stage_id: str,
+                   sink: MlflowMetricsSink, prompts: list[str], answers: list[str] | None) -> PolicyTrainResult:
+    """DPO / IPO / KTO on the pairs the reward model trains on (KTO unpairs them): the prompts
+    it holds out (which the gates may judge on) stay out of the policy's training too."""
+    rows = read_table(data.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
+    train, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
+    total = steps_per_epoch(len(train), cfg.policy.offline.batch_size) * cfg.policy.offline.epochs
+    second = {"dpo": ("policy/reward_accuracy", "pair accuracy"), "kto": ("policy/reference_point", "KL estimate")}
+    figures = dict([("policy/loss", "loss"), second[cfg.policy.algorithm]])
+    with ProgressSink("policy", total, figures) as progress, \
+            exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
+        return train_offline(train, held_out, prompts, answers or [], base.path, cfg.policy,
+                             out_dir=run.out_dir / "models" / "policy", storage_path=run.out_dir / "ray",
+                             on_metrics=on_metrics, run_name="policy")

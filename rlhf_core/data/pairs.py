@@ -176,6 +176,31 @@ def response_mask(pairs: TokenizedPairs, indices: Sequence[int], width: int) -> 
     return torch.from_numpy(((target >= starts[:, None]) & (target < lengths[:, None])).astype(np.int64))
 
 
+def unpaired_examples(rows: Sequence[Mapping[str, Any]], desirable_share: float, seed: int) -> list[dict[str, Any]]:
+    """Preference pairs as unpaired labelled answers (KTO's data): each pair gives either its
+    chosen answer, labelled desirable, or its rejected one, labelled undesirable, never both;
+    `desirable_share` of the pairs, drawn with `seed`, give the chosen one.
+    -> [{"prompt", "completion", "desirable", "id"}] in the rows' order."""
+    rng = random.Random(f"unpair:{seed}")
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    chosen = set(order[: round(desirable_share * len(rows))])
+    return [{"prompt": r["prompt"], "completion": r["chosen"] if i in chosen else r["rejected"],
+             "desirable": i in chosen, "id": r.get("id", f"row {i}")} for i, r in enumerate(rows)]
+
+
+def with_mismatched(examples: Sequence[Mapping[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """Each labelled answer as a row `tokenize_policy_pairs` takes: `chosen` is the example's
+    own answer, `rejected` the answer of another example (the next one in a permutation drawn
+    with `seed`) to the same prompt: the mismatched prompt-answer pair on which KTO estimates
+    the policy's KL to the reference (Ethayarajh et al. 2024, §4.1)."""
+    order = list(range(len(examples)))
+    random.Random(f"mismatch:{seed}").shuffle(order)
+    other = {order[k]: order[(k + 1) % len(order)] for k in range(len(order))}
+    return [{"prompt": e["prompt"], "chosen": e["completion"], "rejected": examples[other[i]]["completion"],
+             "id": e.get("id")} for i, e in enumerate(examples)]
+
+
 def collate_pairs(pairs: TokenizedPairs, indices: Sequence[int]) -> PairBatch:
     """The pairs at `indices` as one right-padded batch, as wide as its longest sequence."""
     idx = np.asarray(indices, dtype=np.int64)

@@ -392,7 +392,9 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     """The loop: the champion serves through the gateway; simulated users chat and rate through
     the `openai` client; the collect-feedback deployment exports their feedback; the nightly
     deployment trains on base data plus feedback, and the new version's lineage names the
-    feedback dataset and the version that was rated."""
+    feedback dataset and the version that was rated. This nightly run uses DPO instead of GRPO
+    (`policy.algorithm=dpo`, as a team comparing methods on its own data would): the same
+    validation, gates, registry and serving take its policy."""
     from prefect.deployments import run_deployment
 
     from rlhf_core.feedback.simulated_users import UsersConfig, simulate
@@ -425,7 +427,8 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     before = set((cfg.output_dir).glob("*/summary.json"))
     nightly = run_deployment("rlhf-pipeline/nightly", timeout=1200, poll_interval=2,
                              parameters={"config_path": "configs/demo.yaml",
-                                         "overrides": overrides + ["feedback.use=true"]})
+                                         "overrides": overrides + ["feedback.use=true", "policy.algorithm=dpo",
+                                                                   "policy.dpo.max_length=16"]})
     [path] = set((cfg.output_dir).glob("*/summary.json")) - before
     second = json.loads(path.read_text())
     assert nightly.state.is_completed(), (nightly.state, second.get("error"))
@@ -438,8 +441,13 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     new_pairs = triples(export / "preferences.jsonl") - triples(base_file)
     assert second["stages"]["validate"]["rows"] == base_rows + len(new_pairs)
     assert second["stages"]["validate"]["dataset_fingerprint"] != summary["stages"]["validate"]["dataset_fingerprint"]
+    assert second["stages"]["policy"]["algorithm"] == "dpo"
     version = client.get_model_version("policy", second["stages"]["register"]["version"])
+    assert version.tags["algorithm"] == "dpo"
     assert version.tags["feedback.datasets"] == manifest["version"]
     assert version.tags["feedback.served_versions"] == rated
+    # the gates took the DPO policy (loose here, as for the first run), and it serves
+    assert second["stages"]["deploy"]["status"] == "serving", second["stages"]
+    assert served(cfg, state_dir)[0] == [f"policy-v{version.version}"]
     parent = client.get_run(second["mlflow_run_id"])
     assert parent.data.tags["feedback.datasets"] == manifest["version"]

@@ -1,12 +1,19 @@
-"""Offline preference optimisation of the policy (DPO, IPO) on Ray Train + DeepSpeed,
-resumable after a lost worker: `policy.algorithm: dpo`.
+"""Offline optimisation of the policy on labels alone, on Ray Train + DeepSpeed, resumable
+after a lost worker: `policy.algorithm: dpo` (DPO, or IPO) on preference pairs and
+`policy.algorithm: kto` on unpaired answers labelled desirable or undesirable.
 
-The policy starts from the SFT policy and learns from the preference pairs directly
-(`rlhf_core.algos.preference.dpo_loss`) against the frozen SFT policy as reference: no
-rollouts, no vLLM engine, no reward model. Each step's reference log-probs are computed
-alongside the policy's (one extra forward pass without gradients) rather than stored.
+The policy starts from the SFT policy and learns from the labels directly
+(`rlhf_core.algos.preference`) against the frozen SFT policy as reference: no rollouts, no
+vLLM engine, no reward model. Each step's reference log-probs are computed alongside the
+policy's (one extra forward pass without gradients) rather than stored.
 
-Driver, `train_dpo`: tokenizes the pairs (prompt, then response; `tokenize_policy_pairs`) and
+Both methods score two sequences per row, so both use `TokenizedPairs`: for DPO the chosen and
+the rejected answer; for KTO the labelled answer and, to the same prompt, another example's
+answer (`rlhf_core.data.pairs.with_mismatched`), on which each micro-batch estimates KTO's
+reference point (the KL to the reference, averaged over the ranks).
+
+Driver, `train_offline`: turns the rows into that form (for KTO, preference pairs are unpaired
+first: `unpaired_examples`), tokenizes them (prompt, then response; `tokenize_policy_pairs`) and
 checks them before anything starts, then runs the workers (`rlhf_core.distributed.stage`).
 
 Worker, `_train_loop`: the same data-parallel plan and checkpoint as the reward stage
@@ -33,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.algos.losses import logprobs_from_logits
-from rlhf_core.algos.preference import dpo_loss, sequence_logprobs
+from rlhf_core.algos.preference import dpo_loss, kto_loss, kto_reference_point, sequence_logprobs
 from rlhf_core.config import PolicyConfig
 from rlhf_core.data.pairs import (
     DataPosition, TokenizedPairs, collate_pairs, rank_step_indices, response_mask, steps_per_epoch,
-    tokenize_policy_pairs,
+    tokenize_policy_pairs, unpaired_examples, with_mismatched,
 )
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
@@ -57,7 +64,7 @@ EVAL_BATCH = 256  # prompts per generate call at the end
 
 @dataclass(frozen=True)
 class _Batching:
-    """What `deepspeed_engine.deepspeed_config` reads, from the policy config's DPO section."""
+    """What `deepspeed_engine.deepspeed_config` reads, from the offline method's config section."""
 
     micro_batch_size: int
     grad_accum_steps: int
@@ -66,22 +73,33 @@ class _Batching:
 
 
 @dataclass(frozen=True)
-class DPOLoop:
-    """What every worker of a DPO run is given (it crosses the Ray boundary: it pickles)."""
+class Rows:
+    """A data set as the workers read it: two sequences per row, and for KTO each row's label."""
+
+    pairs: TokenizedPairs
+    desirable: np.ndarray | None  # (N,) bool for KTO; None for DPO
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+@dataclass(frozen=True)
+class OfflineLoop:
+    """What every worker of an offline run is given (it crosses the Ray boundary: it pickles)."""
 
     runtime: StageRuntime
     cfg: PolicyConfig
     sft_dir: str
     out_dir: str
-    train: ray.ObjectRef  # TokenizedPairs with prompt lengths, in the object store
-    evals: ray.ObjectRef  # the held-out pairs, the same form
+    train: ray.ObjectRef  # Rows, in the object store
+    evals: ray.ObjectRef  # the held-out Rows, or None
     eval_prompts: tuple[str, ...]
     eval_answers: tuple[str, ...]
 
 
-def train_dpo(
-    train_pairs: Sequence[Mapping[str, Any]],
-    eval_pairs: Sequence[Mapping[str, Any]],
+def train_offline(
+    train_rows: Sequence[Mapping[str, Any]],
+    eval_rows: Sequence[Mapping[str, Any]],
     eval_prompts: Sequence[str],
     eval_answers: Sequence[str],
     sft_dir: Path,
@@ -93,32 +111,35 @@ def train_dpo(
     *,
     _kill_once: KillWorkerOnce | None = None,
 ) -> PolicyTrainResult:
-    """Train the SFT policy in `sft_dir` with DPO (or IPO, `cfg.dpo.loss_type`) on `train_pairs`
-    (rows with `prompt`, `chosen`, `rejected`, optional `id`), report the implicit reward on
-    `eval_pairs` and held-out accuracy on `eval_prompts` / `eval_answers` (empty answers: none
-    measured), and save the policy to `out_dir`.
+    """Train the SFT policy in `sft_dir` with `cfg.algorithm` (dpo, kto) on `train_rows`, report
+    the loss's figures on `eval_rows` and held-out accuracy on `eval_prompts` / `eval_answers`
+    (no answers: none measured), and save the policy to `out_dir`.
 
-    Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
+    Rows are preference pairs (`prompt`, `chosen`, `rejected`, optional `id`); for KTO they may
+    instead be labelled answers (`prompt`, `completion`, `desirable`), and pairs are unpaired
+    first. Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
     already holds a run is resumed. `on_metrics(step, {"policy/...": v})` runs on rank 0 and
     must pickle. Raises `StageFailed` (after saving) when the held-out accuracy gains less than
     `cfg.min_accuracy_gain`.
     """
-    if cfg.algorithm != "dpo":
-        raise ValueError(f"train_dpo runs policy.algorithm dpo, not {cfg.algorithm!r}")
-    if len(train_pairs) == 0:
-        raise ValueError("policy (dpo): the training set is empty (0 preference pairs)")
+    if cfg.offline is None:
+        raise ValueError(f"train_offline runs policy.algorithm dpo or kto, not {cfg.algorithm!r}")
+    name = f"policy ({cfg.algorithm})"
+    if len(train_rows) == 0:
+        raise ValueError(f"{name}: the training set is empty (0 rows)")
     if eval_answers and len(eval_answers) != len(eval_prompts):
-        raise ValueError(f"policy (dpo): {len(eval_prompts)} held-out prompts but {len(eval_answers)} answers")
+        raise ValueError(f"{name}: {len(eval_prompts)} held-out prompts but {len(eval_answers)} answers")
     tokenizer = load_tokenizer(sft_dir)
-    train = _tokenize("training", train_pairs, tokenizer, cfg)
-    evals = _tokenize("held-out", eval_pairs, tokenizer, cfg) if len(eval_pairs) else None
-    if steps_per_epoch(len(train), cfg.dpo.batch_size) == 0:
-        raise ValueError(f"policy (dpo): {len(train)} training pairs are fewer than one batch of "
-                         f"dpo.batch_size={cfg.dpo.batch_size}")
+    train = _rows("training", train_rows, tokenizer, cfg)
+    evals = _rows("held-out", eval_rows, tokenizer, cfg) if len(eval_rows) else None
+    batch = cfg.offline.batch_size
+    if steps_per_epoch(len(train), batch) == 0:
+        raise ValueError(f"{name}: {len(train)} training rows are fewer than one batch of "
+                         f"{cfg.algorithm}.batch_size={batch}")
 
-    def loop_for(runtime: StageRuntime) -> DPOLoop:
-        return DPOLoop(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(out_dir).resolve()), ray.put(train),
-                       ray.put(evals), tuple(eval_prompts), tuple(eval_answers))
+    def loop_for(runtime: StageRuntime) -> OfflineLoop:
+        return OfflineLoop(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(out_dir).resolve()), ray.put(train),
+                           ray.put(evals), tuple(eval_prompts), tuple(eval_answers))
 
     run = run_stage(
         "policy", loop_for, _train_loop, on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers,
@@ -127,7 +148,7 @@ def train_dpo(
     )
     s = run.summary
     result = PolicyTrainResult(
-        path=Path(out_dir), algorithm="dpo" if cfg.dpo.loss_type == "sigmoid" else "ipo",
+        path=Path(out_dir), algorithm=method_name(cfg),
         accuracy_before=s["accuracy_before"], accuracy_after=s["accuracy_after"],
         rm_score_before=None, rm_score_after=None, audit_score_before=None, audit_score_after=None,
         labels_asked=0, round_pairs=0, kl_final=s["kl"], kl_max=s["kl"], kl_bound=cfg.kl_bound,
@@ -137,16 +158,30 @@ def train_dpo(
     )
     gain = result.accuracy_gain
     if gain is not None and gain < cfg.min_accuracy_gain:
-        raise StageFailed(f"policy (dpo): held-out accuracy gained {gain:+.3f}, less than "
+        raise StageFailed(f"{name}: held-out accuracy gained {gain:+.3f}, less than "
                           f"policy.min_accuracy_gain={cfg.min_accuracy_gain}")
     return result
 
 
-def _tokenize(which: str, rows, tokenizer, cfg: PolicyConfig) -> TokenizedPairs:
+def method_name(cfg: PolicyConfig) -> str:
+    """dpo, ipo or kto: what the result and the registry call the method."""
+    if cfg.algorithm == "dpo":
+        return "ipo" if cfg.dpo.loss_type == "ipo" else "dpo"
+    return cfg.algorithm
+
+
+def _rows(which: str, rows: Sequence[Mapping[str, Any]], tokenizer, cfg: PolicyConfig) -> Rows:
+    desirable = None
+    if cfg.algorithm == "kto":
+        examples = rows if rows and "completion" in rows[0] else unpaired_examples(rows, cfg.kto.desirable_share,
+                                                                                   cfg.seed)
+        desirable = np.array([bool(e["desirable"]) for e in examples])
+        rows = with_mismatched(examples, cfg.seed)
     try:
-        return tokenize_policy_pairs(rows, tokenizer, cfg.dpo.max_length, cfg.dpo.on_overlength)
+        pairs = tokenize_policy_pairs(rows, tokenizer, cfg.offline.max_length, cfg.offline.on_overlength)
     except ValueError as exc:  # OverlengthError: say which set and which setting, keep the type
-        raise type(exc)(f"policy.dpo ({which} pairs): {exc}") from None
+        raise type(exc)(f"policy.{cfg.algorithm} ({which} rows): {exc}") from None
+    return Rows(pairs, desirable)
 
 
 # ----------------------------------------------------------------------------- worker
@@ -167,13 +202,13 @@ def pair_logprobs(model: torch.nn.Module, pairs: TokenizedPairs, indices: Sequen
     return seq[: batch.num_pairs], seq[batch.num_pairs :]
 
 
-def _train_loop(loop: DPOLoop) -> dict[str, Any] | None:
-    cfg, d, runtime = loop.cfg, loop.cfg.dpo, loop.runtime
+def _train_loop(loop: OfflineLoop) -> dict[str, Any] | None:
+    cfg, d, runtime = loop.cfg, loop.cfg.offline, loop.runtime
     worker = start_worker(runtime, cfg.seed)
     rank, world = worker.rank, worker.world
-    train: TokenizedPairs = ray.get(loop.train)
+    train: Rows = ray.get(loop.train)
 
-    accum = cfg.dpo_grad_accum_steps
+    accum = cfg.offline_grad_accum_steps
     per_rank_batch = d.micro_batch_size * accum
     steps_epoch = steps_per_epoch(len(train), d.batch_size)
     total_steps = steps_epoch * d.epochs
@@ -192,15 +227,16 @@ def _train_loop(loop: DPOLoop) -> dict[str, Any] | None:
 
     plan, plan_epoch = [], None
     meter = WorkerMeter(runtime.use_gpu)
+    figures = FIGURES[cfg.algorithm]
     while pos.global_step < total_steps:
         if plan_epoch != pos.epoch:
             plan, plan_epoch = rank_step_indices(len(train), cfg.seed, pos.epoch, rank, world, per_rank_batch), pos.epoch
         indices = plan[pos.step_in_epoch]
         meter.start()
-        local, step_time = _optimizer_step(engine, reference, train, indices, cfg, meter)
+        local, step_time = _optimizer_step(engine, reference, train, indices, cfg, meter, world)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (step_time, indices, local, meter.figures(len(indices))))
-        metrics = _step_metrics(gathered, engine, d.batch_size, train.truncated)
+        metrics = _step_metrics(gathered, engine, figures, d.batch_size, train.pairs.truncated)
         pos.advance(steps_epoch, [i for _, idx, _, _ in gathered for i in idx], metrics)
         if rank == 0:
             runtime.emit(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
@@ -214,48 +250,79 @@ def _train_loop(loop: DPOLoop) -> dict[str, Any] | None:
     return _evaluate_and_save(state_dict, reference, loop, pos)
 
 
-LOCAL_FIGURES = ("loss", "reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected", "logp_chosen",
-                 "logp_rejected")
+# per method, the loss's figures a step reports (as policy/<name>), averaged over micro-batches and ranks
+FIGURES = {
+    "dpo": ("loss", "reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected", "logp_chosen",
+            "logp_rejected"),
+    "kto": ("loss", "reward_desirable", "reward_undesirable", "reference_point", "desirable_share"),
+}
 
 
-def _optimizer_step(engine, reference, pairs: TokenizedPairs, indices: list[int], cfg: PolicyConfig,
-                    meter: WorkerMeter) -> tuple[list[float], float]:
-    """One optimizer step over this rank's `indices` in micro-batches. -> (the figures of
-    `LOCAL_FIGURES` averaged over the micro-batches, then the grad norm; seconds)."""
-    d = cfg.dpo
+def offline_loss(policy, reference, rows: Rows, indices: Sequence[int], cfg: PolicyConfig, world: int = 1
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The method's loss on the rows at `indices`: reference log-probs without gradients, the
+    policy's with them. For KTO the reference point is averaged over the `world` ranks (a
+    collective when world > 1: every rank must call it as often)."""
+    if cfg.algorithm == "dpo":
+        d = cfg.dpo
+        average = d.loss_type == "ipo"
+        with torch.no_grad():
+            ref_chosen, ref_rejected = pair_logprobs(reference, rows.pairs, indices, average)
+        chosen, rejected = pair_logprobs(policy, rows.pairs, indices, average)
+        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, d.beta, d.loss_type, d.label_smoothing)
+    k = cfg.kto
+    with torch.no_grad():
+        ref_own, ref_mismatched = pair_logprobs(reference, rows.pairs, indices, average=False)
+    own, mismatched = pair_logprobs(policy, rows.pairs, indices, average=False)
+    z = kto_reference_point(mismatched, ref_mismatched)
+    if world > 1:
+        dist.all_reduce(z)
+        z = z / world
+    desirable = torch.from_numpy(rows.desirable[np.asarray(indices, dtype=np.int64)]).to(own.device)
+    return kto_loss(own, ref_own, desirable, z, k.beta, k.desirable_weight, k.undesirable_weight)
+
+
+def _optimizer_step(engine, reference, rows: Rows, indices: list[int], cfg: PolicyConfig, meter: WorkerMeter,
+                    world: int) -> tuple[list[float], float]:
+    """One optimizer step over this rank's `indices` in micro-batches. -> (the method's
+    `FIGURES` averaged over the micro-batches, then the grad norm; seconds)."""
+    d = cfg.offline
     start = time.perf_counter()
-    average = d.loss_type == "ipo"
-    sums = np.zeros(len(LOCAL_FIGURES))
+    figures = FIGURES[cfg.algorithm]
+    values = []
     grad_norm = math.nan
-    accum = cfg.dpo_grad_accum_steps
-    for k in range(accum):
+    for k in range(cfg.offline_grad_accum_steps):
         micro = indices[k * d.micro_batch_size : (k + 1) * d.micro_batch_size]
         with meter.compute():
-            with torch.no_grad():
-                ref_chosen, ref_rejected = pair_logprobs(reference, pairs, micro, average)
-            chosen, rejected = pair_logprobs(engine, pairs, micro, average)
-            loss, m = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, d.beta, d.loss_type, d.label_smoothing)
+            loss, m = offline_loss(engine, reference, rows, micro, cfg, world)
         engine.backward(loss)
         if cfg.zero_stage == 0 and engine.is_gradient_accumulation_boundary():
             grad_norm = module_grad_norm(engine.module)
         engine.step()
-        sums += [m[f] for f in LOCAL_FIGURES]
+        values.append([m[f] for f in figures])
     if cfg.zero_stage > 0:
         norm = engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else math.nan
-    return [*(sums / accum).tolist(), grad_norm], time.perf_counter() - start
+    return [*_nanmean(np.array(values)).tolist(), grad_norm], time.perf_counter() - start
 
 
-def _step_metrics(gathered: list[Any], engine, batch_size: int, truncated: int) -> dict[str, float]:
+def _nanmean(values: np.ndarray) -> np.ndarray:
+    """Column means that skip NaN (a KTO micro-batch with no answer of one kind), NaN if all are."""
+    counts = (~np.isnan(values)).sum(axis=0)
+    return np.where(counts > 0, np.nansum(values, axis=0) / np.maximum(counts, 1), np.nan)
+
+
+def _step_metrics(gathered: list[Any], engine, figures: tuple[str, ...], batch_size: int, truncated: int
+                  ) -> dict[str, float]:
     """Flat `policy/*` metrics of one step from every rank's (step time, indices, local figures)."""
-    local = np.array([g[2] for g in gathered])  # (world, len(LOCAL_FIGURES) + 1)
-    mean = local.mean(axis=0)
+    local = np.array([g[2] for g in gathered])  # (world, len(figures) + 1)
+    mean = _nanmean(local)
     times = [g[0] for g in gathered]
-    metrics = {f"policy/{name}": mean[i] for i, name in enumerate(LOCAL_FIGURES)}
+    metrics = {f"policy/{name}": mean[i] for i, name in enumerate(figures)}
     metrics |= {
         "policy/grad_norm": local[0, -1],  # global norm, the same on every rank
         "policy/lr": engine.get_lr()[0],
-        "policy/pairs_per_s": batch_size / max(times),
+        "policy/rows_per_s": batch_size / max(times),
         "policy/truncated": truncated,
     }
     metrics |= {f"policy/step_time_s/worker_{r}": t for r, t in enumerate(times)}
@@ -263,10 +330,10 @@ def _step_metrics(gathered: list[Any], engine, batch_size: int, truncated: int) 
 
 
 @torch.no_grad()
-def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: DPOLoop, pos: DataPosition
+def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: OfflineLoop, pos: DataPosition
                        ) -> dict[str, Any]:
-    """Rank 0: held-out accuracy of the reference and the trained policy, the implicit reward on
-    the held-out pairs, the KL to the reference of sampled answers; the HF save. -> the summary."""
+    """Rank 0: held-out accuracy of the reference and the trained policy, the loss's figures on
+    the held-out rows, the KL to the reference of sampled answers; the HF save. -> the summary."""
     cfg = loop.cfg
     model = load_policy(loop.sft_dir)
     model.load_state_dict(state_dict)
@@ -278,20 +345,15 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: DPO
         before = exact_match(greedy_completions(reference, tokenizer, prompts, cfg.max_new_tokens, EVAL_BATCH), answers)
         after = exact_match(greedy_completions(model, tokenizer, prompts, cfg.max_new_tokens, EVAL_BATCH), answers)
     held_out: dict[str, float] = {}
-    evals: TokenizedPairs | None = ray.get(loop.evals)
+    evals: Rows | None = ray.get(loop.evals)
     if evals is not None:
-        average = cfg.dpo.loss_type == "ipo"
-        idx = list(range(len(evals)))
-        chosen, rejected = pair_logprobs(model, evals, idx, average)
-        ref_chosen, ref_rejected = pair_logprobs(reference, evals, idx, average)
-        _, m = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.dpo.beta, cfg.dpo.loss_type,
-                        cfg.dpo.label_smoothing)
+        _, m = offline_loss(model, reference, evals, list(range(len(evals))), cfg)
         held_out = {f"eval/{k}": v for k, v in m.items()}
     kl = sampled_kl(model, reference, tokenizer, list(loop.eval_prompts), cfg.max_new_tokens, cfg.temperature,
                     seed=cfg.seed)
-    meta = {"stage": "policy", "algorithm": "dpo", "loss_type": cfg.dpo.loss_type, "base_model": loop.sft_dir,
-            "reward_model": None, "steps": pos.global_step, "accuracy_before": before, "accuracy_after": after,
-            "kl": kl, "kl_bound": cfg.kl_bound}
+    meta = {"stage": "policy", "algorithm": method_name(cfg), "base_model": loop.sft_dir, "reward_model": None,
+            "steps": pos.global_step, "accuracy_before": before, "accuracy_after": after, "kl": kl,
+            "kl_bound": cfg.kl_bound}
     save_pretrained_atomic(model, tokenizer, Path(loop.out_dir), extra=meta)
     return {**asdict(pos), "accuracy_before": before, "accuracy_after": after, "kl": kl, "held_out": held_out}
 
