@@ -94,3 +94,9 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
     return "" if x is None else str(x)
+
+
+def mean_sd(values: list[float], digits: int = 3, sign: bool = False) -> str:
+    """`mean ± sd` of the values (sd 0 for one value), to `digits` decimals; `sign`: +/- on the mean."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):{'+' if sign else ''}.{digits}f} ± {sd:.{digits}f}"

@@ -20,7 +20,6 @@ the reward model are shared, so the spread is the policy stage's own.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, RESULTS, machine, save, table  # noqa: E402
+from bench.common import REPO, RESULTS, machine, mean_sd, save, table  # noqa: E402
 from bench.reward_hacking import sft_policy  # noqa: E402
 from rlhf_core.config import PipelineConfig, PolicyConfig, load_config  # noqa: E402
 from rlhf_core.data.pairs import split_by_prompt  # noqa: E402
@@ -84,10 +83,7 @@ def summary(rows: list[dict]) -> list[dict]:
         mine = [r for r in rows if r["method"] == method]
         entry = {"method": method, "runs": len(mine)}
         for key in ("acc_before", "acc_after", "gain", "kl", "policy_s", "total_s"):
-            values = [r[key] for r in mine]
-            sd = statistics.stdev(values) if len(values) > 1 else 0.0
-            entry[key] = f"{statistics.mean(values):.3f} ± {sd:.3f}" if key not in ("policy_s", "total_s") \
-                else f"{statistics.mean(values):.0f} ± {sd:.0f}"
+            entry[key] = mean_sd([r[key] for r in mine], 0 if key.endswith("_s") else 3, sign=key == "gain")
         out.append(entry)
     return out
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, RESULTS  # noqa: E402
+from bench.common import REPO, RESULTS, mean_sd  # noqa: E402
 
 PAGE = REPO / "docs" / "benchmarks.md"
 MARKED = re.compile(r"(<!-- report:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.DOTALL)
@@ -328,12 +328,32 @@ def resume(results: Path) -> list[str]:
                             ("saved_share", "saved share", ".0%"), ("steps", "resumed from step", "")])]
 
 
+def dpo_vs_grpo(results: Path) -> list[str]:
+    if (r := load("dpo_vs_grpo", results)) is None:
+        return not_run("dpo_vs_grpo", "dpo_vs_grpo.py")
+    rows = []
+    for method in dict.fromkeys(row["method"] for row in r["rows"]):
+        mine = [row for row in r["rows"] if row["method"] == method]
+        entry = {"method": method, "runs": len(mine)}
+        for key in ("acc_before", "acc_after", "gain", "kl", "reward_s", "policy_s", "total_s"):
+            entry[key] = mean_sd([row[key] for row in mine], 0 if key.endswith("_s") else 3, sign=key == "gain")
+        rows.append(entry)
+    d = r["dpo"]
+    return [measured_on(r, "dpo_vs_grpo") + f" Seeds {sorted({row['seed'] for row in r['rows']})}; "
+            f"DPO/IPO beta {d['beta']}, learning rate {d['learning_rate']:g}, {d['epochs']} epochs of batch "
+            f"{d['batch_size']}.", "",
+            md_table(rows, [("method", "method", ""), ("runs", "runs", ""), ("acc_before", "accuracy before", ""),
+                            ("acc_after", "accuracy after", ""), ("gain", "gain", ""), ("kl", "KL to SFT", ""),
+                            ("reward_s", "reward model s", ""), ("policy_s", "policy stage s", ""),
+                            ("total_s", "total s", "")])]
+
+
 SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
     "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
-    "resume": resume,
+    "resume": resume, "dpo_vs_grpo": dpo_vs_grpo,
 }
 
 

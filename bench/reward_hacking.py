@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, RESULTS, machine, save, table  # noqa: E402
+from bench.common import REPO, RESULTS, machine, mean_sd, save, table  # noqa: E402
 from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
 from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
@@ -188,8 +187,7 @@ def spread(rows: list[dict], key: str) -> str:
     values = [r[key] for r in rows if r.get(key) is not None]
     if not values:
         return "–"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):+.3f} ± {sd:.3f}" if key == "gain" else f"{statistics.mean(values):.3f} ± {sd:.3f}"
+    return mean_sd(values, 3, sign=key == "gain")
 
 
 def summary(rows: list[dict]) -> list[dict]:

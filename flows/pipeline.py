@@ -1,5 +1,5 @@
 """The `rlhf-pipeline` flow: (pretrained model) → validate → SFT base policy (or the pretrained
-model as it is) → reward model → PPO | GRPO → evaluation gates → registry → deployment.
+model as it is) → reward model → PPO | GRPO (or DPO | KTO) → evaluation gates → registry → deployment.
 
 The flow only composes tasks. Every run writes `summary.json` (stage verdicts and headline
 figures) into its output directory, so that schedulers and scripts can read the outcome

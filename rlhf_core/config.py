@@ -278,7 +278,8 @@ class RoundsConfig(_Strict):
 
 
 class PolicyConfig(_Strict):
-    """Policy optimisation (PPO | GRPO) on Ray Train + DeepSpeed with vLLM rollouts.
+    """Policy optimisation (PPO | GRPO) on Ray Train + DeepSpeed with vLLM rollouts, or an
+    offline method on the labels alone (DPO | KTO, see `dpo` and `kto`).
 
     One RL step samples `prompts_per_step` prompts (× `grpo.group_size` responses for GRPO,
     one for PPO: `rollouts_per_step`), then runs `epochs_per_step` passes over them in
@@ -379,6 +380,9 @@ class PolicyConfig(_Strict):
         n, mb, w = self.rollouts_per_step, self.minibatch_size, self.num_workers
         if self.offline is not None:  # no rollouts: only the method's own batches must divide
             d, name = self.offline, self.algorithm
+            if self.rounds.enabled:
+                raise ValueError(f"policy.rounds label the policy's own answers between RL steps; {name} trains on "
+                                 "the labels it is given: set policy.rounds.enabled=false or use ppo or grpo")
             if d.batch_size % (w * d.micro_batch_size):
                 raise ValueError(
                     f"{name}.batch_size ({d.batch_size}) must be a multiple of num_workers x {name}.micro_batch_size "

@@ -24,7 +24,7 @@ def test_the_page_lists_every_key_with_type_default_and_meaning():
     assert ("| `policy.ppo.clip_range` | float, > 0, < 1 | 0.2 | Clip range of the policy's probability ratio. |"
             in page)
     assert "| `serving.ports` | tuple[int, int] | [8100, 8101] |" in page
-    assert '| `policy.algorithm` | "ppo" \\| "grpo" \\| "dpo" | "grpo" |' in page
+    assert '| `policy.algorithm` | "ppo" \\| "grpo" \\| "dpo" \\| "kto" | "grpo" |' in page
     assert PipelineConfig.__doc__.strip() in page
 
 

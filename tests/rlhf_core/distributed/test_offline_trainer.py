@@ -38,7 +38,8 @@ CFG = PolicyConfig(algorithm="dpo", num_workers=2, zero_stage=2, checkpoint_ever
                    dpo={"beta": 0.1, "epochs": 2, "batch_size": 32, "micro_batch_size": 16, "learning_rate": 1e-3,
                         "warmup_steps": 2, "max_length": 16})
 KILL_AT_STEP = 7  # after the checkpoint at step 5: steps 6-7 are lost and redone
-KTO = CFG.model_copy(update={"algorithm": "kto", "kto": CFG.kto.model_copy(update=CFG.dpo.model_dump(
+# KTO runs under ZeRO-3 (parameters sharded over the two workers), DPO under ZeRO-2
+KTO = CFG.model_copy(update={"algorithm": "kto", "zero_stage": 3, "kto": CFG.kto.model_copy(update=CFG.dpo.model_dump(
     include={"epochs", "batch_size", "micro_batch_size", "learning_rate", "warmup_steps", "max_length"}))})
 
 
@@ -173,9 +174,15 @@ def test_the_kto_loss_of_a_batch_matches_one_computed_by_hand(demo):
     assert m["reference_point"] == pytest.approx(z0, abs=1e-4)
 
 
-def test_dpo_config_batches_must_divide():
+def test_offline_configs_are_checked_for_what_applies_to_them():
     with pytest.raises(ValueError, match=r"dpo.batch_size \(30\) must be a multiple of num_workers x dpo.micro_batch_size \(2 x 16\)"):
         PolicyConfig(algorithm="dpo", dpo={"batch_size": 30, "micro_batch_size": 16})
+    with pytest.raises(ValueError, match=r"kto.batch_size \(48\) must be a multiple of .* \(2 x 32\)"):
+        PolicyConfig(algorithm="kto", kto={"batch_size": 48, "micro_batch_size": 32})
+    with pytest.raises(ValueError, match="policy.rounds label the policy's own answers .* kto trains on the labels"):
+        PolicyConfig(algorithm="kto", rounds={"enabled": True})
+    # the rollout batches do not apply: a DPO config need not make them divide
+    assert PolicyConfig(algorithm="dpo", prompts_per_step=3).offline_grad_accum_steps == 2
 
 
 def test_bad_input_fails_before_training(demo, splits, tmp_path):

@@ -205,11 +205,16 @@ def test_pipelined_grpo_bounds_the_lag_and_weighs_lagged_tokens(ray_cluster, dem
 
 
 @pytest.mark.slow
-def test_ppo_runs_end_to_end_on_two_workers(ray_cluster, demo, tmp_path):
+def test_ppo_runs_end_to_end_on_two_workers_with_parameters_sharded(ray_cluster, demo, tmp_path):
+    """ZeRO-3: the actor's and the critic's parameters are sharded over the two workers; the
+    weights the engine receives are gathered from both, and it still follows the trainer."""
     cfg = CFG.model_copy(update={"algorithm": "ppo", "num_workers": 2, "prompts_per_step": 16,
-                                 "minibatch_size": 16, "micro_batch_size": 4})
-    result = run(demo, tmp_path, cfg)
+                                 "minibatch_size": 16, "micro_batch_size": 4, "zero_stage": 3})
+    result = run(demo, tmp_path, cfg, _check_sync=True)
     check_finite_run(result, cfg)
+    for check in result.sync_checks:
+        assert check["engine"] == check["hf"]
+    assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
     for m in result.metrics_history:
         for name in ("policy/value_loss", "policy/explained_variance", "policy/critic_grad_norm",
                      "policy/step_time_s/worker_1"):
