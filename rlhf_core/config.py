@@ -105,6 +105,21 @@ class GRPOConfig(_Strict):
     clip_range: float = Field(0.2, gt=0, lt=1, description="Clip range of the policy's probability ratio.")
 
 
+class LoRAConfig(_Strict):
+    """LoRA adapters on the policy (`peft`): the base weights stay frozen and only low-rank
+    adapters train, so the optimizer holds state for the adapters alone and the reference policy
+    is the same model with its adapters off (no second copy). The model that leaves the stage has
+    the adapters merged into its weights. Used by the offline methods (dpo, kto)."""
+
+    enabled: bool = Field(False, description='Train LoRA adapters instead of every weight.')
+    rank: int = Field(8, ge=1, description='Rank of each adapter (r).')
+    alpha: float = Field(16.0, gt=0, description='Scale of the adapters: their update is multiplied by alpha / rank.')
+    dropout: float = Field(0.0, ge=0, lt=1, description='Dropout on the adapters\' input.')
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Names of the modules that get adapters (e.g. [q_proj, v_proj]), or all-linear: "
+                                  "every linear layer but the output head. A name that matches no module is an error.")
+
+
 class OfflineTrainingConfig(_Strict):
     """What the offline policy methods (DPO, IPO, KTO) train with: passes over the data,
     batches, learning rate, sequence length."""
@@ -345,6 +360,7 @@ class PolicyConfig(_Strict):
     grpo: GRPOConfig = GRPOConfig()
     dpo: DPOConfig = DPOConfig()
     kto: KTOConfig = KTOConfig()
+    lora: LoRAConfig = LoRAConfig()
     shaping: RewardShapingConfig = RewardShapingConfig()
     rounds: RoundsConfig = RoundsConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
@@ -378,8 +394,15 @@ class PolicyConfig(_Strict):
     @model_validator(mode="after")
     def _batches_divide(self) -> "PolicyConfig":
         n, mb, w = self.rollouts_per_step, self.minibatch_size, self.num_workers
+        if self.lora.enabled and self.offline is None:
+            raise ValueError(f"policy.lora is used by the offline methods (dpo, kto); {self.algorithm} trains every "
+                             "weight: set policy.lora.enabled=false")
         if self.offline is not None:  # no rollouts: only the method's own batches must divide
             d, name = self.offline, self.algorithm
+            if self.lora.enabled and self.zero_stage == 3:
+                raise ValueError("policy.lora with zero_stage 3 is not supported (the stage does not gather the "
+                                 "sharded frozen base for the merge); use zero_stage 1 or 2: the adapters' optimizer "
+                                 "state is what ZeRO would shard, and it is small")
             if self.rounds.enabled:
                 raise ValueError(f"policy.rounds label the policy's own answers between RL steps; {name} trains on "
                                  "the labels it is given: set policy.rounds.enabled=false or use ppo or grpo")

@@ -55,6 +55,7 @@ from rlhf_core.distributed.stage import MetricsCallback, StageRuntime, record_at
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
+from rlhf_core.models.lora import load_policy_for_training, merged_policy, reference_view
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.base_policy import StageFailed
 
@@ -212,10 +213,11 @@ def _train_loop(loop: OfflineLoop) -> dict[str, Any] | None:
     per_rank_batch = d.micro_batch_size * accum
     steps_epoch = steps_per_epoch(len(train), d.batch_size)
     total_steps = steps_epoch * d.epochs
-    model = load_policy(loop.sft_dir)
-    reference = load_policy(loop.sft_dir).eval().requires_grad_(False)
+    model = load_policy_for_training(loop.sft_dir, cfg.lora)
+    # with LoRA the reference is the policy with its adapters off (`reference_view`): no copy
+    reference = None if cfg.lora.enabled else load_policy(loop.sft_dir).eval().requires_grad_(False)
     engine, *_ = worker.deepspeed.initialize(
-        model=model, model_parameters=list(model.parameters()),
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_engine.deepspeed_config(
             _Batching(d.micro_batch_size, accum, cfg.max_grad_norm, cfg.zero_stage), train_batch_size=d.batch_size,
             learning_rate=d.learning_rate, weight_decay=0.0, use_gpu=runtime.use_gpu),
@@ -260,19 +262,20 @@ FIGURES = {
 
 def offline_loss(policy, reference, rows: Rows, indices: Sequence[int], cfg: PolicyConfig, world: int = 1
                  ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The method's loss on the rows at `indices`: reference log-probs without gradients, the
-    policy's with them. For KTO the reference point is averaged over the `world` ranks (a
-    collective when world > 1: every rank must call it as often)."""
+    """The method's loss on the rows at `indices`: reference log-probs without gradients (from
+    `reference`, or with None from `policy` with its LoRA adapters off), the policy's with
+    them. For KTO the reference point is averaged over the `world` ranks (a collective when
+    world > 1: every rank must call it as often)."""
     if cfg.algorithm == "dpo":
         d = cfg.dpo
         average = d.loss_type == "ipo"
-        with torch.no_grad():
-            ref_chosen, ref_rejected = pair_logprobs(reference, rows.pairs, indices, average)
+        with torch.no_grad(), reference_view(policy, reference) as ref:
+            ref_chosen, ref_rejected = pair_logprobs(ref, rows.pairs, indices, average)
         chosen, rejected = pair_logprobs(policy, rows.pairs, indices, average)
         return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, d.beta, d.loss_type, d.label_smoothing)
     k = cfg.kto
-    with torch.no_grad():
-        ref_own, ref_mismatched = pair_logprobs(reference, rows.pairs, indices, average=False)
+    with torch.no_grad(), reference_view(policy, reference) as ref:
+        ref_own, ref_mismatched = pair_logprobs(ref, rows.pairs, indices, average=False)
     own, mismatched = pair_logprobs(policy, rows.pairs, indices, average=False)
     z = kto_reference_point(mismatched, ref_mismatched)
     if world > 1:
@@ -335,9 +338,9 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: Off
     """Rank 0: held-out accuracy of the reference and the trained policy, the loss's figures on
     the held-out rows, the KL to the reference of sampled answers; the HF save. -> the summary."""
     cfg = loop.cfg
-    model = load_policy(loop.sft_dir)
-    model.load_state_dict(state_dict)
-    model.eval()
+    model = merged_policy(loop.sft_dir, cfg.lora, state_dict).eval()
+    if reference is None:  # LoRA trained in place of a copy; at the end the copy is cheap (no optimizer)
+        reference = load_policy(loop.sft_dir).eval()
     tokenizer = load_tokenizer(loop.sft_dir)
     before = after = None
     if loop.eval_answers:
@@ -352,6 +355,7 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: Off
     kl = sampled_kl(model, reference, tokenizer, list(loop.eval_prompts), cfg.max_new_tokens, cfg.temperature,
                     seed=cfg.seed)
     meta = {"stage": "policy", "algorithm": method_name(cfg), "base_model": loop.sft_dir, "reward_model": None,
+            "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
             "steps": pos.global_step, "accuracy_before": before, "accuracy_after": after, "kl": kl,
             "kl_bound": cfg.kl_bound}
     save_pretrained_atomic(model, tokenizer, Path(loop.out_dir), extra=meta)

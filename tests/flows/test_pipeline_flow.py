@@ -392,9 +392,9 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     """The loop: the champion serves through the gateway; simulated users chat and rate through
     the `openai` client; the collect-feedback deployment exports their feedback; the nightly
     deployment trains on base data plus feedback, and the new version's lineage names the
-    feedback dataset and the version that was rated. This nightly run uses DPO instead of GRPO
-    (`policy.algorithm=dpo`, as a team comparing methods on its own data would): the same
-    validation, gates, registry and serving take its policy."""
+    feedback dataset and the version that was rated. This nightly run uses DPO with LoRA
+    adapters instead of GRPO (as a team comparing methods on its own data would): the same
+    validation, gates, registry and serving take its policy, merged, and vLLM serves it."""
     from prefect.deployments import run_deployment
 
     from rlhf_core.feedback.simulated_users import UsersConfig, simulate
@@ -428,7 +428,7 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     nightly = run_deployment("rlhf-pipeline/nightly", timeout=1200, poll_interval=2,
                              parameters={"config_path": "configs/demo.yaml",
                                          "overrides": overrides + ["feedback.use=true", "policy.algorithm=dpo",
-                                                                   "policy.dpo.max_length=16"]})
+                                                                   "policy.dpo.max_length=16", "policy.lora.enabled=true"]})
     [path] = set((cfg.output_dir).glob("*/summary.json")) - before
     second = json.loads(path.read_text())
     assert nightly.state.is_completed(), (nightly.state, second.get("error"))

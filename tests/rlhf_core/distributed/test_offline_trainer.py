@@ -18,7 +18,7 @@ import ray.cloudpickle
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.config import PolicyConfig
+from rlhf_core.config import LoRAConfig, PolicyConfig
 from rlhf_core.data.pairs import (
     OverlengthError, collate_pairs, response_mask, split_by_prompt, tokenize_policy_pairs, unpaired_examples,
     with_mismatched,
@@ -270,3 +270,27 @@ def test_kto_learns_from_unpaired_labels(ray_cluster, demo, splits, tmp_path):
     print(f"\nKTO: held-out accuracy {result.accuracy_before:.3f} -> {result.accuracy_after:.3f}, implicit reward "
           f"desirable {held['eval/reward_desirable']:.3f} vs undesirable {held['eval/reward_undesirable']:.3f}, "
           f"KL {result.kl_final:.3f}")
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_trains_adapters_and_saves_a_merged_policy(ray_cluster, demo, splits, tmp_path):
+    """LoRA on every linear layer: the reference is the policy with its adapters off, and what
+    is saved is a plain model with the adapters merged, as the served model must be."""
+    cfg = CFG.model_copy(update={"lora": LoRAConfig(enabled=True, rank=8, alpha=16.0)})
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    result = run(demo, splits, tmp_path, cfg, on_metrics=sink)
+    history = [json.loads(line) for line in sink.path.read_text().splitlines()]
+    # the adapters start as zero updates: step 1's policy is its reference, the loss log 2
+    assert history[0]["policy/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    last = history[-5:]
+    held = result.evaluations[-1]
+    # fewer parameters move: on this machine the loss fell to 0.655 and the held-out pair accuracy rose to 0.81
+    assert np.mean([m["policy/loss"] for m in last]) < 0.68
+    assert held["eval/reward_accuracy"] > 0.65 and 0 < result.kl_final < cfg.kl_bound, (held, result.kl_final)
+    saved = {p.name for p in result.path.iterdir()}
+    assert "adapter_config.json" not in saved and "model.safetensors" in saved
+    weights = load_file(result.path / "model.safetensors")
+    assert set(weights) == set(load_file(Path(demo["sft"]) / "model.safetensors"))
+    assert not any("lora" in k for k in weights)
+    meta = json.loads((result.path / "rlhf_meta.json").read_text())
+    assert meta["lora"]["rank"] == 8 and meta["algorithm"] == "dpo"

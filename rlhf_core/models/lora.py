@@ -1,0 +1,80 @@
+"""LoRA adapters for the policy (`policy.lora`), with `peft`.
+
+The policy's base weights stay frozen; low-rank adapters on `target_modules` are all that
+trains, so the optimizer holds state for the adapters only, and the reference policy is the
+same model with its adapters switched off (`reference_view`): no second copy of the weights.
+What leaves the stage is a plain Hugging Face model with the adapters merged into its weights
+(`merged_policy`), which vLLM loads like any other.
+
+peft itself only complains when none of the target modules exists; `check_target_modules`
+refuses each one that matches nothing, naming the model's own linear modules.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+
+from rlhf_core.config import LoRAConfig
+from rlhf_core.models.llama import load_policy
+
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last components of the names of the model's linear layers (q_proj, ...)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def check_target_modules(model: torch.nn.Module, targets: str | Sequence[str]) -> None:
+    """Raise ValueError naming every target that matches no module of `model` (a target matches
+    a module whose name is the target or ends with "." + target), and the model's linear modules."""
+    if targets == ALL_LINEAR:
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise ValueError(
+            f"policy.lora.target_modules: {', '.join(repr(t) for t in missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not a module of the model ({type(model).__name__}); "
+            f"its linear modules are {', '.join(linear_module_names(model))}, or use {ALL_LINEAR!r}")
+
+
+def with_lora(model: torch.nn.Module, cfg: LoRAConfig) -> PeftModel:
+    """`model` with LoRA adapters on `cfg.target_modules` (checked first); only they train."""
+    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
+    check_target_modules(model, targets)
+    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                            task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def load_policy_for_training(path: Path | str, cfg: LoRAConfig) -> torch.nn.Module:
+    """The policy in `path`, with LoRA adapters when `cfg.enabled`."""
+    model = load_policy(path)
+    return with_lora(model, cfg) if cfg.enabled else model
+
+
+@contextmanager
+def reference_view(policy: torch.nn.Module, reference: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """The reference policy: `reference` when there is a separate copy, else `policy` (a
+    PeftModel, or a DeepSpeed engine around one) with its adapters switched off."""
+    if reference is not None:
+        yield reference
+        return
+    model = getattr(policy, "module", policy)  # through a DeepSpeed engine
+    with model.disable_adapter():
+        yield model
+
+
+def merged_policy(path: Path | str, cfg: LoRAConfig, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The trained policy as a plain model: the base in `path`, the trained parameters in
+    `state_dict` (named as the training model names them: with LoRA, the PeftModel's names),
+    and with LoRA the adapters merged into the base weights."""
+    model = load_policy_for_training(path, cfg)
+    model.load_state_dict(state_dict)
+    return model.merge_and_unload() if cfg.enabled else model

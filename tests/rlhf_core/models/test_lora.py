@@ -1,0 +1,79 @@
+"""LoRA adapters on the policy: target modules checked by name, only adapters train, the
+reference is the same model with adapters off, and the merged model computes what the adapted
+one does."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.config import LoRAConfig, ModelConfig, PolicyConfig
+from rlhf_core.models.llama import build_policy, load_policy, save_pretrained_atomic
+from rlhf_core.models.lora import check_target_modules, merged_policy, reference_view, with_lora
+from rlhf_core.tokenizer import train_tokenizer
+
+TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    tok = train_tokenizer([f"{a:02d}+{b:02d}={a + b:03d}" for a in range(30) for b in range(30)], vocab_size=64)
+    return save_pretrained_atomic(build_policy(TINY, tok, seed=0), tok, tmp_path_factory.mktemp("lora") / "base")
+
+
+def _ids():
+    return torch.tensor([[1, 5, 9, 12, 7, 3], [1, 4, 4, 8, 2, 6]])
+
+
+def test_a_target_module_the_model_lacks_is_refused_naming_its_modules(base_dir):
+    model = load_policy(base_dir)
+    with pytest.raises(ValueError, match=r"policy.lora.target_modules: 'query_key_value' is not a module of the "
+                                         r"model \(LlamaForCausalLM\); its linear modules are down_proj, gate_proj, "
+                                         r"k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
+        check_target_modules(model, ["q_proj", "query_key_value"])
+    check_target_modules(model, ["q_proj", "v_proj"])
+    check_target_modules(model, "all-linear")
+    with pytest.raises(ValueError, match="'attn', 'mlp.fc1' are not a module"):
+        with_lora(model, LoRAConfig(enabled=True, target_modules=["attn", "mlp.fc1"]))
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base_with_them_off(base_dir):
+    base = load_policy(base_dir).eval()
+    model = with_lora(load_policy(base_dir), LoRAConfig(enabled=True, rank=4, target_modules=["q_proj", "v_proj"]))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 2 * 2 * TINY.num_layers  # A and B on q_proj and v_proj of each layer
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:  # B starts at 0: move it so that the adapters change the output
+                p.add_(0.1 * torch.randn_like(p))
+        adapted = model(input_ids=_ids()).logits
+        with reference_view(model, None) as ref:
+            reference = ref(input_ids=_ids()).logits
+        with reference_view(model, base) as ref:
+            assert ref is base
+    torch.testing.assert_close(reference, base(input_ids=_ids()).logits)
+    assert not torch.allclose(adapted, reference)
+
+
+def test_the_merged_policy_computes_what_the_adapted_one_does(base_dir):
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=8.0)
+    model = with_lora(load_policy(base_dir), cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+        adapted = model(input_ids=_ids()).logits
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    merged = merged_policy(base_dir, cfg, state).eval()
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    assert set(merged.state_dict()) == set(load_policy(base_dir).state_dict())  # a plain model: no adapter keys
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=_ids()).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_settings_that_do_not_apply_are_refused():
+    with pytest.raises(ValueError, match="policy.lora is used by the offline methods .* grpo trains every weight"):
+        PolicyConfig(algorithm="grpo", lora={"enabled": True})
+    with pytest.raises(ValueError, match="policy.lora with zero_stage 3 is not supported"):
+        PolicyConfig(algorithm="dpo", zero_stage=3, lora={"enabled": True})
+    assert PolicyConfig(algorithm="dpo", lora={"enabled": True, "target_modules": ["q_proj"]}).lora.rank == 8
