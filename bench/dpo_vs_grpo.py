@@ -8,13 +8,16 @@ One invocation trains the demo's SFT policy once (or takes `--sft-dir`), then fo
     dpo    policy.algorithm dpo with the config's policy.dpo settings, on the pairs the reward
            model trains on; no reward model, no rollouts
     ipo    the same with loss_type ipo
+    kto    policy.algorithm kto with the config's policy.kto settings: each pair unpaired into
+           one labelled answer (its chosen or its rejected one), as thumbs up or down would give
 
 Per row: held-out exact-match accuracy before and after (greedy, 200 eval prompts), the gain,
 the KL to the SFT policy, and the seconds of the reward stage (GRPO only) and of the policy
 stage. The seeds change the policy stage's seed (data order, sampling); the SFT policy and
 the reward model are shared, so the spread is the policy stage's own.
 
-    .venv/bin/python bench/dpo_vs_grpo.py                              # 3 methods x 4 seeds
+    .venv/bin/python bench/dpo_vs_grpo.py                              # grpo, dpo, ipo x 4 seeds
+    .venv/bin/python bench/dpo_vs_grpo.py --methods kto --name kto_on_demo
     .venv/bin/python bench/dpo_vs_grpo.py --methods dpo --seeds 0 --set learning_rate=1e-4
 """
 from __future__ import annotations
@@ -38,12 +41,15 @@ from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
 
 INVOCATION = uuid.uuid4().hex[:6]  # Ray Train resumes a run name it finds: names are this invocation's own
-METHODS = ("grpo", "dpo", "ipo")
+METHODS = ("grpo", "dpo", "ipo", "kto")
 
 
 def method_config(cfg: PipelineConfig, method: str, seed: int, dpo_overrides: dict) -> PipelineConfig:
     if method == "grpo":
         policy = cfg.policy.model_copy(update={"seed": seed, "min_accuracy_gain": -1.0})
+    elif method == "kto":
+        kto = cfg.policy.kto.model_copy(update=dpo_overrides)
+        policy = cfg.policy.model_copy(update={"algorithm": "kto", "seed": seed, "min_accuracy_gain": -1.0, "kto": kto})
     else:
         dpo = cfg.policy.dpo.model_copy(update={"loss_type": "ipo" if method == "ipo" else "sigmoid", **dpo_overrides})
         policy = cfg.policy.model_copy(update={"algorithm": "dpo", "seed": seed, "min_accuracy_gain": -1.0, "dpo": dpo})
@@ -72,7 +78,7 @@ def run_method(cfg: PipelineConfig, files, sft_dir: Path, reward, work: Path, me
            "gain": result.accuracy_gain, "kl": result.kl_final, "steps": result.steps,
            "reward_s": reward.seconds if method == "grpo" else 0.0, "policy_s": time.perf_counter() - t0}
     row["total_s"] = row["reward_s"] + row["policy_s"]
-    if method != "grpo":
+    if method in ("dpo", "ipo"):
         row["pair_accuracy"] = result.evaluations[-1].get("eval/reward_accuracy")
     return row
 
@@ -93,8 +99,9 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "demo.yaml")
     parser.add_argument("--sft-dir", type=Path, help="an SFT policy to start from (e.g. runs/demo-*/models/sft)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="policy.dpo overrides")
+    parser.add_argument("--methods", nargs="+", default=["grpo", "dpo", "ipo"], choices=METHODS)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides of policy.dpo (or policy.kto for kto)")
     parser.add_argument("--name", default="dpo_vs_grpo", help="result file name under bench/results/")
     parser.add_argument("--work", type=Path, help="keep data and models here (default: a temporary directory)")
     args = parser.parse_args()
@@ -123,6 +130,7 @@ def main() -> None:
                 rows.append(row)
                 print(table([row], columns), flush=True)
                 save(args.name, {"machine": machine(), "dpo": cfg.policy.dpo.model_dump() | dpo_overrides,
+                                 "kto": cfg.policy.kto.model_dump() | dpo_overrides,
                                  "rows": rows, "summary": summary(rows)})
     print("\nHeld-out accuracy over the SFT policy and wall time (mean ± sd over seeds):")
     print(table(summary(rows), ["method", "runs", "acc_before", "acc_after", "gain", "kl", "policy_s", "total_s"]))

@@ -331,13 +331,12 @@ def resume(results: Path) -> list[str]:
 def dpo_vs_grpo(results: Path) -> list[str]:
     if (r := load("dpo_vs_grpo", results)) is None:
         return not_run("dpo_vs_grpo", "dpo_vs_grpo.py")
-    rows = []
-    for method in dict.fromkeys(row["method"] for row in r["rows"]):
-        mine = [row for row in r["rows"] if row["method"] == method]
-        entry = {"method": method, "runs": len(mine)}
-        for key in ("acc_before", "acc_after", "gain", "kl", "reward_s", "policy_s", "total_s"):
-            entry[key] = mean_sd([row[key] for row in mine], 0 if key.endswith("_s") else 3, sign=key == "gain")
-        rows.append(entry)
+    kto = load("kto_on_demo", results)
+    rows, notes = _method_rows(r), []
+    if kto is not None:  # a separate invocation from the same SFT policy
+        rows += _method_rows(kto, mark="*" if kto.get("note") else "")
+        notes = [f"KTO: `bench/results/kto_on_demo.json`, `bench/dpo_vs_grpo.py --methods kto`"
+                 + (f"; * {kto['note']}." if kto.get("note") else ".")]
     d = r["dpo"]
     return [measured_on(r, "dpo_vs_grpo") + f" Seeds {sorted({row['seed'] for row in r['rows']})}; "
             f"DPO/IPO beta {d['beta']}, learning rate {d['learning_rate']:g}, {d['epochs']} epochs of batch "
@@ -345,7 +344,19 @@ def dpo_vs_grpo(results: Path) -> list[str]:
             md_table(rows, [("method", "method", ""), ("runs", "runs", ""), ("acc_before", "accuracy before", ""),
                             ("acc_after", "accuracy after", ""), ("gain", "gain", ""), ("kl", "KL to SFT", ""),
                             ("reward_s", "reward model s", ""), ("policy_s", "policy stage s", ""),
-                            ("total_s", "total s", "")])]
+                            ("total_s", "total s", "")]), *([""] + notes if notes else [])]
+
+
+def _method_rows(result: dict, mark: str = "") -> list[dict]:
+    """One row per method of a dpo_vs_grpo result: each figure as mean ± sd over its seeds."""
+    rows = []
+    for method in dict.fromkeys(row["method"] for row in result["rows"]):
+        mine = [row for row in result["rows"] if row["method"] == method]
+        entry = {"method": method + mark, "runs": len(mine)}
+        for key in ("acc_before", "acc_after", "gain", "kl", "reward_s", "policy_s", "total_s"):
+            entry[key] = mean_sd([row[key] for row in mine], 0 if key.endswith("_s") else 3, sign=key == "gain")
+        rows.append(entry)
+    return rows
 
 
 SECTIONS: dict[str, Callable[[Path], list[str]]] = {
