@@ -335,7 +335,7 @@ def dpo_vs_grpo(results: Path) -> list[str]:
     rows, notes = _method_rows(r), []
     if kto is not None:  # a separate invocation from the same SFT policy
         rows += _method_rows(kto, mark="*" if kto.get("note") else "")
-        notes = [f"KTO: `bench/results/kto_on_demo.json`, `bench/dpo_vs_grpo.py --methods kto`"
+        notes = ["KTO: `bench/results/kto_on_demo.json`, `bench/dpo_vs_grpo.py --methods kto`"
                  + (f"; * {kto['note']}." if kto.get("note") else ".")]
     d = r["dpo"]
     return [measured_on(r, "dpo_vs_grpo") + f" Seeds {sorted({row['seed'] for row in r['rows']})}; "
