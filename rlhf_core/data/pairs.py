@@ -79,6 +79,12 @@ def row_label(row: Mapping[str, Any], index: int) -> str:
     return f"row {index}"
 
 
+def _shown(rows: Sequence[Mapping[str, Any]], offending: list[tuple[int, int]]) -> str:
+    """The first SHOWN_ROWS offending rows by name with their token counts, and how many more."""
+    shown = ", ".join(f"{row_label(rows[i], i)} ({n} tokens)" for i, n in offending[:SHOWN_ROWS])
+    return shown + (f" and {len(offending) - SHOWN_ROWS} more" if len(offending) > SHOWN_ROWS else "")
+
+
 def _pad(seqs: list[list[int]], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.array([len(s) for s in seqs], dtype=np.int32)
     ids = np.full((len(seqs), width), pad, dtype=np.int32)
@@ -105,11 +111,9 @@ def tokenize_pairs(
         chosen.append(c[:max_length])
         rejected.append(r[:max_length])
     if over and on_overlength == "reject":
-        shown = ", ".join(f"{row_label(rows[i], i)} ({n} tokens)" for i, n in over[:SHOWN_ROWS])
-        more = f" and {len(over) - SHOWN_ROWS} more" if len(over) > SHOWN_ROWS else ""
         raise OverlengthError(
             f"{len(over)} of {len(rows)} preference pairs exceed max_length={max_length} tokens "
-            f"(<s> prompt response </s>): {shown}{more}. Raise reward.max_length or set "
+            f"(<s> prompt response </s>): {_shown(rows, over)}. Raise reward.max_length or set "
             f"reward.on_overlength=truncate"
         )
     pad = tokenizer.pad_token_id
@@ -147,16 +151,14 @@ def tokenize_policy_pairs(
         rejected.append(r[:max_length])
         prompt_lengths.append(len(prompt))
     if no_room:
-        shown = ", ".join(f"{row_label(rows[i], i)} ({n} tokens)" for i, n in no_room[:SHOWN_ROWS])
         raise OverlengthError(
             f"{len(no_room)} of {len(rows)} preference pairs have a prompt of max_length={max_length} tokens or "
-            f"more, which leaves no room for a response: {shown}. Raise the max_length or shorten the prompts")
+            f"more, which leaves no room for a response: {_shown(rows, no_room)}. Raise the max_length or shorten "
+            "the prompts")
     if over and on_overlength == "reject":
-        shown = ", ".join(f"{row_label(rows[i], i)} ({n} tokens)" for i, n in over[:SHOWN_ROWS])
-        more = f" and {len(over) - SHOWN_ROWS} more" if len(over) > SHOWN_ROWS else ""
         raise OverlengthError(
             f"{len(over)} of {len(rows)} preference pairs exceed max_length={max_length} tokens "
-            f"(prompt, response, </s>): {shown}{more}. Raise the max_length or set on_overlength=truncate")
+            f"(prompt, response, </s>): {_shown(rows, over)}. Raise the max_length or set on_overlength=truncate")
     width = max((len(s) for s in chosen + rejected), default=1)
     c_ids, c_len = _pad(chosen, width, tokenizer.pad_token_id)
     r_ids, r_len = _pad(rejected, width, tokenizer.pad_token_id)
