@@ -2,12 +2,14 @@
 
 Two policies answer the same prompts, so their comparison is paired: per prompt there is one
 outcome (`win_outcomes`: 1 the candidate's answer scored higher, 0.5 a tie, 0 lower;
-`differences`: candidate correct minus baseline correct, in {-1, 0, 1}), and the figure the
-gates judge is the mean of those outcomes. The interval resamples prompts with replacement
+`differences`: candidate correct minus baseline correct, in {-1, 0, 1}; `proxy_audit_gaps`:
+the win outcome under the proxy reward model minus the one under the audit model), and the
+figure the gates judge is the mean of those outcomes. The interval resamples prompts with replacement
 (Efron's percentile bootstrap over the paired outcomes, Efron & Tibshirani 1993, ch. 13) and
 takes the central `level` share of the resampled means. Resampling pairs keeps their
 correlation: two policies that agree on most prompts get a narrow interval on their
-difference even when each one's accuracy is uncertain.
+difference even when each one's accuracy is uncertain. Intervals drawn with one seed over the
+same N prompts use the same resamples.
 
 `prompts_to_decide` says how many prompts would make an undecided call decided, if the
 estimate stayed where it is: the interval's half-width shrinks as 1/sqrt(N).
@@ -54,6 +56,16 @@ def differences(candidate_correct: Sequence[bool], baseline_correct: Sequence[bo
     if c.shape != b.shape:
         raise ValueError(f"{c.size} candidate outcomes for {b.size} baseline outcomes")
     return c - b
+
+
+def proxy_audit_gaps(proxy_wins: Sequence[float], audit_wins: Sequence[float]) -> np.ndarray:
+    """(N,) per prompt: the candidate's win outcome against the reference under the proxy reward
+    model minus the one under the audit model, in {-1, -0.5, 0, 0.5, 1}. Their mean is the proxy
+    win rate minus the audit's; resampling it resamples each prompt's two outcomes together."""
+    p, a = np.asarray(proxy_wins, dtype=np.float64), np.asarray(audit_wins, dtype=np.float64)
+    if p.shape != a.shape:
+        raise ValueError(f"{p.size} proxy outcomes for {a.size} audit outcomes")
+    return p - a
 
 
 def bootstrap_interval(outcomes: Sequence[float], level: float, samples: int, seed: int = 0) -> Interval:

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
-from rlhf_core.eval.confidence import Interval, bootstrap_interval, differences, win_outcomes
+from rlhf_core.eval.confidence import Interval, bootstrap_interval, differences, proxy_audit_gaps, win_outcomes
 from rlhf_core.eval.gates import EvalFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
 from rlhf_core.models.reward import RewardStats, audit_model_dir, load_reward_model, normalise, score
@@ -211,7 +211,8 @@ def evaluate(
     figures (`audit_score_mean`, `audit_win_rate_vs_reference`); without it they are None.
     With `confidence`, each policy's comparisons with the reference and the champion carry
     paired bootstrap intervals at that level (`rlhf_core.eval.confidence`, resampling the
-    prompts `bootstrap_samples` times, seeded with `seed`).
+    prompts `bootstrap_samples` times, seeded with `seed`), and with `audit` so do its audit
+    win rate against the reference and its proxy-audit gap, on the same resamples.
     """
     if not prompts:
         raise ValueError("no eval prompts")
@@ -236,11 +237,20 @@ def evaluate(
         return {f"win_rate_vs_{key}_interval": interval(win_outcomes(scores[name], scores[vs])),
                 f"accuracy_gain_vs_{key}": None if correct is None else interval(differences(correct[name], correct[vs]))}
 
+    def audit_intervals(name: str) -> dict[str, Interval | None]:
+        if audit_scores is None:
+            return {}
+        audit_wins = win_outcomes(audit_scores[name], audit_scores[reference.name])
+        proxy_wins = win_outcomes(scores[name], scores[reference.name])
+        return {"audit_win_rate_vs_reference_interval": interval(audit_wins),
+                "proxy_audit_gap_interval": interval(proxy_audit_gaps(proxy_wins, audit_wins))}
+
     def report(policy: Policy, kl: float) -> PolicyReport:
         out = outputs[policy.name]
         length = response_length_stats(out.texts)
         figures = EvalFigures(
             **intervals(policy.name, reference.name, "reference"),
+            **audit_intervals(policy.name),
             **({} if champion is None else intervals(policy.name, champion.name, "champion")),
             accuracy=None if answers is None else exact_match(out.texts, answers),
             rm_score_mean=sum(scores[policy.name]) / len(prompts),

@@ -15,18 +15,25 @@ The checks, in the order they are reported:
                             policy never trained against) >= min_audit_win_rate_vs_reference:
                             a candidate that wins only on the proxy it was trained on is hacking it
     proxy_audit_gap         win rate vs the reference under the proxy minus the audit's
-                            <= max_proxy_audit_gap (off unless set)
+                            <= max_proxy_audit_gap (off unless set): a candidate the audit
+                            prefers much less than the proxy does wins on the proxy only
     kl_to_reference         KL to the reference <= max_kl
     length_ratio            mean length / reference mean length <= max_length_ratio
     degenerate_rate         degenerate share <= max_degenerate_rate
     generation_failures     failed-prompt share <= max_generation_failure_rate
 
 With confidence intervals (`gates.confidence`; `rlhf_core.eval.confidence`, paired bootstrap
-over the prompts) the four comparisons with the reference and the champion decide on the
-interval, not the point estimate, and a call may be *undecided*:
+over the prompts) the four comparisons with the reference and the champion and the two audit
+checks decide on the interval, not the point estimate, and a call may be *undecided*:
 
-    better than the reference   passes when the interval's low end is above the bar, fails
+    better than the reference   accuracy gain, win rate, and win rate under the audit model:
+                                passes when the interval's low end is above the bar, fails
                                 when its high end is below it, else undecided
+    proxy-audit gap             the interval of the per-prompt difference of the two win
+                                outcomes (the same resamples for both): fails
+                                ("wins_on_proxy_only") when its low end is above
+                                max_proxy_audit_gap, passes when its high end is at most that,
+                                else undecided
     not worse than the champion accuracy: passes when the low end of the accuracy difference
                                 is at least -max_regression_vs_champion (non-inferiority),
                                 fails ("regressed") when its high end is below that
@@ -39,9 +46,11 @@ A candidate as good as the champion is then neither promoted nor rejected: the d
 in the figures) the checks compare point estimates.
 
 Accuracy checks are skipped when the task has no answers (`accuracy is None`); champion
-checks are skipped when there is no champion yet; the audit check when there is no audit model. A value equal to its threshold passes
-(up to `TOLERANCE`, so `0.8 - 0.1` does not reject an accuracy of exactly 0.7). A NaN
-figure fails its check rather than raising, so a broken evaluation is rejected with a reason.
+checks are skipped when there is no champion yet; the audit checks when there is no audit
+model. A value equal to its threshold passes (up to `TOLERANCE`, so `0.8 - 0.1` does not
+reject an accuracy of exactly 0.7), as does a gap interval whose high end equals the maximum.
+A NaN figure fails its check rather than raising, so a broken evaluation is rejected with a
+reason.
 """
 from __future__ import annotations
 
@@ -74,6 +83,9 @@ class EvalFigures:
     generation_failures: share of prompts for which generation failed (error or timeout).
     audit_score_mean / audit_win_rate_vs_reference: the same figures under the audit reward
         model, which the policy never trained against; None without one.
+    The `*_interval` and `accuracy_gain_*` fields are the paired bootstrap intervals of these
+    comparisons (`rlhf_core.eval.confidence`); None without `gates.confidence` (or without the
+    audit model, for the audit's), and the gates then compare the point estimates.
     """
 
     accuracy: float | None
@@ -92,6 +104,8 @@ class EvalFigures:
     accuracy_gain_vs_champion: Interval | None = None  # of accuracy minus the champion's
     win_rate_vs_reference_interval: Interval | None = None
     win_rate_vs_champion_interval: Interval | None = None
+    audit_win_rate_vs_reference_interval: Interval | None = None
+    proxy_audit_gap_interval: Interval | None = None  # of win_rate_vs_reference - audit_win_rate_vs_reference
 
     def __post_init__(self) -> None:
         for name in _SHARES:
@@ -237,6 +251,17 @@ def _not_worse_than(name: str, code: str, interval: Interval, bar: float, what: 
     return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar, bar)}", **base)
 
 
+def _not_above(name: str, code: str, interval: Interval, bar: float, what: str) -> Check:
+    """Passes when the interval's high end is at most `bar`, fails when its low end is above it,
+    else undecided."""
+    base = dict(name=name, observed=interval.estimate, threshold=bar, op="<=", low=interval.low, high=interval.high)
+    if interval.high <= bar + TOLERANCE:
+        return Check(passed=True, **base)
+    if interval.low > bar + TOLERANCE:
+        return Check(passed=False, reason=f"{code}: {what} {_ci(interval)} > max {_fmt(bar)}", **base)
+    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar, bar)}", **base)
+
+
 def _at_least(name: str, code: str, observed: float, threshold: float, what: str, basis: str = "") -> Check:
     """`basis` says where a derived threshold comes from, e.g. `reference 0.6 + min gain 0.05 = `."""
     passed = observed >= threshold - TOLERANCE
@@ -315,26 +340,29 @@ def gate(
                 t.min_win_rate_vs_champion, "win rate vs champion", "min ",
             )
 
+    audit_what = (f"win rate vs reference under the audit reward model (the proxy's: "
+                  f"{_fmt(candidate.win_rate_vs_reference)})")
     if candidate.audit_win_rate_vs_reference is None:
         audit = _skipped("audit_vs_reference", ">=", "no audit model")
+    elif (audit_wins := candidate.audit_win_rate_vs_reference_interval) is not None:
+        audit = _better_than("audit_vs_reference", "audit_rejects_candidate", audit_wins,
+                             t.min_audit_win_rate_vs_reference, t.min_audit_win_rate_vs_reference, audit_what, "min ")
     else:
-        audit = _at_least(
-            "audit_vs_reference", "audit_rejects_candidate", candidate.audit_win_rate_vs_reference,
-            t.min_audit_win_rate_vs_reference,
-            f"win rate vs reference under the audit reward model (the proxy's: "
-            f"{_fmt(candidate.win_rate_vs_reference)})", "min ",
-        )
+        audit = _at_least("audit_vs_reference", "audit_rejects_candidate", candidate.audit_win_rate_vs_reference,
+                          t.min_audit_win_rate_vs_reference, audit_what, "min ")
 
     if candidate.audit_win_rate_vs_reference is None or t.max_proxy_audit_gap is None:
         gap = _skipped("proxy_audit_gap", "<=", "no audit model" if candidate.audit_win_rate_vs_reference is None
                        else "gates.max_proxy_audit_gap not set")
     else:
-        gap = _at_most(
-            "proxy_audit_gap", "wins_on_proxy_only",
-            candidate.win_rate_vs_reference - candidate.audit_win_rate_vs_reference, t.max_proxy_audit_gap,
-            f"win rate vs reference {_fmt(candidate.win_rate_vs_reference)} under the proxy but "
-            f"{_fmt(candidate.audit_win_rate_vs_reference)} under the audit: gap",
-        )
+        gap_what = (f"win rate vs reference {_fmt(candidate.win_rate_vs_reference)} under the proxy but "
+                    f"{_fmt(candidate.audit_win_rate_vs_reference)} under the audit: gap")
+        if (gaps := candidate.proxy_audit_gap_interval) is not None:
+            gap = _not_above("proxy_audit_gap", "wins_on_proxy_only", gaps, t.max_proxy_audit_gap, gap_what)
+        else:
+            gap = _at_most("proxy_audit_gap", "wins_on_proxy_only",
+                           candidate.win_rate_vs_reference - candidate.audit_win_rate_vs_reference,
+                           t.max_proxy_audit_gap, gap_what)
 
     if (wins_ref := candidate.win_rate_vs_reference_interval) is not None:
         win_ref = _better_than("win_rate_vs_reference", "win_rate_vs_reference_too_low", wins_ref,

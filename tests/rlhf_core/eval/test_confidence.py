@@ -15,6 +15,7 @@ from rlhf_core.eval.confidence import (
     bootstrap_interval,
     differences,
     prompts_to_decide,
+    proxy_audit_gaps,
     win_outcomes,
 )
 from rlhf_core.eval.gates import EvalFigures, gate
@@ -46,6 +47,64 @@ def test_the_interval_matches_a_loop_over_the_same_resamples():
     low, high = loop_bootstrap(outcomes, 0.9, 600, 5)
     assert got.low == pytest.approx(low, abs=1e-12) and got.high == pytest.approx(high, abs=1e-12)
     assert got.estimate == pytest.approx(sum(outcomes) / 57) and got.n == 57 and got.level == 0.9
+
+
+def loop_paired_gap_bootstrap(proxy_wins, audit_wins, level, samples, seed):
+    """The same resamples; per resample the proxy's win rate minus the audit's over the same prompts."""
+    rng = np.random.default_rng(seed)
+    n, gaps = len(proxy_wins), []
+    for start in range(0, samples, 256):
+        for row in rng.integers(0, n, size=(min(256, samples - start), n)):
+            gaps.append(sum(proxy_wins[int(i)] for i in row) / n - sum(audit_wins[int(i)] for i in row) / n)
+    low, high = np.quantile(gaps, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return low, high
+
+
+def audit_and_proxy_scores(n=61, seed=4):
+    """Per prompt the candidate's and the reference's scores under the proxy and the audit; the
+    audit agrees with the proxy on most prompts, as a reward model of the same task does."""
+    rng = random.Random(seed)
+    cand, ref = [rng.choice([0.0, 0.5, 1.0]) for _ in range(n)], [rng.choice([0.0, 0.5, 1.0]) for _ in range(n)]
+    audit_cand = [c - 1.0 if rng.random() < 0.2 else c for c in cand]
+    return cand, ref, audit_cand, list(ref)
+
+
+def test_the_audit_win_rate_interval_matches_a_loop_over_the_same_resamples():
+    _, _, audit_cand, audit_ref = audit_and_proxy_scores()
+    outcomes = [(c > r) + 0.5 * (c == r) for c, r in zip(audit_cand, audit_ref)]
+    got = bootstrap_interval(win_outcomes(audit_cand, audit_ref), 0.95, 700, seed=7)
+    low, high = loop_bootstrap(outcomes, 0.95, 700, 7)
+    assert got.low == pytest.approx(low, abs=1e-12) and got.high == pytest.approx(high, abs=1e-12)
+    assert got.estimate == pytest.approx(win_rate(audit_cand, audit_ref))
+
+
+def test_the_gap_interval_resamples_each_prompts_proxy_and_audit_outcomes_together():
+    """A loop that draws one prompt resample and takes both win rates on it: the interval of the
+    per-prompt gaps is that of the difference of the paired win rates."""
+    cand, ref, audit_cand, audit_ref = audit_and_proxy_scores()
+    proxy_wins = [(c > r) + 0.5 * (c == r) for c, r in zip(cand, ref)]
+    audit_wins = [(c > r) + 0.5 * (c == r) for c, r in zip(audit_cand, audit_ref)]
+    got = bootstrap_interval(proxy_audit_gaps(win_outcomes(cand, ref), win_outcomes(audit_cand, audit_ref)),
+                             0.9, 900, seed=11)
+    low, high = loop_paired_gap_bootstrap(proxy_wins, audit_wins, 0.9, 900, 11)
+    assert got.low == pytest.approx(low, abs=1e-12) and got.high == pytest.approx(high, abs=1e-12)
+    assert got.estimate == pytest.approx(win_rate(cand, ref) - win_rate(audit_cand, audit_ref))
+    assert 0 < got.low  # the audit prefers the candidate on fewer prompts, never on more
+    with pytest.raises(ValueError, match="3 proxy outcomes for 2 audit outcomes"):
+        proxy_audit_gaps([1, 0, 1], [1, 0])
+
+
+def test_pairing_narrows_the_gap_interval_when_the_two_models_mostly_agree():
+    """Resampling the two win outcomes independently ignores that they move together: its
+    interval of the gap is much wider than the paired one."""
+    cand, ref, audit_cand, audit_ref = audit_and_proxy_scores(n=200)
+    proxy_wins, audit_wins = win_outcomes(cand, ref), win_outcomes(audit_cand, audit_ref)
+    paired = bootstrap_interval(proxy_audit_gaps(proxy_wins, audit_wins), 0.95, 2000, seed=0)
+    rng = np.random.default_rng(0)
+    unpaired = [proxy_wins[rng.integers(0, 200, 200)].mean() - audit_wins[rng.integers(0, 200, 200)].mean()
+                for _ in range(2000)]
+    unpaired_half_width = float(np.diff(np.quantile(unpaired, [0.025, 0.975]))[0]) / 2
+    assert paired.half_width < 0.6 * unpaired_half_width
 
 
 def test_win_outcomes_average_to_the_win_rate_and_differences_to_the_accuracy_gain():
