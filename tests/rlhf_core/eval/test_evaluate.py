@@ -132,3 +132,31 @@ def test_evaluate_rejects_mismatched_answers(models, tok, scorer):
     with pytest.raises(ValueError, match="2 answers for 6 eval prompts"):
         evaluate(Policy("candidate", a, tok), Policy("reference", a, tok), None, scorer, PROMPTS, ["1", "2"],
                  max_new_tokens=2, temperature=1.0)
+
+
+def test_the_audit_figures_carry_intervals_on_the_same_resamples_as_the_proxys(models, tok, scorer, tmp_path):
+    """With an audit model and `confidence`, the audit's win rate and the proxy-audit gap get
+    the intervals `bootstrap_interval` gives for their per-prompt outcomes, seeded alike."""
+    from rlhf_core.eval.confidence import bootstrap_interval, proxy_audit_gaps, win_outcomes
+    from rlhf_core.models.reward import normalise, score
+
+    a, b = models
+    base = save_pretrained_atomic(a, tok, tmp_path / "base")
+    audit = Scorer(reward_model_from_base(base, seed=11).eval(), tok, RewardStats(0.0, 1.0), max_length=32)
+    result = evaluate(Policy("candidate", a, tok), Policy("reference", b, tok), None, scorer, PROMPTS, None,
+                      max_new_tokens=4, temperature=1.0, audit=audit, confidence=0.9, bootstrap_samples=300, seed=5,
+                      n_samples=len(PROMPTS))
+    texts = {r.name: [t for _, t in r.samples] for r in (result.candidate, result.reference)}
+    assert all(len(t) == len(PROMPTS) for t in texts.values())
+    audit_scores = {name: normalise(score(audit.model, tok, PROMPTS, t, 32), audit.stats).tolist()
+                    for name, t in texts.items()}
+    audit_wins = win_outcomes(audit_scores["candidate"], audit_scores["reference"])
+    proxy_wins = win_outcomes(result.candidate.rm_scores, result.reference.rm_scores)
+    f = result.candidate.figures
+    assert f.audit_win_rate_vs_reference_interval == bootstrap_interval(audit_wins, 0.9, 300, 5)
+    assert f.proxy_audit_gap_interval == bootstrap_interval(proxy_audit_gaps(proxy_wins, audit_wins), 0.9, 300, 5)
+    assert f.audit_win_rate_vs_reference_interval.estimate == pytest.approx(f.audit_win_rate_vs_reference)
+    assert f.proxy_audit_gap_interval.estimate == pytest.approx(f.win_rate_vs_reference - f.audit_win_rate_vs_reference)
+    no_intervals = evaluate(Policy("candidate", a, tok), Policy("reference", b, tok), None, scorer, PROMPTS, None,
+                            max_new_tokens=4, temperature=1.0, audit=audit)
+    assert no_intervals.candidate.figures.proxy_audit_gap_interval is None
