@@ -13,7 +13,8 @@ class LoRAConfig(_Strict):
     """LoRA adapters on the policy (`peft`): the base weights stay frozen and only low-rank
     adapters train, so the optimizer holds state for the adapters alone and the reference policy
     is the same model with its adapters off (no second copy). The model that leaves the stage has
-    the adapters merged into its weights. Used by the offline methods (dpo, kto)."""
+    the adapters merged into its weights. In PPO and GRPO the rollout engine receives the merged
+    weights after each update; the critic (PPO) trains every weight."""
 
     enabled: bool = Field(False, description='Train LoRA adapters instead of every weight.')
     rank: int = Field(8, ge=1, description='Rank of each adapter (r).')

@@ -183,6 +183,9 @@ class PolicyConfig(_Strict):
         "SPREAD", description='How the workers are placed over the Ray nodes.')
     zero_stage: int = Field(2, ge=1, le=3,
         description="DeepSpeed ZeRO stage; at least 1, since the skip of non-finite gradients is ZeRO's.")
+    gradient_checkpointing: bool = Field(False, description=(
+        "Recompute the policy's activations layer by layer in the backward pass instead of keeping them: less "
+        "memory for about one more forward pass of compute (the actor; PPO's critic keeps its activations)."))
     steps: int = Field(30, ge=1, description='RL iterations.')
     prompts_per_step: int = Field(32, ge=1, description='Prompts sampled per RL step.')
     temperature: float = Field(1.0, gt=0, description='Sampling temperature of the rollouts.')
@@ -265,15 +268,12 @@ class PolicyConfig(_Strict):
     @model_validator(mode="after")
     def _batches_divide(self) -> "PolicyConfig":
         n, mb, w = self.rollouts_per_step, self.minibatch_size, self.num_workers
-        if self.lora.enabled and self.offline is None:
-            raise ValueError(f"policy.lora is used by the offline methods (dpo, kto); {self.algorithm} trains every "
-                             "weight: set policy.lora.enabled=false")
+        if self.lora.enabled and self.zero_stage == 3:
+            raise ValueError("policy.lora with zero_stage 3 is not supported (the stage does not gather the "
+                             "sharded frozen base for the merge); use zero_stage 1 or 2: the adapters' optimizer "
+                             "state is what ZeRO would shard, and it is small")
         if self.offline is not None:  # no rollouts: only the method's own batches must divide
             d, name = self.offline, self.algorithm
-            if self.lora.enabled and self.zero_stage == 3:
-                raise ValueError("policy.lora with zero_stage 3 is not supported (the stage does not gather the "
-                                 "sharded frozen base for the merge); use zero_stage 1 or 2: the adapters' optimizer "
-                                 "state is what ZeRO would shard, and it is small")
             if self.rounds.enabled:
                 raise ValueError(f"policy.rounds label the policy's own answers between RL steps; {name} trains on "
                                  "the labels it is given: set policy.rounds.enabled=false or use ppo or grpo")

@@ -213,7 +213,7 @@ def _train_loop(loop: OfflineLoop) -> dict[str, Any] | None:
     per_rank_batch = d.micro_batch_size * accum
     steps_epoch = steps_per_epoch(len(train), d.batch_size)
     total_steps = steps_epoch * d.epochs
-    model = load_policy_for_training(loop.sft_dir, cfg.lora)
+    model = load_policy_for_training(loop.sft_dir, cfg.lora, cfg.gradient_checkpointing)
     # with LoRA the reference is the policy with its adapters off (`reference_view`): no copy
     reference = None if cfg.lora.enabled else load_policy(loop.sft_dir).eval().requires_grad_(False)
     engine, *_ = worker.deepspeed.initialize(

@@ -43,7 +43,7 @@ class PolicyWorker:
     tokenizer: Any
     actor: Any  # DeepSpeed engine
     critic: Any  # DeepSpeed engine or None
-    reference: torch.nn.Module
+    reference: torch.nn.Module | None  # None with LoRA: the actor with its adapters off
     reward_model: torch.nn.Module | None
     rm_stats: Any
     verifiable: Any  # fn(prompts, responses[, answers]) -> (B,) tensor, or None
@@ -66,4 +66,4 @@ class PolicyWorker:
     @property
     def max_length(self) -> int:
         """The longest sequence the reward model scores: the policy's context."""
-        return self.reference.config.max_position_embeddings
+        return self.actor.module.config.max_position_embeddings

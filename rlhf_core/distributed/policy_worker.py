@@ -1,6 +1,7 @@
 """One policy-optimisation worker (every rank): a DeepSpeed engine for the actor (and the
 critic for PPO), a frozen reference policy and a frozen reward model (plain torch, eval mode;
-small enough to replicate at this scale). Rank 0 also owns the `RolloutEngine` (vLLM), started
+small enough to replicate at this scale). With `policy.lora` the actor trains adapters only and
+the reference is the actor with its adapters off (`rlhf_core.models.lora`): no second copy. Rank 0 also owns the `RolloutEngine` (vLLM), started
 once per attempt from the SFT directory and, after a resume, immediately synced to the
 checkpoint's actor weights (`policy_rollouts`). One RL step, every phase timed
 (`timing/<phase>`):
@@ -13,8 +14,9 @@ checkpoint's actor weights (`policy_rollouts`). One RL step, every phase timed
                same rollouts for the metrics only
     old_logprobs, ref_logprobs, values, advantages        (`rlhf_core.training.ppo_step`)
     update     K epochs of minibatches through DeepSpeed (`update_minibatches`)
-    sync       rank 0 gathers the actor (ZeRO-3: `GatheredParameters`) and pushes it into
-               the engine in place (`RolloutEngine.sync_weights`)
+    sync       rank 0 gathers the actor (ZeRO-3: `GatheredParameters`; LoRA: the adapters
+               merged into the base, `merged_state_dict`) and pushes it into the engine in
+               place (`RolloutEngine.sync_weights`)
 
 Pipelined mode (`cfg.pipeline.max_lag > 0`): the generate phase only takes the batch the
 producer thread made ready, the sync phase hands the new weights over (the producer applies
@@ -45,6 +47,7 @@ from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpo
 from rlhf_core.distributed.stage import record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
+from rlhf_core.models.lora import load_policy_for_training, merged_state_dict, reference_view
 from rlhf_core.models.reward import (
     AUDIT_DIR, audit_model_dir, load_reward_model, member_mean, member_stats, normalise, read_reward_meta, score,
     save_reward_model, score_members,
@@ -79,7 +82,7 @@ def train_loop(loop: PolicyLoop) -> dict[str, Any] | None:
     state = saved if saved is not None else PolicyState()
     w.meter = WorkerMeter(loop.runtime.use_gpu)
     if saved is not None:  # every rank: under ZeRO-3 this is a collective
-        state_dict = gathered_module_state(w.actor, w.cfg.zero_stage, w.rank)
+        state_dict = policy_weights(w)
     try:
         if w.rank == 0:
             w.engine = rollouts.start_engine(w, w.actor.module.config.max_position_embeddings)
@@ -94,7 +97,7 @@ def train_loop(loop: PolicyLoop) -> dict[str, Any] | None:
             _rl_step(w, state)
         if state.trip is not None:  # every rank saw the same history: all stop here, nothing is saved
             return {**asdict(state), "sync_checks": []} if w.rank == 0 else None
-        state_dict = gathered_module_state(w.actor, w.cfg.zero_stage, w.rank)
+        state_dict = policy_weights(w)
         return _finish(w, state, state_dict) if w.rank == 0 else None
     finally:
         try:
@@ -112,12 +115,14 @@ def _build_worker(loop: PolicyLoop) -> PolicyWorker:
     worker = start_worker(loop.runtime, cfg.seed, torch_threads=1)  # the cores are shared with the engine's processes
     spec = algorithm_spec(cfg)
     tokenizer = load_tokenizer(loop.sft_dir)
-    actor = _engine(worker.deepspeed, load_policy(loop.sft_dir), cfg, cfg.learning_rate, loop.runtime.use_gpu)
+    actor = _engine(worker.deepspeed, load_policy_for_training(loop.sft_dir, cfg.lora, cfg.gradient_checkpointing),
+                    cfg, cfg.learning_rate, loop.runtime.use_gpu)
     critic = None
     if spec.uses_critic:
         critic = _engine(worker.deepspeed, value_model_from(loop.sft_dir), cfg, cfg.ppo.critic_learning_rate,
                          loop.runtime.use_gpu)
-    reference = load_policy(loop.sft_dir).eval().requires_grad_(False)
+    # with LoRA the reference is the actor with its adapters off (`reference_view`): no copy
+    reference = None if cfg.lora.enabled else load_policy(loop.sft_dir).eval().requires_grad_(False)
     reward_model = rm_stats = reward_tokenizer = audit = None
     members: tuple = ()
     if loop.reward_dir is not None:
@@ -149,9 +154,18 @@ def deepspeed_config(cfg: PolicyConfig, learning_rate: float, use_gpu: bool) -> 
 
 
 def _engine(deepspeed, model: torch.nn.Module, cfg: PolicyConfig, learning_rate: float, use_gpu: bool):
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+    """A DeepSpeed engine whose optimizer holds the trainable parameters only (with LoRA: the adapters)."""
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=deepspeed_config(cfg, learning_rate, use_gpu))
     return engine
+
+
+def policy_weights(w: PolicyWorker) -> dict[str, torch.Tensor] | None:
+    """The actor's weights as the plain policy names them, on rank 0 (None elsewhere): what the
+    rollout engine loads and the stage saves. Every rank must call it (ZeRO-3 gathers)."""
+    if w.cfg.lora.enabled:  # ZeRO-1/2 only: every rank holds the whole module
+        return merged_state_dict(w.actor.module) if w.rank == 0 else None
+    return gathered_module_state(w.actor, w.cfg.zero_stage, w.rank)
 
 
 @contextmanager
@@ -193,7 +207,8 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
                 )
                 local |= is_metrics
         with _timed(timings, "ref_logprobs"):
-            batch.ref_logprobs = batched_logprobs(w.reference, batch, cfg.temperature, cfg.micro_batch_size)
+            with reference_view(w.actor, w.reference) as reference:
+                batch.ref_logprobs = batched_logprobs(reference, batch, cfg.temperature, cfg.micro_batch_size)
         with _timed(timings, "values"):
             if w.critic is not None:
                 batch.values = batched_values(w.critic.module, batch, cfg.micro_batch_size)
@@ -212,10 +227,10 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
     local |= rollout_metrics(batch)  # the batch as sampled, before the update (old_logprobs are pi_old's)
 
     with _timed(timings, "sync"):  # pipelined: gather and hand over; the producer applies it
-        state_dict = gathered_module_state(w.actor, cfg.zero_stage, rank)
+        state_dict = policy_weights(w)
         sync_s = 0.0
         if rank == 0 and w.pipeline is not None:
-            w.pipeline.publish(step, state_dict, copy=False)  # gathered_module_state made a private copy
+            w.pipeline.publish(step, state_dict, copy=False)  # policy_weights made a private copy
             sync_s = w.pipeline.take_sync_seconds()[0]  # applied on the producer thread since the last step
         elif rank == 0:
             sync_s = w.engine.sync_weights(state_dict)

@@ -4,7 +4,9 @@ The policy's base weights stay frozen; low-rank adapters on `target_modules` are
 trains, so the optimizer holds state for the adapters only, and the reference policy is the
 same model with its adapters switched off (`reference_view`): no second copy of the weights.
 What leaves the stage is a plain Hugging Face model with the adapters merged into its weights
-(`merged_policy`), which vLLM loads like any other.
+(`merged_policy`), which vLLM loads like any other; during PPO and GRPO the rollout engine
+follows the trainer through the same merge, computed without touching the trained model
+(`merged_state_dict`).
 
 peft itself only complains when none of the target modules exists; `check_target_modules`
 refuses each one that matches nothing, naming the model's own linear modules.
@@ -53,10 +55,43 @@ def with_lora(model: torch.nn.Module, cfg: LoRAConfig) -> PeftModel:
     return get_peft_model(model, config)
 
 
-def load_policy_for_training(path: Path | str, cfg: LoRAConfig) -> torch.nn.Module:
-    """The policy in `path`, with LoRA adapters when `cfg.enabled`."""
+def load_policy_for_training(path: Path | str, cfg: LoRAConfig, gradient_checkpointing: bool = False
+                             ) -> torch.nn.Module:
+    """The policy in `path`, with LoRA adapters when `cfg.enabled`, and with gradient
+    checkpointing when asked: each decoder layer's activations are recomputed in the backward
+    pass instead of kept from the forward one (less memory, about one more forward pass of
+    compute; it acts in training mode only)."""
     model = load_policy(path)
+    if gradient_checkpointing:
+        model.config.use_cache = False  # a cache is of no use when training, and HF refuses it with checkpointing
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return with_lora(model, cfg) if cfg.enabled else model
+
+
+@torch.no_grad()
+def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
+    """The state dict of the plain model that computes what `model` (a PeftModel) computes:
+    every adapted layer's base weight plus its adapters' delta (scaling x B @ A), under the
+    plain model's names, as fp32 CPU copies. `model` itself is left as it is (no merge and
+    unmerge, whose rounding would drift the base weights over a run)."""
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+
+    base = model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.active_adapters:
+                delta = module.get_delta_weight(adapter).float().cpu()
+                key = f"{name}.weight"
+                deltas[key] = deltas[key] + delta if key in deltas else delta
+    out: dict[str, torch.Tensor] = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        plain = key.replace(".base_layer.", ".")
+        weight = value.detach().float().cpu()
+        out[plain] = weight + deltas[plain] if plain in deltas else weight.clone()
+    return out
 
 
 @contextmanager

@@ -8,7 +8,9 @@ import torch
 
 from rlhf_core.config import LoRAConfig, ModelConfig, PolicyConfig
 from rlhf_core.models.llama import build_policy, load_policy, save_pretrained_atomic
-from rlhf_core.models.lora import check_target_modules, merged_policy, reference_view, with_lora
+from rlhf_core.models.lora import (
+    check_target_modules, load_policy_for_training, merged_policy, merged_state_dict, reference_view, with_lora,
+)
 from rlhf_core.tokenizer import train_tokenizer
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
@@ -71,9 +73,57 @@ def test_the_merged_policy_computes_what_the_adapted_one_does(base_dir):
         torch.testing.assert_close(merged(input_ids=_ids()).logits, adapted, rtol=1e-5, atol=1e-5)
 
 
+def _moved_adapters(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_the_merged_state_dict_is_peft_s_merge_under_the_plain_names_and_leaves_the_model_alone(base_dir):
+    """What the rollout engine receives after each update: equal to peft's own merge_and_unload
+    (the reference), named as the plain model, and computed without changing the adapted model."""
+    torch.manual_seed(0)
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = _moved_adapters(with_lora(load_policy(base_dir), cfg)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = merged_state_dict(model)
+    for k, v in model.state_dict().items():  # no merge-and-unmerge: the base weights are bit for bit as they were
+        assert torch.equal(v, before[k]), k
+    reference = with_lora(load_policy(base_dir), cfg)
+    reference.load_state_dict(before)
+    expected = reference.merge_and_unload().state_dict()
+    assert set(merged) == set(expected) == set(load_policy(base_dir).state_dict())
+    for k in expected:
+        torch.testing.assert_close(merged[k], expected[k].float(), rtol=0, atol=1e-6)
+    assert not torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"],
+                              load_policy(base_dir).state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    plain = load_policy(base_dir).eval()
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=_ids()).logits, model(input_ids=_ids()).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(base_dir):
+    """Recomputing the activations in the backward pass changes memory, not the gradients."""
+    cfg = LoRAConfig(enabled=True, rank=4)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = _moved_adapters(load_policy_for_training(base_dir, cfg, gradient_checkpointing=checkpointing)).train()
+        assert model.get_base_model().is_gradient_checkpointing is checkpointing
+        model(input_ids=_ids(), labels=_ids()).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert set(grads[0]) == set(grads[1]) and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
 def test_lora_settings_that_do_not_apply_are_refused():
-    with pytest.raises(ValueError, match="policy.lora is used by the offline methods .* grpo trains every weight"):
-        PolicyConfig(algorithm="grpo", lora={"enabled": True})
     with pytest.raises(ValueError, match="policy.lora with zero_stage 3 is not supported"):
         PolicyConfig(algorithm="dpo", zero_stage=3, lora={"enabled": True})
+    with pytest.raises(ValueError, match="policy.lora with zero_stage 3 is not supported"):
+        PolicyConfig(algorithm="grpo", zero_stage=3, lora={"enabled": True})
+    assert PolicyConfig(algorithm="grpo", lora={"enabled": True}).lora.enabled
     assert PolicyConfig(algorithm="dpo", lora={"enabled": True, "target_modules": ["q_proj"]}).lora.rank == 8
