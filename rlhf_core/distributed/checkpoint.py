@@ -3,7 +3,9 @@ rank 0's trainer state, saved by every rank into its own directory and merged by
 into one:
 
     <tag>/               DeepSpeed `save_checkpoint(tag=...)` per engine: module + ZeRO
-                         optimizer shards of every rank (zero_pp_rank_<r>_...), lr scheduler
+                         optimizer shards of every rank (zero_pp_rank_<r>_...), lr scheduler;
+                         the module's trainable parameters only when some are frozen (LoRA:
+                         the adapters; the frozen base is the one the stage starts from)
     latest, zero_to_fp32.py, zero_to_torch.py   written by DeepSpeed (rank 0)
     rng_rank_<r>.pt      python / numpy / torch RNG state of rank r
     trainer_state.json   (rank 0) the stage's own state and the world size that wrote it
@@ -37,7 +39,7 @@ def report_checkpoint(
     with tempfile.TemporaryDirectory(prefix=f"{stage}-ckpt-") as tmp:
         for tag, engine in engines.items():
             if engine is not None:
-                engine.save_checkpoint(tmp, tag=tag)
+                engine.save_checkpoint(tmp, tag=tag, **_frozen_excluded(engine))
         torch.save(rng_state(), Path(tmp) / f"rng_rank_{rank}.pt")
         if rank == 0:
             (Path(tmp) / STATE_FILE).write_text(json.dumps({"world_size": world, **state}))
@@ -46,6 +48,16 @@ def report_checkpoint(
         )
     if rank == 0:
         ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+
+def _frozen_excluded(engine: Any) -> dict[str, bool]:
+    """`exclude_frozen_parameters` for a DeepSpeed engine whose module has frozen parameters
+    (LoRA's base weights: saving them would copy the whole model into every checkpoint); {}
+    for any other engine."""
+    module = getattr(engine, "module", None)
+    if hasattr(engine, "zero_optimization") and any(not p.requires_grad for p in module.parameters()):
+        return {"exclude_frozen_parameters": True}
+    return {}
 
 
 def resume_latest(stage: str, engines: Mapping[str, Any], rank: int, world: int) -> dict[str, Any] | None:
@@ -68,7 +80,9 @@ def _load(stage: str, engines: Mapping[str, Any], ckpt_dir: Path, rank: int, wor
         )
     for tag, engine in engines.items():
         if engine is not None:
-            load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+            # what was left out is the frozen base, which the engine was built with
+            partial = {"load_module_strict": False} if _frozen_excluded(engine) else {}
+            load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, **partial)
             if load_path is None:
                 raise RuntimeError(f"{stage}: DeepSpeed found no {tag} checkpoint in {ckpt_dir}")
     set_rng_state(torch.load(ckpt_dir / f"rng_rank_{rank}.pt", weights_only=False))

@@ -16,10 +16,11 @@ import pytest
 import ray.cloudpickle
 import torch
 
-from rlhf_core.config import PolicyConfig, RolloutPipelineConfig
+from rlhf_core.config import LoRAConfig, PolicyConfig, RolloutPipelineConfig
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
 from rlhf_core.distributed.policy_worker import deepspeed_config
+from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
 from rlhf_core.tokenizer import load_tokenizer
 
@@ -219,6 +220,35 @@ def test_ppo_runs_end_to_end_on_two_workers_with_parameters_sharded(ray_cluster,
         for name in ("policy/value_loss", "policy/explained_variance", "policy/critic_grad_norm",
                      "policy/step_time_s/worker_1"):
             assert name in m and (math.isfinite(m[name]) or name == "policy/explained_variance"), (name, m)
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_trains_adapters_resumes_from_them_and_the_engine_follows_the_merged_weights(
+        ray_cluster, demo, tmp_path):
+    """LoRA on two workers: the reference is the actor with its adapters off, so the first
+    step's rollouts (B = 0: the adapted policy is the SFT one) have a KL of exactly 0; the
+    checkpoints hold the adapters and their optimizer state, not the frozen base, and a killed
+    worker resumes from them; after each sync the engine's greedy answers are the trainer's;
+    the saved model is a plain one."""
+    cfg = CFG.model_copy(update={"num_workers": 2, "learning_rate": 1e-3,
+                                 "lora": LoRAConfig(enabled=True, rank=8, alpha=16.0),
+                                 "gradient_checkpointing": True})
+    kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
+    result = run(demo, tmp_path, cfg, _check_sync=True, _kill_once=kill)
+    check_finite_run(result, cfg)
+    assert result.attempts == 2 and result.resumed_from_step == 2
+    kls = [m["policy/kl"] for m in result.metrics_history]
+    assert abs(kls[0]) < 1e-6 and max(kls) > 1e-4, kls
+    for check in result.sync_checks:
+        assert check["engine"] == check["hf"]
+    assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
+    [module_file] = (Path(result.checkpoint_path) / "actor").glob("*model_states.pt")
+    saved_module = torch.load(module_file, weights_only=False)["module"]
+    assert saved_module and all(".lora_" in k for k in saved_module), sorted(saved_module)[:5]
+    saved = load_policy(result.path)
+    assert type(saved).__name__ == "LlamaForCausalLM"
+    assert set(saved.state_dict()) == set(load_policy(demo["sft"]).state_dict())  # merged: no adapter keys
+    assert not any(p.name.startswith("adapter") for p in result.path.iterdir())
 
 
 @pytest.mark.slow
