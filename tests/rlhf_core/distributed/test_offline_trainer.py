@@ -27,6 +27,7 @@ from rlhf_core.distributed.offline_trainer import Rows, offline_loss, pair_logpr
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.models.llama import load_policy
 from rlhf_core.tokenizer import load_tokenizer
+from tests.rlhf_core.distributed.sinks import JsonlSink
 
 from .conftest import N_EVAL
 
@@ -41,17 +42,6 @@ KILL_AT_STEP = 7  # after the checkpoint at step 5: steps 6-7 are lost and redon
 # KTO runs under ZeRO-3 (parameters sharded over the two workers), DPO under ZeRO-2
 KTO = CFG.model_copy(update={"algorithm": "kto", "zero_stage": 3, "kto": CFG.kto.model_copy(update=CFG.dpo.model_dump(
     include={"epochs", "batch_size", "micro_batch_size", "learning_rate", "warmup_steps", "max_length"}))})
-
-
-class JsonlSink:
-    """A picklable on_metrics callback that appends `{"step": s, **metrics}` lines to a file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 @pytest.fixture(scope="module")

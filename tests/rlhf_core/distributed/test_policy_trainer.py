@@ -23,6 +23,7 @@ from rlhf_core.distributed.policy_worker import deepspeed_config
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
 from rlhf_core.tokenizer import load_tokenizer
+from tests.rlhf_core.distributed.sinks import JsonlSink
 
 from .conftest import N_EVAL
 
@@ -49,17 +50,6 @@ CFG = PolicyConfig(
 FINITE = ("policy/reward_mean", "policy/kl", "policy/entropy", "policy/clipfrac", "policy/approx_kl",
           "policy/grad_norm", "policy/response_length", "policy/tokens_per_s", "rollout/logprob_diff",
           "rollout/sync_s", "timing/generate", "timing/update", "timing/sync")
-
-
-class JsonlSink:
-    """A picklable on_metrics callback that appends `{"step": s, **metrics}` lines to a file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 def run(demo, tmp: Path, cfg: PolicyConfig = CFG, **kwargs):
@@ -249,6 +239,17 @@ def test_grpo_with_lora_trains_adapters_resumes_from_them_and_the_engine_follows
     assert type(saved).__name__ == "LlamaForCausalLM"
     assert set(saved.state_dict()) == set(load_policy(demo["sft"]).state_dict())  # merged: no adapter keys
     assert not any(p.name.startswith("adapter") for p in result.path.iterdir())
+    # what is registered and served: vLLM loads the saved directory as it is, and answers as
+    # the trainer's last weights did
+    from rlhf_core.rollout.vllm_engine import RolloutEngine
+
+    prompts = demo["eval_prompts"][:len(result.sync_checks[-1]["hf"])]
+    engine = RolloutEngine(result.path, dtype="float32", seed=0, max_model_len=64, max_num_seqs=16)
+    try:
+        served = [r.response_text for r in engine.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.max_new_tokens)]
+    finally:
+        engine.close()
+    assert served == result.sync_checks[-1]["hf"]
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.reward_trainer import deepspeed_config, train_reward_model
 from rlhf_core.models.reward import read_reward_meta, score
+from tests.rlhf_core.distributed.sinks import JsonlSink
 
 from .conftest import arithmetic_pairs
 
@@ -44,17 +45,6 @@ CFG = RewardConfig(
 )
 # After the checkpoint at step 40 (epoch 1, its 4th step): steps 41-42 are lost and redone.
 KILL_AT_STEP = 42
-
-
-class JsonlSink:
-    """A picklable on_metrics callback that appends `{"step": s, **metrics}` lines to a file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 @pytest.fixture(scope="module")
