@@ -5,6 +5,8 @@ One invocation trains the demo's SFT policy once (or takes `--sft-dir`), then fo
 
     grpo   the demo's policy stage as shipped (GRPO, the verifiable reward plus the reward
            model), which needs the reward model first: its training time is counted
+    grpo-lora  the same with LoRA adapters (the config's policy.lora settings, enabled) at
+           --lora-learning-rate: the rollout engine follows the merged weights
     dpo    policy.algorithm dpo with the config's policy.dpo settings, on the pairs the reward
            model trains on; no reward model, no rollouts
     ipo    the same with loss_type ipo
@@ -18,6 +20,7 @@ the reward model are shared, so the spread is the policy stage's own.
 
     .venv/bin/python bench/dpo_vs_grpo.py                              # grpo, dpo, ipo x 4 seeds
     .venv/bin/python bench/dpo_vs_grpo.py --methods kto --name kto_on_demo
+    .venv/bin/python bench/dpo_vs_grpo.py --methods grpo grpo-lora --name grpo_lora_on_demo
     .venv/bin/python bench/dpo_vs_grpo.py --methods dpo --seeds 0 --set learning_rate=1e-4
 """
 from __future__ import annotations
@@ -33,7 +36,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, RESULTS, machine, mean_sd, save, table  # noqa: E402
+from bench.common import REPO, RESULTS, machine, save, table  # noqa: E402
+from bench.report import method_rows  # noqa: E402
 from bench.reward_hacking import sft_policy  # noqa: E402
 from rlhf_core.config import PipelineConfig, PolicyConfig, load_config  # noqa: E402
 from rlhf_core.data.pairs import split_by_prompt  # noqa: E402
@@ -41,12 +45,18 @@ from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
 
 INVOCATION = uuid.uuid4().hex[:6]  # Ray Train resumes a run name it finds: names are this invocation's own
-METHODS = ("grpo", "dpo", "ipo", "kto")
+METHODS = ("grpo", "grpo-lora", "dpo", "ipo", "kto")
+ONLINE = ("grpo", "grpo-lora")  # need the reward model and rollouts
 
 
-def method_config(cfg: PipelineConfig, method: str, seed: int, dpo_overrides: dict) -> PipelineConfig:
+def method_config(cfg: PipelineConfig, method: str, seed: int, dpo_overrides: dict,
+                  lora_learning_rate: float | None = None) -> PipelineConfig:
     if method == "grpo":
         policy = cfg.policy.model_copy(update={"seed": seed, "min_accuracy_gain": -1.0})
+    elif method == "grpo-lora":
+        policy = cfg.policy.model_copy(update={
+            "seed": seed, "min_accuracy_gain": -1.0, "lora": cfg.policy.lora.model_copy(update={"enabled": True}),
+            "learning_rate": lora_learning_rate or cfg.policy.learning_rate})
     elif method == "kto":
         kto = cfg.policy.kto.model_copy(update=dpo_overrides)
         policy = cfg.policy.model_copy(update={"algorithm": "kto", "seed": seed, "min_accuracy_gain": -1.0, "kto": kto})
@@ -65,7 +75,7 @@ def run_method(cfg: PipelineConfig, files, sft_dir: Path, reward, work: Path, me
     pairs = read_table(files.preferences).to_dict("records")
     name = f"{method}-{p.seed}-{INVOCATION}"
     t0 = time.perf_counter()
-    if method == "grpo":
+    if method in ONLINE:
         sft_rows = read_table(files.sft).to_dict("records")
         prompts = list(dict.fromkeys([r["prompt"] for r in sft_rows] + [r["prompt"] for r in pairs]))
         result = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), sft_dir, reward.path, p,
@@ -76,22 +86,11 @@ def run_method(cfg: PipelineConfig, files, sft_dir: Path, reward, work: Path, me
                            work / "ray", run_name=name)
     row = {"method": method, "seed": p.seed, "acc_before": result.accuracy_before, "acc_after": result.accuracy_after,
            "gain": result.accuracy_gain, "kl": result.kl_final, "steps": result.steps,
-           "reward_s": reward.seconds if method == "grpo" else 0.0, "policy_s": time.perf_counter() - t0}
+           "reward_s": reward.seconds if method in ONLINE else 0.0, "policy_s": time.perf_counter() - t0}
     row["total_s"] = row["reward_s"] + row["policy_s"]
     if method in ("dpo", "ipo"):
         row["pair_accuracy"] = result.evaluations[-1].get("eval/reward_accuracy")
     return row
-
-
-def summary(rows: list[dict]) -> list[dict]:
-    out = []
-    for method in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == method]
-        entry = {"method": method, "runs": len(mine)}
-        for key in ("acc_before", "acc_after", "gain", "kl", "policy_s", "total_s"):
-            entry[key] = mean_sd([r[key] for r in mine], 0 if key.endswith("_s") else 3, sign=key == "gain")
-        out.append(entry)
-    return out
 
 
 def main() -> None:
@@ -102,6 +101,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["grpo", "dpo", "ipo"], choices=METHODS)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="overrides of policy.dpo (or policy.kto for kto)")
+    parser.add_argument("--lora-learning-rate", type=float,
+                        help="the policy's learning rate with LoRA (grpo-lora; default policy.learning_rate)")
     parser.add_argument("--name", default="dpo_vs_grpo", help="result file name under bench/results/")
     parser.add_argument("--work", type=Path, help="keep data and models here (default: a temporary directory)")
     args = parser.parse_args()
@@ -119,21 +120,22 @@ def main() -> None:
         sft_dir = args.sft_dir or (work / "sft" if (work / "sft" / "config.json").exists() else None)
         sft_dir = sft_dir or sft_policy(cfg, files, work)
         reward = None
-        if "grpo" in args.methods:
+        if set(ONLINE) & set(args.methods):
             pairs = read_table(files.preferences).to_dict("records")
             train, held_out = split_by_prompt(pairs, cfg.reward.eval_share, cfg.reward.seed)
             reward = train_reward_model(train, held_out, sft_dir, cfg.reward, work / "reward", work / "ray",
                                         run_name=f"reward-{INVOCATION}")
         for seed in args.seeds:
             for method in args.methods:
-                row = run_method(method_config(cfg, method, seed, dpo_overrides), files, sft_dir, reward, work, method)
+                row = run_method(method_config(cfg, method, seed, dpo_overrides, args.lora_learning_rate), files, sft_dir, reward, work, method)
                 rows.append(row)
                 print(table([row], columns), flush=True)
                 save(args.name, {"machine": machine(), "dpo": cfg.policy.dpo.model_dump() | dpo_overrides,
                                  "kto": cfg.policy.kto.model_dump() | dpo_overrides,
-                                 "rows": rows, "summary": summary(rows)})
+                                 "lora": cfg.policy.lora.model_dump() | {"learning_rate": args.lora_learning_rate},
+                                 "rows": rows, "summary": method_rows(rows)})
     print("\nHeld-out accuracy over the SFT policy and wall time (mean ± sd over seeds):")
-    print(table(summary(rows), ["method", "runs", "acc_before", "acc_after", "gain", "kl", "policy_s", "total_s"]))
+    print(table(method_rows(rows), ["method", "runs", "acc_before", "acc_after", "gain", "kl", "policy_s", "total_s"]))
     print(f"\nwritten {RESULTS / (args.name + '.json')}")
 
 

@@ -328,15 +328,39 @@ def resume(results: Path) -> list[str]:
                             ("saved_share", "saved share", ".0%"), ("steps", "resumed from step", "")])]
 
 
+def policy_memory(results: Path) -> list[str]:
+    if (r := load("policy_memory", results)) is None:
+        return not_run("policy_memory", "pretrained_scale.py --variants full full+gc lora lora+gc --name policy_memory")
+    m = r["model"]
+    model = (f"{m['parameters_m']:.0f}M parameters ({m['layers']} layers, width {m['hidden']}, vocabulary "
+             f"{m['vocab']:,})")
+    first = r["variants"][0]
+    rows = [{**v, "update_s": v["phases_s"].get("timing/update")} for v in r["variants"]]
+    return [measured_on(r, "policy_memory") + f" Model: {model}; {first['workers']} workers, micro-batch {r['micro_batch']}, "
+            f"{first['rollouts_per_step']} rollouts of {first['max_new_tokens']} tokens per step.", "",
+            md_table(rows, [("variant", "actor trains", ""), ("trainer_peak_gib", "peak per trainer worker, GiB", ""),
+                            ("engine_peak_gib", "peak vLLM process, GiB", ""),
+                            ("seconds_per_step", "s per RL step", ""), ("update_s", "update phase, s", ""),
+                            ("weight_sync_s", "weight sync, s", "")])]
+
+
 def dpo_vs_grpo(results: Path) -> list[str]:
     if (r := load("dpo_vs_grpo", results)) is None:
         return not_run("dpo_vs_grpo", "dpo_vs_grpo.py")
-    kto = load("kto_on_demo", results)
-    rows, notes = _method_rows(r), []
+    kto, lora = load("kto_on_demo", results), load("grpo_lora_on_demo", results)
+    rows, notes = method_rows(r["rows"]), []
     if kto is not None:  # a separate invocation from the same SFT policy
-        rows += _method_rows(kto, mark="*" if kto.get("note") else "")
+        rows += method_rows(kto["rows"], mark="*" if kto.get("note") else "")
         notes = ["KTO: `bench/results/kto_on_demo.json`, `bench/dpo_vs_grpo.py --methods kto`"
                  + (f"; * {kto['note']}." if kto.get("note") else ".")]
+    if lora is not None:  # its own invocation, GRPO beside it again: compare those two rows
+        adapters = lora["lora"]
+        rate = "the policy's" if adapters["learning_rate"] is None else f"{adapters['learning_rate']:g}"
+        rows += method_rows(lora["rows"], mark="†")
+        notes += ["† `bench/results/grpo_lora_on_demo.json`, `bench/dpo_vs_grpo.py --methods grpo-lora grpo`: "
+                  f"GRPO with LoRA adapters (rank {adapters['rank']}, alpha {adapters['alpha']:g}, "
+                  f"{adapters['target_modules']}, learning rate {rate}) and GRPO again, in one invocation on "
+                  f"{lora['machine']['cpu']}."]
     d = r["dpo"]
     return [measured_on(r, "dpo_vs_grpo") + f" Seeds {sorted({row['seed'] for row in r['rows']})}; "
             f"DPO/IPO beta {d['beta']}, learning rate {d['learning_rate']:g}, {d['epochs']} epochs of batch "
@@ -347,11 +371,11 @@ def dpo_vs_grpo(results: Path) -> list[str]:
                             ("total_s", "total s", "")]), *([""] + notes if notes else [])]
 
 
-def _method_rows(result: dict, mark: str = "") -> list[dict]:
-    """One row per method of a dpo_vs_grpo result: each figure as mean ± sd over its seeds."""
+def method_rows(runs: list[dict], mark: str = "") -> list[dict]:
+    """One row per method of `bench/dpo_vs_grpo.py`'s runs: each figure as mean ± sd over its seeds."""
     rows = []
-    for method in dict.fromkeys(row["method"] for row in result["rows"]):
-        mine = [row for row in result["rows"] if row["method"] == method]
+    for method in dict.fromkeys(row["method"] for row in runs):
+        mine = [row for row in runs if row["method"] == method]
         entry = {"method": method + mark, "runs": len(mine)}
         for key in ("acc_before", "acc_after", "gain", "kl", "reward_s", "policy_s", "total_s"):
             entry[key] = mean_sd([row[key] for row in mine], 0 if key.endswith("_s") else 3, sign=key == "gain")
@@ -364,7 +388,7 @@ SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
-    "resume": resume, "dpo_vs_grpo": dpo_vs_grpo,
+    "resume": resume, "dpo_vs_grpo": dpo_vs_grpo, "policy_memory": policy_memory,
 }
 
 
