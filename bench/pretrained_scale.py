@@ -11,10 +11,20 @@ timing is the point). A few GRPO steps run on conversational prompts through
 Reported: seconds per RL step and per phase (from the stage's own metrics), weight-sync
 seconds, and peak resident memory of every process of the run (sampled every 0.5 s).
 
+`--variants` runs the same stage once per way of training the actor, on the same model and
+prompts, to compare memory and time:
+
+    full      every weight trains (the default)
+    lora      LoRA adapters on every linear layer (`policy.lora`, rank 8): optimizer state for
+              the adapters only, and no reference copy (the actor with its adapters off)
+    +gc       gradient checkpointing (`policy.gradient_checkpointing`): activations recomputed
+              layer by layer in the backward pass
+
     .venv/bin/python bench/pretrained_scale.py                 # ~113M parameters
     .venv/bin/python bench/pretrained_scale.py --layers 8      # a smaller one
+    .venv/bin/python bench/pretrained_scale.py --variants full full+gc lora lora+gc --name policy_memory
 
-Writes bench/results/pretrained_scale.json.
+Writes bench/results/pretrained_scale.json (or `--name`).
 """
 from __future__ import annotations
 
@@ -107,6 +117,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=8, help="policy.micro_batch_size (sequences per pass)")
+    parser.add_argument("--variants", nargs="+", default=["full"], choices=VARIANTS)
+    parser.add_argument("--name", default="pretrained_scale", help="result file name under bench/results/")
     args = parser.parse_args()
     from rlhf_core.chat import render_prompt  # noqa: PLC0415
     from rlhf_core.config import PolicyConfig  # noqa: PLC0415
@@ -123,22 +136,53 @@ def main() -> None:
         save_reward_model(reward_model_from_base(base), tokenizer, tmp / "reward", RewardStats(0.0, 1.0))
         prompts = [render_prompt(tokenizer, [{"role": "user", "content": f"What is {a} plus {b}?"}])
                    for a in range(40) for b in range(3)]
-        cfg = PolicyConfig(algorithm="grpo", num_workers=args.workers, steps=args.steps, prompts_per_step=8,
-                           grpo={"group_size": 4}, max_new_tokens=16, minibatch_size=32, micro_batch_size=8,
-                           epochs_per_step=1, eval_every=args.steps, checkpoint_every=args.steps,
-                           verifiable_reward=None, verifiable_reward_weight=0.0, reward_model_weight=1.0)
-        sink = JsonlSink(tmp / "metrics.jsonl")
-        start = time.perf_counter()
-        with PeakMemory() as memory:
-            result = train_policy(prompts, prompts[:16], [], base, tmp / "reward", cfg, tmp / "policy", tmp / "ray",
-                                  on_metrics=sink, run_name="scale")
-        wall = time.perf_counter() - start
-        records = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+        runs = []
+        for variant in args.variants:
+            cfg = PolicyConfig(algorithm="grpo", num_workers=args.workers, steps=args.steps, prompts_per_step=8,
+                               grpo={"group_size": 4}, max_new_tokens=16, minibatch_size=32,
+                               micro_batch_size=args.micro_batch, epochs_per_step=1, eval_every=args.steps,
+                               checkpoint_every=args.steps, verifiable_reward=None, verifiable_reward_weight=0.0,
+                               reward_model_weight=1.0, lora={"enabled": variant.startswith("lora")},
+                               gradient_checkpointing=variant.endswith("+gc"))
+            sink = JsonlSink(tmp / f"metrics-{variant}.jsonl")
+            start = time.perf_counter()
+            with PeakMemory() as memory:
+                result = train_policy(prompts, prompts[:16], [], base, tmp / "reward", cfg, tmp / f"policy-{variant}",
+                                      tmp / "ray", on_metrics=sink, run_name=f"scale-{variant}")
+            wall = time.perf_counter() - start
+            records = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+            runs.append(figures_of(variant, info, args, cfg, result, records, wall, memory, training_bytes))
+            print(f"{variant}: trainer peak {runs[-1]['trainer_peak_gib']} GiB, "
+                  f"{runs[-1]['seconds_per_step']} s/step", flush=True)
+    if len(runs) == 1:
+        figures = runs[0]
+        print(table([{k: v for k, v in figures.items() if not isinstance(v, (dict, list))}],
+                    [k for k, v in figures.items() if not isinstance(v, (dict, list))]))
+        print("phases (s, median):", figures["phases_s"])
+        print(table(figures["peak_rss"], ["process", "peak_rss_gib"]))
+        print("written:", save(args.name, figures))
+        return
+    columns = ["variant", "trainer_peak_gib", "engine_peak_gib", "seconds_per_step", "update_s", "weight_sync_s",
+               "estimated_gib"]
+    rows = [{**r, "update_s": r["phases_s"].get("timing/update")} for r in runs]
+    print(table(rows, columns))
+    print("written:", save(args.name, {"model": {k: runs[0][k] for k in MODEL_KEYS}, "micro_batch": args.micro_batch,
+                                       "variants": runs}))
+
+
+VARIANTS = ("full", "full+gc", "lora", "lora+gc")
+MODEL_KEYS = ("parameters_m", "layers", "hidden", "vocab", "kv_heads", "tied_embeddings")
+
+
+def figures_of(variant, info, args, cfg, result, records, wall, memory, training_bytes) -> dict:
+    """One run's figures: its model, seconds per step and phase, and peak memory by process."""
     steps = [r for r in records if any(k.startswith("policy/step_time_s/") for k in r)]  # not the evaluations
     timed = steps[1:] or steps  # the first step pays for warm-up
     step_s = [max(v for k, v in s.items() if k.startswith("policy/step_time_s/")) for s in timed]
     phases = sorted({k for s in timed for k in s if k.startswith("timing/")})
+    peaks = memory.by_role()
     figures = {
+        "variant": variant,
         "parameters_m": round(info.num_parameters / 1e6, 1), "layers": info.num_layers, "hidden": info.hidden_size,
         "vocab": info.vocab_size, "kv_heads": info.num_kv_heads, "tied_embeddings": info.tie_word_embeddings,
         "workers": args.workers, "rollouts_per_step": cfg.rollouts_per_step, "max_new_tokens": cfg.max_new_tokens,
@@ -147,15 +191,16 @@ def main() -> None:
         "weight_sync_s": round(statistics.median(s["rollout/sync_s"] for s in timed), 3),
         "phases_s": {p: round(statistics.median(s[p] for s in timed if p in s), 2) for p in phases},
         "stage_wall_s": round(wall, 1),
-        "estimated_gib": round(training_bytes(info.num_parameters, workers=args.workers, with_critic=False,
-                                              reward_parameters=info.num_parameters) / 2**30, 1),
-        "peak_rss": memory.by_role(),
+        "estimated_gib": None if cfg.lora.enabled else round(training_bytes(  # the preflight's full-weight estimate
+            info.num_parameters, workers=args.workers, with_critic=False, reward_parameters=info.num_parameters) / 2**30, 1),
+        "peak_rss": peaks,
+        # the largest Ray Train worker (actor, reference, reward model, optimizer state,
+        # activations) and the largest vLLM process
+        "trainer_peak_gib": max((r["peak_rss_gib"] for r in peaks if r["process"].startswith("Ray Train worker")),
+                                default=None),
+        "engine_peak_gib": max((r["peak_rss_gib"] for r in peaks if r["process"].startswith("vLLM")), default=None),
     }
-    print(table([{k: v for k, v in figures.items() if not isinstance(v, (dict, list))}],
-                [k for k, v in figures.items() if not isinstance(v, (dict, list))]))
-    print("phases (s, median):", figures["phases_s"])
-    print(table(figures["peak_rss"], ["process", "peak_rss_gib"]))
-    print("written:", save("pretrained_scale", figures))
+    return figures
 
 
 if __name__ == "__main__":
