@@ -19,6 +19,7 @@ prompts, to compare memory and time:
               the adapters only, and no reference copy (the actor with its adapters off)
     +gc       gradient checkpointing (`policy.gradient_checkpointing`): activations recomputed
               layer by layer in the backward pass
+    +bf16     bf16 mixed precision (`policy.precision: bf16`); the others run in fp32
 
     .venv/bin/python bench/pretrained_scale.py                 # ~113M parameters
     .venv/bin/python bench/pretrained_scale.py --layers 8      # a smaller one
@@ -138,12 +139,14 @@ def main() -> None:
                    for a in range(40) for b in range(3)]
         runs = []
         for variant in args.variants:
+            options = variant.split("+")[1:]
             cfg = PolicyConfig(algorithm="grpo", num_workers=args.workers, steps=args.steps, prompts_per_step=8,
+                               precision="bf16" if "bf16" in options else "fp32",
                                grpo={"group_size": 4}, max_new_tokens=16, minibatch_size=32,
                                micro_batch_size=args.micro_batch, epochs_per_step=1, eval_every=args.steps,
                                checkpoint_every=args.steps, verifiable_reward=None, verifiable_reward_weight=0.0,
                                reward_model_weight=1.0, lora={"enabled": variant.startswith("lora")},
-                               gradient_checkpointing=variant.endswith("+gc"))
+                               gradient_checkpointing="gc" in options)
             sink = JsonlSink(tmp / f"metrics-{variant}.jsonl")
             start = time.perf_counter()
             with PeakMemory() as memory:
@@ -170,7 +173,7 @@ def main() -> None:
                                        "variants": runs}))
 
 
-VARIANTS = ("full", "full+gc", "lora", "lora+gc")
+VARIANTS = ("full", "full+gc", "lora", "lora+gc", "full+bf16", "lora+gc+bf16")
 MODEL_KEYS = ("parameters_m", "layers", "hidden", "vocab", "kv_heads", "tied_embeddings")
 
 

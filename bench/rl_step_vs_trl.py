@@ -54,7 +54,8 @@ def ours(model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
 
     cfg = PolicyConfig(
-        algorithm="grpo", num_workers=2, steps=steps, prompts_per_step=PROMPTS_PER_STEP, grpo={"group_size": GROUP},
+        algorithm="grpo", num_workers=2, precision="fp32", steps=steps, prompts_per_step=PROMPTS_PER_STEP,
+        grpo={"group_size": GROUP},
         max_new_tokens=tokens, epochs_per_step=1, minibatch_size=PROMPTS_PER_STEP * GROUP, micro_batch_size=64,
         learning_rate=LR, kl_coef=KL, reward_model_weight=0.0, verifiable_reward_weight=1.0,
         eval_every=steps, checkpoint_every=steps, kl_bound=1e6,

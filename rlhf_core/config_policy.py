@@ -183,6 +183,11 @@ class PolicyConfig(_Strict):
         "SPREAD", description='How the workers are placed over the Ray nodes.')
     zero_stage: int = Field(2, ge=1, le=3,
         description="DeepSpeed ZeRO stage; at least 1, since the skip of non-finite gradients is ZeRO's.")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
+        "What the trainer's forward and backward passes compute in: bf16 (mixed precision: weights, gradients "
+        "and optimizer state stay fp32) or fp32; auto: bf16 on a GPU that supports it, and on a CPU where a "
+        "bf16 matrix multiply measures at least 1.3x as fast as fp32, else fp32. PPO and GRPO; the offline methods "
+        "compute in fp32, and rollouts in the engine's dtype."))
     gradient_checkpointing: bool = Field(False, description=(
         "Recompute the policy's activations layer by layer in the backward pass instead of keeping them: less "
         "memory for about one more forward pass of compute (the actor; PPO's critic keeps its activations)."))
@@ -274,6 +279,9 @@ class PolicyConfig(_Strict):
                              "state is what ZeRO would shard, and it is small")
         if self.offline is not None:  # no rollouts: only the method's own batches must divide
             d, name = self.offline, self.algorithm
+            if self.precision == "bf16":
+                raise ValueError(f"policy.precision bf16 is for ppo and grpo; {name} computes in fp32: set "
+                                 "policy.precision=fp32 (or auto)")
             if self.rounds.enabled:
                 raise ValueError(f"policy.rounds label the policy's own answers between RL steps; {name} trains on "
                                  "the labels it is given: set policy.rounds.enabled=false or use ppo or grpo")

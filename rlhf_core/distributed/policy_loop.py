@@ -58,6 +58,7 @@ class PolicyWorker:
     member_stats: tuple = ()  # RewardStats of each ensemble member (one: the model's own)
     audit: tuple | None = None  # (model, tokenizer, RewardStats) of the audit reward model, never trained against
     annotator: Any = None  # rank 0, with policy.rounds: rlhf_core.training.preference_rounds.Annotator
+    precision: str = "fp32"  # what the trainer's passes compute in (`rlhf_core.training.precision`), one for all ranks
 
     @property
     def cfg(self) -> PolicyConfig:

@@ -56,6 +56,7 @@ from rlhf_core.models.value import value_model_from
 from rlhf_core.rng import derive_seed
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.circuit_breaker import should_trip
+from rlhf_core.training.precision import computing_in, resolve_precision
 from rlhf_core.training.ppo_step import (
     PolicyBatch,
     algorithm_spec,
@@ -143,7 +144,19 @@ def _build_worker(loop: PolicyLoop) -> PolicyWorker:
                      member_stats=members, audit=audit)
     if worker.rank == 0 and cfg.rounds.enabled and reward_model is not None:
         w.annotator = policy_rounds.annotator_for(w)
+    w.precision = _agreed_precision(cfg, loop.runtime.use_gpu, worker.rank, worker.world)
     return w
+
+
+def _agreed_precision(cfg: PolicyConfig, use_gpu: bool, rank: int, world: int) -> str:
+    """`policy.precision` resolved on rank 0 (auto measures there) and given to every rank, so
+    that no two ranks compute in different precisions."""
+    chosen = [resolve_precision(cfg.precision, use_gpu) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    if rank == 0:
+        print(f"policy: computing in {chosen[0]} (policy.precision: {cfg.precision})", flush=True)
+    return chosen[0]
 
 
 def deepspeed_config(cfg: PolicyConfig, learning_rate: float, use_gpu: bool) -> dict[str, Any]:
@@ -198,26 +211,27 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
     with w.meter.compute():  # this worker's own forward passes, no collectives: its throughput
         with _timed(timings, "score"):
             local = _score(w, samples, batch, state)
-        with _timed(timings, "old_logprobs"):  # else the update's own forward gives them
-            if not old_logprobs_from_update(w.spec, cfg):
-                batch.old_logprobs = batched_logprobs(w.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
-            if cfg.pipeline.max_lag > 0:  # correct for the sampler's lag behind these weights
-                batch.is_weights, is_metrics = truncated_is_weights(
-                    batch.old_logprobs, batch.engine_logprobs, batch.response_mask, cfg.pipeline.is_cap
-                )
-                local |= is_metrics
-        with _timed(timings, "ref_logprobs"):
-            with reference_view(w.actor, w.reference) as reference:
-                batch.ref_logprobs = batched_logprobs(reference, batch, cfg.temperature, cfg.micro_batch_size)
-        with _timed(timings, "values"):
-            if w.critic is not None:
-                batch.values = batched_values(w.critic.module, batch, cfg.micro_batch_size)
+        with computing_in(w.precision, w.actor.device):  # the trainer's passes: fp32 or bf16 autocast
+            with _timed(timings, "old_logprobs"):  # else the update's own forward gives them
+                if not old_logprobs_from_update(w.spec, cfg):
+                    batch.old_logprobs = batched_logprobs(w.actor.module, batch, cfg.temperature, cfg.micro_batch_size)
+                if cfg.pipeline.max_lag > 0:  # correct for the sampler's lag behind these weights
+                    batch.is_weights, is_metrics = truncated_is_weights(
+                        batch.old_logprobs, batch.engine_logprobs, batch.response_mask, cfg.pipeline.is_cap
+                    )
+                    local |= is_metrics
+            with _timed(timings, "ref_logprobs"):
+                with reference_view(w.actor, w.reference) as reference:
+                    batch.ref_logprobs = batched_logprobs(reference, batch, cfg.temperature, cfg.micro_batch_size)
+            with _timed(timings, "values"):
+                if w.critic is not None:
+                    batch.values = batched_values(w.critic.module, batch, cfg.micro_batch_size)
     kl_coef = w.kl_controller.value
     with _timed(timings, "advantages"):
         rewards, _ = token_rewards(batch, w.spec, kl_coef, cfg.kl_estimator)
         batch.advantages, batch.returns = compute_advantages(batch, rewards, w.spec, cfg)
 
-    with _timed(timings, "update"):
+    with _timed(timings, "update"), computing_in(w.precision, w.actor.device):
         update = update_minibatches(
             w.actor, batch, w.spec, cfg, nan_if_due(DeepSpeedBackwardAndStep(w.actor), w.loop.nan_at, rank, step),
             minibatch_size=cfg.minibatch_size // w.world, kl_coef=kl_coef,
@@ -340,6 +354,7 @@ def _finish(w: PolicyWorker, state: PolicyState, state_dict: dict[str, torch.Ten
         "accuracy_after": state.evaluations[-1].get("eval/accuracy"),
         "kl_max": state.kl_max,
         "kl_bound": w.cfg.kl_bound,
+        "precision": w.precision,
     }
     save_pretrained_atomic(model, w.tokenizer, Path(w.loop.out_dir), extra=meta)
     if state.audit_pairs:  # the audit the rounds kept current judges this policy at the gates

@@ -207,7 +207,7 @@ def batched_logprobs(model, batch: PolicyBatch, temperature: float, chunk: int) 
 def token_values(critic, batch: PolicyBatch) -> torch.Tensor:
     """V of the state before each response token (same columns as the logprobs). -> (B, T)."""
     values = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask)[:, :-1]  # (B, L-1)
-    return values.gather(1, batch.positions)
+    return values.gather(1, batch.positions).float()  # fp32 for GAE and the value loss, also under bf16 autocast
 
 
 @torch.no_grad()
