@@ -16,11 +16,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
-from rlhf_core.data.schema import LINE_COLUMN, fingerprint, write_jsonl
+from rlhf_core.data.formats import is_conversation
+from rlhf_core.data.schema import LINE_COLUMN, fingerprint, read_table, write_jsonl
 from rlhf_core.data.sources import read_source
-from rlhf_core.feedback.mix import mix, recent_exports
 from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.data.validation import ValidationReport
+from rlhf_core.feedback.mix import labelled_answers, mix, recent_exports
 from tasks.data_contract import (
     DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, prepare_files,
     write_report,
@@ -44,20 +45,26 @@ def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase 
     if cfg.feedback.use and not exports:
         logger.warning("feedback.use is on but %s holds no feedback dataset from the last %s days",
                        export_root(cfg), cfg.feedback.recency_days)
+    # KTO also learns from the thumbs: single answers rated up or down
+    answers_too = bool(exports) and cfg.policy.algorithm == "kto"
     if cfg.data.preferences_path is not None:
         d = cfg.data
         preferences = _with_feedback(d.preferences_path, exports, cfg, out_dir / "data" / "raw")
+        labelled = _feedback_answers(d.preferences_path, exports, cfg, out_dir / "data" / "raw") if answers_too else None
         paths = prepare_files(cfg, preferences, d.eval_path, d.sft_path, d.prompts_path, out_dir / "data",
-                              pretrained.policy if pretrained is not None else None)
+                              pretrained.policy if pretrained is not None else None, labelled)
         for note in paths.notes:
             logger.warning("%s", note)
     else:
         files = generate_demo_data(cfg.data.demo, out_dir / "data")
         logger.info("generated demo data under %s", files.preferences.parent)
         preferences = _with_feedback(files.preferences, exports, cfg, out_dir / "data")
-        paths = DataPaths(Path(preferences), files.eval, files.sft, generated=True)
+        labelled = _feedback_answers(files.preferences, exports, cfg, out_dir / "data") if answers_too else None
+        paths = DataPaths(Path(preferences), files.eval, files.sft, generated=True, labelled=labelled)
     if not exports:
         return paths
+    if paths.labelled is not None and paths.eval is not None:
+        _leave_out_eval_prompts(paths.labelled, paths.eval)
     served = sorted({v for e in exports for v in e.served_versions}, key=lambda v: (len(v), v))
     return replace(paths, feedback=tuple(e.version for e in exports), feedback_served_versions=tuple(served))
 
@@ -73,6 +80,36 @@ def _with_feedback(preferences: str | Path, exports, cfg: PipelineConfig, out_di
     get_run_logger().info("training on %d base pairs and %s feedback pairs (%d feedback pairs left out: "
                           "already in the data)", len(base), mixed.taken, mixed.already_present)
     return write_jsonl(mixed.rows, out_dir / "preferences-with-feedback.jsonl")
+
+
+def _feedback_answers(base_preferences: str | Path, exports, cfg: PipelineConfig, out_dir: Path) -> Path:
+    """A JSONL of the thumbs in the feedback datasets (`rlhf_core.feedback.mix.labelled_answers`),
+    in the base preference data's format, in `out_dir`."""
+    base = read_source(base_preferences)
+    base_format = None
+    if not base.empty and "prompt" in base.columns:  # an implicit prompt has no column to compare
+        base_format = "conversational" if is_conversation(base.iloc[0]["prompt"]) else "standard"
+    answers = labelled_answers(exports, cfg.feedback.weight, seed=cfg.data.demo.seed, base_format=base_format,
+                               where=str(base_preferences))
+    get_run_logger().info("KTO: %s answers rated up or down taken from the feedback (left out: %d rated both "
+                          "ways, %d blank)", answers.taken, answers.contradictory, answers.blank)
+    return write_jsonl(answers.rows, out_dir / "labelled-answers.jsonl")
+
+
+def _leave_out_eval_prompts(labelled: Path, eval_path: Path) -> None:
+    """Rewrite `labelled` without the answers to eval prompts (compared with runs of whitespace
+    collapsed, as the data contract's leakage check does): a user asking an eval question must
+    not put its answer into training."""
+    def key(prompt: str) -> str:
+        return " ".join(prompt.split())
+
+    evals = {key(p) for p in read_table(eval_path)["prompt"]}
+    rows = read_table(labelled).to_dict("records")
+    kept = [r for r in rows if key(r["prompt"]) not in evals]
+    if len(kept) < len(rows):
+        get_run_logger().warning("%d rated answers left out of %s: their prompts are eval prompts",
+                                 len(rows) - len(kept), labelled)
+        write_jsonl(kept, labelled)
 
 
 def _publish(report: ValidationReport, out_dir: Path, title: str) -> Path:
@@ -101,7 +138,7 @@ def check_data_contract(data_fingerprint: str, paths: DataPaths, cfg: Validation
 @task(name="validate-data")
 def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> ValidatedData:
     """Run the data contract; record the report in MLflow and Prefect; raise when it fails."""
-    data_fp = fingerprint([p for p in (paths.preferences, paths.eval, paths.prompts) if p is not None])
+    data_fp = fingerprint([p for p in (paths.preferences, paths.eval, paths.prompts, paths.labelled) if p is not None])
     with stage_run(run, "validate", {"dataset.fingerprint": data_fp}) as stage_id:
         client = run.client
         client.set_tag(run.run_id, "dataset.fingerprint", data_fp)

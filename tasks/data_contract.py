@@ -41,11 +41,14 @@ class DataPaths:
     notes: tuple[str, ...] = ()  # what preparing the data did to it (rows truncated or left out)
     feedback: tuple[str, ...] = ()  # the feedback datasets mixed into the preferences
     feedback_served_versions: tuple[str, ...] = ()  # the served versions their answers came from
+    labelled: Path | None = None  # answers rated up or down (prompt, completion, desirable): KTO's feedback
 
     def summary(self) -> dict:
         out = {"status": "prepared", "preferences": str(self.preferences), "notes": list(self.notes)}
         if self.feedback:
             out["feedback"] = list(self.feedback)
+        if self.labelled is not None:
+            out["labelled"] = str(self.labelled)
         return out
 
     def lineage(self) -> dict[str, str]:
@@ -94,7 +97,7 @@ def failure(paths: DataPaths, report: ValidationReport, out_dir: Path) -> DataVa
 
 def prepare_files(cfg: PipelineConfig, preferences: str | Path, eval_path: str | Path | None,
                   sft: str | Path | None, prompts: str | Path | None, out_dir: Path,
-                  model_dir: str | Path | None = None) -> DataPaths:
+                  model_dir: str | Path | None = None, labelled: str | Path | None = None) -> DataPaths:
     """The files checked and rendered for the run (`rlhf_core.data.prepare`) into `out_dir`, with
     the tokenizer and context of `model_dir` (the run's pretrained model; None for the demo,
     whose tokenizer is trained later)."""
@@ -111,9 +114,9 @@ def prepare_files(cfg: PipelineConfig, preferences: str | Path, eval_path: str |
         context = getattr(text, "max_position_embeddings", None)
     limits = Limits(cfg.reward.max_length, cfg.reward.on_overlength,
                     None if context is None else context - cfg.policy.max_new_tokens, cfg.data.on_overlength)
-    files = prepare_inputs(preferences, eval_path, sft, prompts, tokenizer, limits, out_dir)
+    files = prepare_inputs(preferences, eval_path, sft, prompts, tokenizer, limits, out_dir, labelled)
     return DataPaths(files.preferences, files.eval, files.sft, generated=False, prompts=files.prompts,
-                     notes=tuple(files.notes))
+                     notes=tuple(files.notes), labelled=files.labelled)
 
 
 def check_files(paths: DataPaths, cfg: ValidationConfig, out_dir: Path) -> ValidatedData:

@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 from monitoring.progress import ProgressSink
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
+from rlhf_core.data.pairs import kto_examples, split_by_prompt, steps_per_epoch
 from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
 from rlhf_core.distributed.offline_trainer import train_offline
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult, train_policy
@@ -162,6 +162,14 @@ def _train_offline(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, r
     it holds out (which the gates may judge on) stay out of the policy's training too."""
     rows = read_table(data.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
     train, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
+    if cfg.policy.algorithm == "kto" and data.paths.labelled is not None:  # and the feedback's thumbs
+        rated = read_table(data.paths.labelled).to_dict("records")
+        pairs = len(train)
+        train = kto_examples(train, rated, {r["prompt"] for r in held_out}, cfg.policy.kto.desirable_share,
+                             cfg.policy.seed)
+        run.client.set_tag(stage_id, "kto.feedback_answers", str(len(train) - pairs))
+        get_run_logger().info("KTO on %d pairs, one answer each, and %d answers rated in the feedback",
+                              pairs, len(train) - pairs)
     total = steps_per_epoch(len(train), cfg.policy.offline.batch_size) * cfg.policy.offline.epochs
     second = {"dpo": ("policy/reward_accuracy", "pair accuracy"), "kto": ("policy/reference_point", "KL estimate")}
     figures = dict([("policy/loss", "loss"), second[cfg.policy.algorithm]])

@@ -191,6 +191,19 @@ def unpaired_examples(rows: Sequence[Mapping[str, Any]], desirable_share: float,
              "desirable": i in chosen, "id": r.get("id", f"row {i}")} for i, r in enumerate(rows)]
 
 
+def kto_examples(pairs: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str, Any]],
+                 held_out_prompts: set[str], desirable_share: float, seed: int) -> list[dict[str, Any]]:
+    """KTO's training examples: the pairs unpaired (`unpaired_examples`), then the labelled
+    `answers` (prompt, completion, desirable; thumbs from the feedback) whose prompt is not among
+    `held_out_prompts`, so a prompt held out from the pairs stays out of training.
+    -> [{"prompt", "completion", "desirable", "id"}]"""
+    examples = unpaired_examples(pairs, desirable_share, seed)
+    examples += [{"prompt": a["prompt"], "completion": a["completion"], "desirable": bool(a["desirable"]),
+                  "id": a.get("id", f"answer {i}")}
+                 for i, a in enumerate(answers) if a["prompt"] not in held_out_prompts]
+    return examples
+
+
 def with_mismatched(examples: Sequence[Mapping[str, Any]], seed: int) -> list[dict[str, Any]]:
     """Each labelled answer as a row `tokenize_policy_pairs` takes: `chosen` is the example's
     own answer, `rejected` the answer of another example (the next one in a permutation drawn

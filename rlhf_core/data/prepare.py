@@ -59,6 +59,7 @@ class PreparedFiles:
     prompts: Path | None
     conversational: bool
     notes: list[str] = field(default_factory=list)  # what was done to the data, for the report
+    labelled: Path | None = None
 
 
 @dataclass
@@ -73,9 +74,11 @@ class _Set:
 
 def prepare_inputs(
     preferences: str | Path, eval_set: str | Path | None, sft: str | Path | None, prompts: str | Path | None,
-    tokenizer, limits: Limits, out_dir: Path,
+    tokenizer, limits: Limits, out_dir: Path, labelled: str | Path | None = None,
 ) -> PreparedFiles:
-    """Check and render the sets (see the module docstring); raises `InputError` on the first problem."""
+    """Check and render the sets (see the module docstring); raises `InputError` on the first
+    problem. `labelled` (answers rated desirable or not: prompt, completion, desirable) is
+    rendered as the SFT corpus is."""
     notes: list[str] = []
     prefs = _read(preferences)
     try:
@@ -86,7 +89,7 @@ def prepare_inputs(
     if explicit.implicit_prompt:
         notes.append(f"{preferences}: prompts extracted from the shared start of chosen and rejected")
     prefs.rows, prefs.changed = explicit.rows, explicit.implicit_prompt or conversational
-    sets = {"eval": _read(eval_set), "sft": _read(sft), "prompts": _read(prompts)}
+    sets = {"eval": _read(eval_set), "sft": _read(sft), "prompts": _read(prompts), "labelled": _read(labelled)}
     conversational = conversational or any(
         s is not None and s.rows and is_conversation(s.rows[0].get("prompt", s.rows[0].get("messages")))
         for s in sets.values())
@@ -98,8 +101,9 @@ def prepare_inputs(
     if tokenizer is not None and conversational:
         check_rendering(tokenizer, [r["prompt"] for r in prefs.rows[:RENDER_CHECKED]], str(preferences))
     _render_pairs(prefs, tokenizer)
-    if sets["sft"] is not None:
-        _render_sft(sets["sft"], tokenizer)
+    for name in ("sft", "labelled"):
+        if sets[name] is not None:
+            _render_sft(sets[name], tokenizer)
     for name in ("eval", "prompts"):
         if sets[name] is not None:
             _render_prompts(sets[name], tokenizer)
@@ -112,7 +116,7 @@ def prepare_inputs(
     written = {name: _write(s, out_dir / f"{name}.jsonl") for name, s in
                {"preferences": prefs, **sets}.items()}
     return PreparedFiles(written["preferences"], written["eval"], written["sft"], written["prompts"],
-                         conversational, notes)
+                         conversational, notes, written["labelled"])
 
 
 def _read(spec: str | Path | None) -> _Set | None:
@@ -170,7 +174,7 @@ def _render_sft(s: _Set, tokenizer) -> None:
         for column in ("prompt", "completion"):
             if column not in row:
                 raise InputError(f"{_where(s, i)}: column {column!r} is missing (an SFT corpus has prompt and "
-                                 "completion, or messages)")
+                                 "completion, or messages; labelled answers have prompt and completion)")
         if is_conversation(row["prompt"]):
             _check_messages(s, i, row, ("prompt", "completion"))
             row["completion"] = render_response(tokenizer, row["prompt"], row["completion"])

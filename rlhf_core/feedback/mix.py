@@ -4,6 +4,10 @@
 the recency window; `mix` appends a `weight` share of their pairs (a seeded sample) to the base
 rows, in the base data's format, leaving out pairs the data holds already. The result is written as
 one preference file and goes through the same preparation and contract as the base data alone.
+
+`labelled_answers` takes the same share of their thumbs (each a single answer rated up or down,
+no pair needed): what KTO learns from beside the pairs. An answer rated both ways across
+exports is left out, as the export leaves it out within one.
 """
 from __future__ import annotations
 
@@ -105,3 +109,57 @@ def mix(base: Sequence[Mapping], exports: Sequence[FeedbackExportInfo], weight: 
             rows.append(row)
             taken[export.version] += 1
     return Mixed(rows, taken, already_present)
+
+
+@dataclass(frozen=True)
+class LabelledAnswers:
+    rows: list[dict]  # {prompt, completion, desirable, source}: one per distinct answer
+    taken: dict[str, int]  # answers taken per feedback version
+    contradictory: int  # answers left out: rated up in one export and down in another
+    blank: int = 0  # answers left out: no text to learn from
+
+
+def labelled_answers(exports: Sequence[FeedbackExportInfo], weight: float, seed: int = 0,
+                     base_format: str | None = None, where: str = "the base preference data") -> LabelledAnswers:
+    """A `weight` share (a seeded sample) of the thumbs in the exports' `ratings.jsonl`, one row
+    per distinct (prompt, answer): many users rating one answer alike make one example. In the
+    base data's format (`base_format`, "standard" or "conversational"; None: any)."""
+    if not 0 <= weight <= 1:
+        raise ValueError(f"feedback weight {weight}: a share of the feedback answers, between 0 and 1")
+    rng = random.Random(f"answers:{seed}")
+    found: dict[str, dict] = {}
+    labels: dict[str, set[bool]] = {}
+    taken: dict[str, int] = {}
+    blank = 0
+    for export in exports:
+        path = export.path / "ratings.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+        taken[export.version] = 0
+        for i, row in enumerate(rows):
+            if not isinstance(row.get("label"), bool):
+                raise FeedbackMixError(f"{path} line {i + 1}: 'label' is {row.get('label')!r}, not true or false")
+            if base_format is not None and _format(row["prompt"]) != base_format:
+                raise FeedbackMixError(
+                    f"{path} line {i + 1}: a {_format(row['prompt'])} answer, but {where} is {base_format}; serve "
+                    "the model the way its data is written, or leave this feedback out (feedback.use: false)")
+            if weight < 1 and rng.random() >= weight:
+                continue
+            if not _text(row["completion"]).strip():
+                blank += 1
+                continue
+            key = json.dumps([row["prompt"], row["completion"]], sort_keys=True)
+            labels.setdefault(key, set()).add(row["label"])
+            if key not in found:
+                found[key] = {"prompt": row["prompt"], "completion": row["completion"], "desirable": row["label"],
+                              "source": f"feedback:{export.version}"}
+                taken[export.version] += 1
+    contradictory = [k for k, seen in labels.items() if len(seen) > 1]
+    for key in contradictory:
+        version = found.pop(key)["source"].removeprefix("feedback:")
+        taken[version] -= 1
+    return LabelledAnswers(list(found.values()), taken, len(contradictory), blank)
+
+
+def _text(value: Any) -> str:
+    """An answer's text: itself, or its messages' contents."""
+    return value if isinstance(value, str) else "".join(str(m.get("content", "")) for m in value)

@@ -392,8 +392,9 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     """The loop: the champion serves through the gateway; simulated users chat and rate through
     the `openai` client; the collect-feedback deployment exports their feedback; the nightly
     deployment trains on base data plus feedback, and the new version's lineage names the
-    feedback dataset and the version that was rated. This nightly run uses DPO with LoRA
-    adapters instead of GRPO (as a team comparing methods on its own data would): the same
+    feedback dataset and the version that was rated. This nightly run uses KTO with LoRA
+    adapters instead of GRPO (as a team comparing methods on its own data would): it learns from
+    the feedback's pairs and from its thumbs, the answers rated up or down alone; the same
     validation, gates, registry and serving take its policy, merged, and vLLM serves it."""
     from prefect.deployments import run_deployment
 
@@ -427,8 +428,8 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     before = set((cfg.output_dir).glob("*/summary.json"))
     nightly = run_deployment("rlhf-pipeline/nightly", timeout=1200, poll_interval=2,
                              parameters={"config_path": "configs/demo.yaml",
-                                         "overrides": overrides + ["feedback.use=true", "policy.algorithm=dpo",
-                                                                   "policy.dpo.max_length=16", "policy.lora.enabled=true"]})
+                                         "overrides": overrides + ["feedback.use=true", "policy.algorithm=kto",
+                                                                   "policy.kto.max_length=16", "policy.lora.enabled=true"]})
     [path] = set((cfg.output_dir).glob("*/summary.json")) - before
     second = json.loads(path.read_text())
     assert nightly.state.is_completed(), (nightly.state, second.get("error"))
@@ -441,12 +442,18 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     new_pairs = triples(export / "preferences.jsonl") - triples(base_file)
     assert second["stages"]["validate"]["rows"] == base_rows + len(new_pairs)
     assert second["stages"]["validate"]["dataset_fingerprint"] != summary["stages"]["validate"]["dataset_fingerprint"]
-    assert second["stages"]["policy"]["algorithm"] == "dpo"
+    assert second["stages"]["policy"]["algorithm"] == "kto"
+    # the thumbs: every rated answer once, none to an eval prompt, those to the pairs' held-out
+    # prompts left out of training
+    rated_answers = read_table(Path(second["output_dir"]) / "data" / "labelled-answers.jsonl")
+    assert len(rated_answers) > 0 and not set(rated_answers["prompt"]) & set(eval_prompts)
+    used = int(child_runs(client, second["mlflow_run_id"])["policy"].data.tags["kto.feedback_answers"])
+    assert 0 < used <= len(rated_answers), (used, len(rated_answers))
     version = client.get_model_version("policy", second["stages"]["register"]["version"])
-    assert version.tags["algorithm"] == "dpo"
+    assert version.tags["algorithm"] == "kto"
     assert version.tags["feedback.datasets"] == manifest["version"]
     assert version.tags["feedback.served_versions"] == rated
-    # the gates took the DPO policy (loose here, as for the first run), and it serves
+    # the gates took the KTO policy (loose here, as for the first run), and it serves
     assert second["stages"]["deploy"]["status"] == "serving", second["stages"]
     assert served(cfg, state_dir)[0] == [f"policy-v{version.version}"]
     parent = client.get_run(second["mlflow_run_id"])

@@ -34,7 +34,7 @@ def tokenizer(tmp_path_factory, make_pretrained):
 def prepare(tmp_path, rows, tokenizer, limits=Limits(), **sets):
     write_jsonl(rows, tmp_path / "in.jsonl")
     return prepare_inputs(tmp_path / "in.jsonl", sets.get("eval"), sets.get("sft"), sets.get("prompts"),
-                          tokenizer, limits, tmp_path / "out")
+                          tokenizer, limits, tmp_path / "out", sets.get("labelled"))
 
 
 def test_conversational_pairs_are_rendered_once_by_the_template(tmp_path, tokenizer):
@@ -123,3 +123,19 @@ def test_an_sft_conversation_trains_on_its_last_assistant_turn(tmp_path, tokeniz
     files = prepare(tmp_path, [pair(0)], tokenizer, sft=tmp_path / "sft.jsonl")
     [row] = read_table(files.sft).to_dict("records")
     assert row["prompt"] == render_prompt(tokenizer, sft[0]["messages"][:3]) and row["completion"] == "Blue.</s>"
+
+
+def test_rated_answers_are_rendered_as_the_pairs_are_and_keep_their_label(tmp_path, tokenizer):
+    """KTO's answers rated in the feedback: the same rendering as the pairs' answers."""
+    labelled = [{"prompt": [user("Sky 0?")], "completion": [assistant("Blue.")], "desirable": True, "source": "f"},
+                {"prompt": [user("Sky 1?")], "completion": [assistant("Red.")], "desirable": False, "source": "f"}]
+    write_jsonl(labelled, tmp_path / "labelled.jsonl")
+    files = prepare(tmp_path, [pair(0), pair(1)], tokenizer, labelled=tmp_path / "labelled.jsonl")
+    pairs = read_table(files.preferences).to_dict("records")
+    rows = read_table(files.labelled).drop(columns="_line").to_dict("records")
+    assert files.labelled == tmp_path / "out" / "labelled.jsonl"
+    assert rows[0] == {"prompt": pairs[0]["prompt"], "completion": pairs[0]["chosen"], "desirable": True, "source": "f"}
+    assert rows[1]["prompt"] == pairs[1]["prompt"] and rows[1]["completion"] == "Red.</s>" and not rows[1]["desirable"]
+    write_jsonl([{"prompt": [user("Sky?")], "desirable": True}], tmp_path / "bad.jsonl")
+    with pytest.raises(InputError, match=r"bad.jsonl.*column 'completion' is missing"):
+        prepare(tmp_path, [pair(0)], tokenizer, labelled=tmp_path / "bad.jsonl")

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from rlhf_core.config import LoRAConfig, PolicyConfig
 from rlhf_core.data.pairs import (
-    OverlengthError, collate_pairs, response_mask, split_by_prompt, tokenize_policy_pairs, unpaired_examples,
-    with_mismatched,
+    OverlengthError, collate_pairs, kto_examples, response_mask, split_by_prompt, tokenize_policy_pairs,
+    unpaired_examples, with_mismatched,
 )
 from rlhf_core.distributed.offline_trainer import Rows, offline_loss, pair_logprobs, sampled_kl, train_offline
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
@@ -94,6 +94,17 @@ def _loop_logprob(model, ids: list[int], prompt_len: int) -> float:
         logits = model(input_ids=torch.tensor([ids[:t]])).logits[0, -1].double()
         total += torch.log_softmax(logits, -1)[ids[t]].item()
     return total
+
+
+def test_kto_learns_from_the_pairs_and_the_feedbacks_rated_answers_but_not_on_held_out_prompts():
+    rows = [{"id": f"p{i}", "prompt": f"{i}+1=", "chosen": f"{i + 1:03d}", "rejected": "000"} for i in range(4)]
+    rated = [{"prompt": "7+1=", "completion": "008", "desirable": True, "source": "feedback:f"},
+             {"prompt": "9+1=", "completion": "011", "desirable": False, "source": "feedback:f"},
+             {"prompt": "0+1=", "completion": "001", "desirable": True, "source": "feedback:f"}]
+    examples = kto_examples(rows, rated, held_out_prompts={"9+1="}, desirable_share=0.5, seed=3)
+    assert examples[:4] == unpaired_examples(rows, 0.5, seed=3)
+    assert examples[4:] == [{"prompt": "7+1=", "completion": "008", "desirable": True, "id": "answer 0"},
+                            {"prompt": "0+1=", "completion": "001", "desirable": True, "id": "answer 2"}]
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from rlhf_core.feedback.mix import FeedbackMixError, mix, recent_exports
+from rlhf_core.feedback.mix import FeedbackMixError, labelled_answers, mix, recent_exports
 
 DAY = 86400.0
 
@@ -79,3 +79,56 @@ def test_feedback_in_another_format_than_the_base_is_refused_naming_the_file(tmp
                                                r"but base.jsonl is standard"):
         mix([{"prompt": "1+1=", "chosen": "02", "rejected": "03"}], recent_exports(tmp_path, None), 1.0,
             where="base.jsonl")
+
+
+def rated(root, version, created_at, answers):
+    """An export whose ratings.jsonl holds `answers` (prompt, completion, label) and no pairs."""
+    d = export(root, version, created_at, [])
+    (d / "ratings.jsonl").write_text("".join(json.dumps({"response_id": "r", "model_version": "1", "score": None, **a})
+                                             + "\n" for a in answers))
+    return d
+
+
+UP = {"prompt": "12+34=", "completion": "046", "label": True}
+DOWN = {"prompt": "12+34=", "completion": "036", "label": False}
+
+
+def test_labelled_answers_take_each_rated_answer_once_with_its_label(tmp_path):
+    rated(tmp_path, "feedback-a", 0.0, [UP, UP, DOWN])  # two users rated 046 up
+    rated(tmp_path, "feedback-b", 1.0, [UP, DOWN | {"prompt": "1+1=", "completion": "03"},
+                                        DOWN | {"completion": "  "}])  # nothing to learn from
+    got = labelled_answers(recent_exports(tmp_path, None), 1.0)
+    assert got.rows == [
+        {"prompt": "12+34=", "completion": "046", "desirable": True, "source": "feedback:feedback-a"},
+        {"prompt": "12+34=", "completion": "036", "desirable": False, "source": "feedback:feedback-a"},
+        {"prompt": "1+1=", "completion": "03", "desirable": False, "source": "feedback:feedback-b"}]
+    assert got.taken == {"feedback-a": 2, "feedback-b": 1} and got.contradictory == 0 and got.blank == 1
+    export(tmp_path / "none", "feedback-c", 0.0, [PAIR])  # an export without ratings.jsonl has none
+    assert labelled_answers(recent_exports(tmp_path / "none", None), 1.0).rows == []
+
+
+def test_an_answer_rated_up_in_one_export_and_down_in_another_is_left_out(tmp_path):
+    rated(tmp_path, "feedback-a", 0.0, [UP, DOWN])
+    rated(tmp_path, "feedback-b", 1.0, [UP | {"label": False}])
+    got = labelled_answers(recent_exports(tmp_path, None), 1.0)
+    assert [r["completion"] for r in got.rows] == ["036"] and got.contradictory == 1
+    assert got.taken == {"feedback-a": 1, "feedback-b": 0}
+
+
+def test_labelled_answers_sample_the_weight_share_and_refuse_bad_rows_by_line(tmp_path):
+    rated(tmp_path, "feedback-a", 0.0, [UP | {"completion": f"{i:04d}"} for i in range(2000)])
+    exports = recent_exports(tmp_path, None)
+    taken = labelled_answers(exports, 0.25, seed=1).taken["feedback-a"]
+    assert abs(taken - 500) < 4 * (2000 * 0.25 * 0.75) ** 0.5
+    assert labelled_answers(exports, 0.25, seed=1) == labelled_answers(exports, 0.25, seed=1)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        labelled_answers(exports, 1.5)
+    rated(tmp_path / "bad", "feedback-b", 0.0, [UP, UP | {"label": "up"}])
+    with pytest.raises(FeedbackMixError, match=r"feedback-b/ratings.jsonl line 2: 'label' is 'up', not true or false"):
+        labelled_answers(recent_exports(tmp_path / "bad", None), 1.0)
+    chat = {"prompt": [{"role": "user", "content": "12+34="}], "completion": [{"role": "assistant", "content": "046"}],
+            "label": True}
+    rated(tmp_path / "chat", "feedback-c", 0.0, [chat])
+    with pytest.raises(FeedbackMixError, match=r"feedback-c/ratings.jsonl line 1: a conversational answer, but "
+                                               r"base.jsonl is standard"):
+        labelled_answers(recent_exports(tmp_path / "chat", None), 1.0, base_format="standard", where="base.jsonl")
