@@ -335,13 +335,18 @@ def policy_memory(results: Path) -> list[str]:
     model = (f"{m['parameters_m']:.0f}M parameters ({m['layers']} layers, width {m['hidden']}, vocabulary "
              f"{m['vocab']:,})")
     first = r["variants"][0]
-    rows = [{**v, "update_s": v["phases_s"].get("timing/update")} for v in r["variants"]]
+    variants, notes = list(r["variants"]), []
+    if (bf16 := load("policy_memory_bf16", results)) is not None and bf16["model"] == m:
+        variants += [v | {"variant": v["variant"] + "*"} for v in bf16["variants"]]
+        notes = ["", "* `bench/results/policy_memory_bf16.json`, `--variants full+bf16 lora+gc+bf16`: the same model "
+                 f"and settings in bf16 mixed precision (`policy.precision: bf16`), measured on {bf16['machine']['cpu']}."]
+    rows = [{**v, "update_s": v["phases_s"].get("timing/update")} for v in variants]
     return [measured_on(r, "policy_memory") + f" Model: {model}; {first['workers']} workers, micro-batch {r['micro_batch']}, "
             f"{first['rollouts_per_step']} rollouts of {first['max_new_tokens']} tokens per step.", "",
             md_table(rows, [("variant", "actor trains", ""), ("trainer_peak_gib", "peak per trainer worker, GiB", ""),
                             ("engine_peak_gib", "peak vLLM process, GiB", ""),
                             ("seconds_per_step", "s per RL step", ""), ("update_s", "update phase, s", ""),
-                            ("weight_sync_s", "weight sync, s", "")])]
+                            ("weight_sync_s", "weight sync, s", "")]), *notes]
 
 
 def dpo_vs_grpo(results: Path) -> list[str]:
