@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -109,19 +108,9 @@ def parent_run_id(tracking_uri: str) -> str:
     return run.info.run_id
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _one(stage: str | None, root: Path, env: dict) -> dict:
     """A fresh store and run directory; killed in `stage` and resumed (None: uninterrupted)."""
-    from tests.conftest import tiny_config_dict
+    from tests.conftest import _free_ports, tiny_config_dict
 
     from rlhf_core.serving import server
 
@@ -157,6 +146,8 @@ def _one(stage: str | None, root: Path, env: dict) -> dict:
 
 
 def main() -> None:
+    from tests.conftest import _free_ports
+
     stages = sys.argv[1:] or list(STAGES)
     server = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
                                "--port", str(port := _free_ports(1)[0])], stdout=subprocess.DEVNULL,
