@@ -16,12 +16,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
-from rlhf_core.data.formats import is_conversation
 from rlhf_core.data.schema import LINE_COLUMN, fingerprint, read_table, write_jsonl
 from rlhf_core.data.sources import read_source
 from rlhf_core.data.synthetic import generate_demo_data
-from rlhf_core.data.validation import ValidationReport
-from rlhf_core.feedback.mix import labelled_answers, mix, recent_exports
+from rlhf_core.data.validation import ValidationReport, prompt_key
+from rlhf_core.feedback.mix import data_format, labelled_answers, mix, recent_exports
 from tasks.data_contract import (
     DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, prepare_files,
     write_report,
@@ -49,8 +48,7 @@ def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase 
     answers_too = bool(exports) and cfg.policy.algorithm == "kto"
     if cfg.data.preferences_path is not None:
         d = cfg.data
-        preferences = _with_feedback(d.preferences_path, exports, cfg, out_dir / "data" / "raw")
-        labelled = _feedback_answers(d.preferences_path, exports, cfg, out_dir / "data" / "raw") if answers_too else None
+        preferences, labelled = _with_feedback(d.preferences_path, exports, cfg, out_dir / "data" / "raw", answers_too)
         paths = prepare_files(cfg, preferences, d.eval_path, d.sft_path, d.prompts_path, out_dir / "data",
                               pretrained.policy if pretrained is not None else None, labelled)
         for note in paths.notes:
@@ -58,8 +56,7 @@ def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase 
     else:
         files = generate_demo_data(cfg.data.demo, out_dir / "data")
         logger.info("generated demo data under %s", files.preferences.parent)
-        preferences = _with_feedback(files.preferences, exports, cfg, out_dir / "data")
-        labelled = _feedback_answers(files.preferences, exports, cfg, out_dir / "data") if answers_too else None
+        preferences, labelled = _with_feedback(files.preferences, exports, cfg, out_dir / "data", answers_too)
         paths = DataPaths(Path(preferences), files.eval, files.sft, generated=True, labelled=labelled)
     if not exports:
         return paths
@@ -69,43 +66,36 @@ def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase 
     return replace(paths, feedback=tuple(e.version for e in exports), feedback_served_versions=tuple(served))
 
 
-def _with_feedback(preferences: str | Path, exports, cfg: PipelineConfig, out_dir: Path) -> str | Path:
-    """`preferences` itself without feedback datasets; else a JSONL of its rows followed by the
-    feedback pairs (`rlhf_core.feedback.mix`), in `out_dir`."""
+def _with_feedback(preferences: str | Path, exports, cfg: PipelineConfig, out_dir: Path,
+                   answers_too: bool) -> tuple[str | Path, Path | None]:
+    """-> (the preference data, the rated answers). Without feedback datasets: `preferences`
+    itself and no answers. Else, in `out_dir`: a JSONL of its rows followed by the feedback pairs
+    (`rlhf_core.feedback.mix`), and with `answers_too` a JSONL of the thumbs
+    (`rlhf_core.feedback.mix.labelled_answers`) in the base data's format."""
     if not exports:
-        return preferences
-    base = read_source(preferences).drop(columns=[LINE_COLUMN], errors="ignore")
-    mixed = mix(base.to_dict("records"), exports, cfg.feedback.weight, seed=cfg.data.demo.seed,
-                where=str(preferences))
-    get_run_logger().info("training on %d base pairs and %s feedback pairs (%d feedback pairs left out: "
-                          "already in the data)", len(base), mixed.taken, mixed.already_present)
-    return write_jsonl(mixed.rows, out_dir / "preferences-with-feedback.jsonl")
-
-
-def _feedback_answers(base_preferences: str | Path, exports, cfg: PipelineConfig, out_dir: Path) -> Path:
-    """A JSONL of the thumbs in the feedback datasets (`rlhf_core.feedback.mix.labelled_answers`),
-    in the base preference data's format, in `out_dir`."""
-    base = read_source(base_preferences)
-    base_format = None
-    if not base.empty and "prompt" in base.columns:  # an implicit prompt has no column to compare
-        base_format = "conversational" if is_conversation(base.iloc[0]["prompt"]) else "standard"
-    answers = labelled_answers(exports, cfg.feedback.weight, seed=cfg.data.demo.seed, base_format=base_format,
-                               where=str(base_preferences))
-    get_run_logger().info("KTO: %s answers rated up or down taken from the feedback (left out: %d rated both "
-                          "ways, %d blank)", answers.taken, answers.contradictory, answers.blank)
-    return write_jsonl(answers.rows, out_dir / "labelled-answers.jsonl")
+        return preferences, None
+    logger = get_run_logger()
+    base = read_source(preferences).drop(columns=[LINE_COLUMN], errors="ignore").to_dict("records")
+    mixed = mix(base, exports, cfg.feedback.weight, seed=cfg.data.demo.seed, where=str(preferences))
+    logger.info("training on %d base pairs and %s feedback pairs (%d feedback pairs left out: already in the "
+                "data)", len(base), mixed.taken, mixed.already_present)
+    mixed_path = write_jsonl(mixed.rows, out_dir / "preferences-with-feedback.jsonl")
+    if not answers_too:
+        return mixed_path, None
+    answers = labelled_answers(exports, cfg.feedback.weight, seed=cfg.data.demo.seed, base_format=data_format(base),
+                               where=str(preferences))
+    logger.info("KTO: %s answers rated up or down taken from the feedback (left out: %d rated both ways, %d "
+                "blank)", answers.taken, answers.contradictory, answers.blank)
+    return mixed_path, write_jsonl(answers.rows, out_dir / "labelled-answers.jsonl")
 
 
 def _leave_out_eval_prompts(labelled: Path, eval_path: Path) -> None:
     """Rewrite `labelled` without the answers to eval prompts (compared with runs of whitespace
     collapsed, as the data contract's leakage check does): a user asking an eval question must
     not put its answer into training."""
-    def key(prompt: str) -> str:
-        return " ".join(prompt.split())
-
-    evals = {key(p) for p in read_table(eval_path)["prompt"]}
+    evals = {prompt_key(p) for p in read_table(eval_path)["prompt"]} - {None}
     rows = read_table(labelled).to_dict("records")
-    kept = [r for r in rows if key(r["prompt"]) not in evals]
+    kept = [r for r in rows if prompt_key(r["prompt"]) not in evals]
     if len(kept) < len(rows):
         get_run_logger().warning("%d rated answers left out of %s: their prompts are eval prompts",
                                  len(rows) - len(kept), labelled)

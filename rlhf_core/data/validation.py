@@ -375,8 +375,14 @@ def _prepare(df: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame:
         if col in frame and frame[col].dtype == object:
             frame[col] = frame[col].map(replace_surrogates)
     if "prompt" in frame:
-        frame[_PROMPT_KEY] = frame["prompt"].map(lambda p: " ".join(p.split()) if isinstance(p, str) else None)
+        frame[_PROMPT_KEY] = frame["prompt"].map(prompt_key)
     return frame
+
+
+def prompt_key(prompt: Any) -> str | None:
+    """A text prompt with its runs of whitespace collapsed, as the leakage check compares
+    prompts; None for anything else."""
+    return " ".join(prompt.split()) if isinstance(prompt, str) else None
 
 
 def _sample_row(frame: pd.DataFrame, index: int, columns: tuple[str, ...]) -> dict[str, Any]:

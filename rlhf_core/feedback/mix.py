@@ -59,6 +59,12 @@ def _format(value: Any) -> str:
     return "conversational" if is_conversation(value) else "standard"
 
 
+def data_format(rows: Sequence[Mapping]) -> str | None:
+    """"conversational" or "standard", as the first row's prompt is written; None when there is
+    no row or no prompt column (an implicit prompt) to tell."""
+    return _format(rows[0]["prompt"]) if rows and "prompt" in rows[0] else None
+
+
 def _key(row: Mapping) -> str:
     return json.dumps([row[k] for k in PAIR_COLUMNS], sort_keys=True)
 
@@ -80,7 +86,7 @@ def mix(base: Sequence[Mapping], exports: Sequence[FeedbackExportInfo], weight: 
     if not 0 <= weight <= 1:
         raise ValueError(f"feedback weight {weight}: a share of the feedback pairs, between 0 and 1")
     rows = [dict(r) for r in base]
-    base_format = _format(rows[0]["prompt"]) if rows and "prompt" in rows[0] else None
+    base_format = data_format(rows)
     with_id, with_source = bool(rows) and "id" in rows[0], bool(rows) and "source" in rows[0]
     seen = {_key(r) for r in rows if all(k in r for k in PAIR_COLUMNS)}
     rng = random.Random(seed)
