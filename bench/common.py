@@ -59,6 +59,29 @@ def demo_policy_inputs(run_dir: Path) -> tuple[list[str], list[str], list[str]]:
     return prompts, list(evals["prompt"]), list(evals["answer"])
 
 
+def gates_vs_reference(cfg, policy_dir: Path, sft_dir: Path, reward_dir: Path, prompts: list[str],
+                       answers: list[str], seed: int):
+    """The pipeline's promotion gates on the candidate against its SFT policy (a fresh machine
+    has no champion), as the evaluate stage computes them: under the reward model and the
+    audit (the policy's, kept current by preference rounds, else the reward stage's), on
+    intervals at `cfg.gates.confidence`. -> (the decision, the candidate's figures)."""
+    from rlhf_core.eval.evaluate import Policy, evaluate, scorers_for  # noqa: PLC0415
+    from rlhf_core.eval.gates import gate  # noqa: PLC0415
+    from rlhf_core.models.llama import load_policy  # noqa: PLC0415
+    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    scorer, audit = scorers_for(reward_dir, cfg.reward.max_length, policy_dir)
+    n = min(cfg.gates.eval_prompts, len(prompts))
+    result = evaluate(
+        Policy("candidate", load_policy(policy_dir), load_tokenizer(policy_dir)),
+        Policy("reference", load_policy(sft_dir), load_tokenizer(sft_dir)), None,
+        scorer, prompts[:n], answers[:n], max_new_tokens=cfg.policy.max_new_tokens,
+        temperature=cfg.policy.temperature, seed=seed, audit=audit, confidence=cfg.gates.confidence,
+        bootstrap_samples=cfg.gates.bootstrap_samples,
+    )
+    return gate(result.candidate.figures, result.reference.figures, None, cfg.gates), result.candidate.figures
+
+
 def timed(fn, repeats: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         fn()

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import REPO, RESULTS, save, table  # noqa: E402
+from bench.common import REPO, RESULTS, gates_vs_reference, save, table  # noqa: E402
 from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
 from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import DemoFiles, generate_demo_data, has_carry  # noqa: E402
@@ -81,7 +81,7 @@ def plateau_step(history: list[tuple[int, float]], threshold: float, window: int
 def run_seed(cfg: PipelineConfig, files: DemoFiles, seed: int, threads: int, work: Path, sft_only: bool) -> dict:
     from rlhf_core.data.pairs import split_by_prompt  # noqa: PLC0415
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
-    from rlhf_core.distributed.reward_trainer import train_reward_model  # noqa: PLC0415
+    from rlhf_core.distributed.reward_trainer import train_reward_models  # noqa: PLC0415
 
     torch.set_num_threads(threads)
     sft_cfg = cfg.sft.model_copy(update={"seed": seed, "min_eval_accuracy": 0.0})
@@ -109,43 +109,26 @@ def run_seed(cfg: PipelineConfig, files: DemoFiles, seed: int, threads: int, wor
     if not sft_only:
         train, held_out = split_by_prompt(pairs, reward_cfg.eval_share, reward_cfg.seed)
         t0 = time.perf_counter()
-        reward = train_reward_model(train, held_out, base.path, reward_cfg, work / "reward", work / "ray",
-                                    run_name=f"reward-{seed}-{threads}")
-        row.update(reward_accuracy=reward.eval_accuracy, reward_s=time.perf_counter() - t0)
+        reward = train_reward_models(train, held_out, base.path, reward_cfg, work / "reward", work / "ray",
+                                     run_name=f"reward-{seed}-{threads}")
+        row.update(reward_accuracy=reward.proxy.eval_accuracy, reward_s=time.perf_counter() - t0,
+                   audit_accuracy=reward.audit.eval_accuracy if reward.audit else None)
         prompts = list(dict.fromkeys([r["prompt"] for r in sft_rows] + [p["prompt"] for p in pairs]))
         t0 = time.perf_counter()
-        policy = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), base.path, reward.path,
-                              policy_cfg, work / "policy", work / "ray", run_name=f"policy-{seed}-{threads}")
+        policy = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), base.path, reward.proxy.path,
+                              policy_cfg, work / "policy", work / "ray", run_name=f"policy-{seed}-{threads}",
+                              replay_pairs=pairs)
         row.update(final_accuracy=policy.accuracy_after, gain=policy.accuracy_gain, kl_max=policy.kl_max,
-                   policy_s=time.perf_counter() - t0)
-        decision = gates_vs_reference(cfg, policy.path, base.path, reward.path, list(evals["prompt"]),
-                                      list(evals["answer"]), seed)
-        row.update(gate_passed=decision.passed, gate_reasons="; ".join(decision.reasons) or None)
+                   policy_s=time.perf_counter() - t0, labels=reward.proxy_pairs + reward.audit_pairs
+                   + policy.labels_asked)
+        decision, _ = gates_vs_reference(cfg, policy.path, base.path, reward.proxy.path, list(evals["prompt"]),
+                                         list(evals["answer"]), seed)
+        row.update(gate_passed=decision.passed, gate_status=decision.status,
+                   gate_reasons="; ".join(decision.reasons or decision.undecided) or None)
     row["wall_s"] = row["sft_s"] + row.get("reward_s", 0.0) + row.get("policy_s", 0.0)
     row["failure"] = failure(row, cfg, sft_only)
     row["success"] = row["failure"] is None
     return row
-
-
-def gates_vs_reference(cfg: PipelineConfig, policy_dir: Path, sft_dir: Path, reward_dir: Path,
-                       prompts: list[str], answers: list[str], seed: int):
-    """The pipeline's promotion gates on the candidate against its SFT policy (a fresh
-    machine has no champion), as the evaluate stage computes them."""
-    from rlhf_core.eval.evaluate import Policy, Scorer, evaluate  # noqa: PLC0415
-    from rlhf_core.eval.gates import gate  # noqa: PLC0415
-    from rlhf_core.models.llama import load_policy  # noqa: PLC0415
-    from rlhf_core.models.reward import load_reward_model  # noqa: PLC0415
-    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
-
-    rm, rm_tokenizer, stats = load_reward_model(reward_dir)
-    n = min(cfg.gates.eval_prompts, len(prompts))
-    result = evaluate(
-        Policy("candidate", load_policy(policy_dir), load_tokenizer(policy_dir)),
-        Policy("reference", load_policy(sft_dir), load_tokenizer(sft_dir)), None,
-        Scorer(rm, rm_tokenizer, stats, cfg.reward.max_length), prompts[:n], answers[:n],
-        max_new_tokens=cfg.policy.max_new_tokens, temperature=cfg.policy.temperature, seed=seed,
-    )
-    return gate(result.candidate.figures, result.reference.figures, None, cfg.gates)
 
 
 def failure(row: dict, cfg: PipelineConfig, sft_only: bool) -> str | None:
@@ -194,7 +177,7 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     rows: list[dict] = [merged(row, cfg) for path in args.merge for row in json.loads(path.read_text())["rows"]]
     columns = ["seed", "threads", "stages", "sft_steps", "sft_plateau_step", "sft_plateau_share", "base_accuracy",
-               "reward_accuracy", "final_accuracy", "gain", "sft_s", "wall_s", "success", "failure"]
+               "reward_accuracy", "final_accuracy", "gain", "labels", "sft_s", "wall_s", "success", "failure"]
     with tempfile.TemporaryDirectory(prefix="seed-spread-") as tmp:
         files = generate_demo_data(cfg.data.demo, Path(tmp) / "data")
         only_sft = args.sft_only or set(args.threads) <= set(args.sft_only_threads) or not args.seeds
