@@ -31,13 +31,17 @@ def tiny_config_dict(tmp: Path) -> dict:
         "model": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2,
                   "initializer_range": 0.02},
         "sft": {"epochs": 1, "batch_size": 32, "warmup_steps": 2, "min_eval_accuracy": 0.0},
+        # one reward model, no audit, no defences, no rounds, the answer key in the reward: the
+        # tests that want them set them
         "reward": {"num_workers": 2, "micro_batch_size": 16, "epochs": 1, "checkpoint_every": 4,
-                   "min_eval_accuracy": 0.0, "warmup_steps": 2},
+                   "min_eval_accuracy": 0.0, "warmup_steps": 2, "ensemble_size": 1, "audit_share": 0.0},
         "policy": {"algorithm": "grpo", "num_workers": 1, "precision": "fp32", "steps": 2, "prompts_per_step": 8,
                    "max_new_tokens": 4,
                    "minibatch_size": 32, "micro_batch_size": 32, "eval_every": 2, "checkpoint_every": 2,
-                   "min_accuracy_gain": 0.0,
-                   "grpo": {"group_size": 4}},
+                   "min_accuracy_gain": 0.0, "reward_model_weight": 0.25, "verifiable_reward_weight": 1.0,
+                   "kl_coef": 0.02, "shaping": {"aggregate": "mean", "bounded": False, "length_penalty": 0.0},
+                   "rounds": {"enabled": False, "every": 10, "prompts": 64, "learning_rate": 1e-4},
+                   "grpo": {"group_size": 4, "scale_by_std": True}},
         "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests"},
     }
 
