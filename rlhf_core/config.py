@@ -106,9 +106,10 @@ class GateConfig(_Strict):
     min_audit_win_rate_vs_reference: float = Field(0.5, ge=0, le=1, description=(
         'Least win rate against the reference under the audit reward model (reward.audit_share), which '
         'the policy never trained against; skipped without an audit model.'))
-    max_proxy_audit_gap: float | None = Field(None, gt=0, le=1, description=(
+    max_proxy_audit_gap: float | None = Field(0.08, gt=0, le=1, description=(
         "Largest amount by which the candidate's win rate against the reference under the reward model it "
-        "trained on may exceed its win rate under the audit model; null: not checked."))
+        "trained on may exceed its win rate under the audit model; skipped without an audit model; null: not "
+        "checked."))
     win_rate_margin_vs_champion: float = Field(0.05, ge=0, le=1, description=(
         "With intervals: a candidate is rejected against the champion only when its win rate's interval lies "
         "below min_win_rate_vs_champion by more than this; in between it is undecided (not promoted)."))

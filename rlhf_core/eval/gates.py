@@ -15,7 +15,7 @@ The checks, in the order they are reported:
                             policy never trained against) >= min_audit_win_rate_vs_reference:
                             a candidate that wins only on the proxy it was trained on is hacking it
     proxy_audit_gap         win rate vs the reference under the proxy minus the audit's
-                            <= max_proxy_audit_gap (off unless set): a candidate the audit
+                            <= max_proxy_audit_gap (null: off): a candidate the audit
                             prefers much less than the proxy does wins on the proxy only
     kl_to_reference         KL to the reference <= max_kl
     length_ratio            mean length / reference mean length <= max_length_ratio
