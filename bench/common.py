@@ -59,6 +59,21 @@ def demo_policy_inputs(run_dir: Path) -> tuple[list[str], list[str], list[str]]:
     return prompts, list(evals["prompt"]), list(evals["answer"])
 
 
+def defences_off(cfg, answer_key: bool = False):
+    """`cfg` with every over-optimisation defence off, whatever it sets: one reward model and no
+    audit, the default KL coefficient, no reward shaping, no preference rounds, GRPO's
+    advantages divided by the group's std. With `answer_key`, the reward is the task's
+    exact-match reward plus 0.25 x the reward model's score (the mix the DPO comparison ran)."""
+    from rlhf_core.config import RewardShapingConfig, RoundsConfig  # noqa: PLC0415
+
+    reward = cfg.reward.model_copy(update={"ensemble_size": 1, "audit_share": 0.0})
+    policy = cfg.policy.model_copy(update={
+        "kl_coef": 0.02, "shaping": RewardShapingConfig(), "rounds": RoundsConfig(),
+        "grpo": cfg.policy.grpo.model_copy(update={"scale_by_std": True}),
+        **({"reward_model_weight": 0.25, "verifiable_reward_weight": 1.0} if answer_key else {})})
+    return cfg.model_copy(update={"reward": reward, "policy": policy})
+
+
 def gates_vs_reference(cfg, policy_dir: Path, sft_dir: Path, reward_dir: Path, prompts: list[str],
                        answers: list[str], seed: int):
     """The pipeline's promotion gates on the candidate against its SFT policy (a fresh machine

@@ -3,8 +3,9 @@ what it costs in wall time.
 
 One invocation trains the demo's SFT policy once (or takes `--sft-dir`), then for each seed:
 
-    grpo   the demo's policy stage as shipped (GRPO, the verifiable reward plus the reward
-           model), which needs the reward model first: its training time is counted
+    grpo   GRPO on the task's verifiable reward plus 0.25 x the reward model's score, the
+           over-optimisation defences off (`bench.common.defences_off`); it needs the reward
+           model first: its training time is counted
     grpo-lora  the same with LoRA adapters (the config's policy.lora settings, enabled) at
            --lora-learning-rate: the rollout engine follows the merged weights
     dpo    policy.algorithm dpo with the config's policy.dpo settings, on the pairs the reward
@@ -36,7 +37,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, RESULTS, machine, save, table  # noqa: E402
+from bench.common import REPO, RESULTS, defences_off, machine, save, table  # noqa: E402
 from bench.report import method_rows  # noqa: E402
 from bench.reward_hacking import sft_policy  # noqa: E402
 from rlhf_core.config import PipelineConfig, PolicyConfig, load_config  # noqa: E402
@@ -51,6 +52,7 @@ ONLINE = ("grpo", "grpo-lora")  # need the reward model and rollouts
 
 def method_config(cfg: PipelineConfig, method: str, seed: int, dpo_overrides: dict,
                   lora_learning_rate: float | None = None) -> PipelineConfig:
+    cfg = defences_off(cfg, answer_key=method in ONLINE)
     if method == "grpo":
         policy = cfg.policy.model_copy(update={"seed": seed, "min_accuracy_gain": -1.0})
     elif method == "grpo-lora":

@@ -15,8 +15,8 @@ once, or `--sft-dir`):
     defences+rounds-std     both, with GRPO's advantages divided by the group's std
     baseline+audit-rounds   defences off; the rounds' labels train the audit model only
 
-for each algorithm (GRPO, PPO) and seed; every variant starts from the defences off, whatever
-the config sets. Every variant trains an audit reward model on a disjoint 30% of the pairs;
+for each algorithm (GRPO, PPO) and seed; every variant starts from the defences off
+(`bench.common.defences_off`), whatever the config sets. Every variant trains an audit reward model on a disjoint 30% of the pairs;
 the audit is measured on every step, never trained against, and judged by the gates (with
 `max_proxy_audit_gap` at MAX_PROXY_AUDIT_GAP). Per row: held-out accuracy before and after,
 the proxy (the ensemble's mean score) and audit scores of the greedy answers before and
@@ -39,8 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, RESULTS, gates_vs_reference, machine, mean_sd, save, table  # noqa: E402
-from rlhf_core.config import PipelineConfig, RewardShapingConfig, RoundsConfig, load_config  # noqa: E402
+from bench.common import REPO, RESULTS, defences_off, gates_vs_reference, machine, mean_sd, save, table  # noqa: E402
+from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
 from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
 
@@ -49,10 +49,6 @@ AUDIT_SHARE = 0.3
 MAX_PROXY_AUDIT_GAP = 0.08
 # Ray Train resumes a run name it finds in its storage: names are this invocation's own
 INVOCATION = uuid.uuid4().hex[:6]
-# Every defence off: the variants start here whatever the config sets
-OFF = {"reward": {"ensemble_size": 1},
-       "policy": {"kl_coef": 0.02, "shaping": RewardShapingConfig(), "rounds": RoundsConfig(),
-                  "grpo": {"scale_by_std": True}}}
 # Dr. GRPO: dividing by the group's std would blow the bounded reward's small differences back
 # up to unit-scale advantages, undoing the bound (PPO whitens over the whole batch instead)
 DEFENCES = {"kl_coef": 0.1, "shaping": {"aggregate": "mean_minus_std", "std_coef": 1.0, "bounded": True,
@@ -77,10 +73,9 @@ PPO = {"prompts_per_step": 256}  # one sample per prompt: as many rollouts per s
 def variant_config(cfg: PipelineConfig, variant: str, algorithm: str, seed: int) -> PipelineConfig:
     """The demo config on the reward model alone, with the variant's reward and policy settings."""
     spec = VARIANTS[variant]
-    reward = cfg.reward.model_copy(update={"audit_share": AUDIT_SHARE, "min_eval_accuracy": 0.0, **OFF["reward"],
-                                           **spec["reward"]})
-    policy = cfg.policy.model_copy(update=_settings(cfg.policy, OFF["policy"]))
-    policy = policy.model_copy(update=_settings(policy, spec["policy"]))
+    cfg = defences_off(cfg)  # the variants start from here, whatever the config sets
+    reward = cfg.reward.model_copy(update={"audit_share": AUDIT_SHARE, "min_eval_accuracy": 0.0, **spec["reward"]})
+    policy = cfg.policy.model_copy(update=_settings(cfg.policy, spec["policy"]))
     policy = policy.model_copy(update={
         "algorithm": algorithm, "seed": seed, "min_accuracy_gain": -1.0, "reward_model_weight": 1.0,
         "verifiable_reward_weight": 0.0, **(PPO if algorithm == "ppo" else {})})
