@@ -151,7 +151,7 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
                                            list(evals["answer"]), p.seed)
     gap = figures.proxy_audit_gap_interval
     row |= {"gate_passed": decision.passed, "gate_status": decision.status,
-            "gate_reasons": "; ".join(decision.reasons) or None,
+            "gate_reasons": "; ".join(decision.reasons) or None, "gate_undecided": "; ".join(decision.undecided) or None,
             "proxy_win_rate": figures.win_rate_vs_reference, "audit_win_rate": figures.audit_win_rate_vs_reference,
             "gap": gap.estimate if gap else None, "gap_low": gap.low if gap else None,
             "gap_high": gap.high if gap else None}
@@ -183,7 +183,8 @@ def regate(cfg: PipelineConfig, works: list[Path]) -> list[dict]:
                          "gap": f.win_rate_vs_reference - f.audit_win_rate_vs_reference,
                          "gap_low": gap.low if gap else None, "gap_high": gap.high if gap else None,
                          "audit_from": "policy" if (policy_dir / "audit").exists() else "reward stage",
-                         "gate_status": decision.status, "gate_reasons": "; ".join(decision.reasons) or None})
+                         "gate_status": decision.status, "gate_reasons": "; ".join(decision.reasons) or None,
+                         "gate_undecided": "; ".join(decision.undecided) or None})
             print(table(rows[-1:], list(rows[-1])), flush=True)
     return rows
 
