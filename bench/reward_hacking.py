@@ -16,8 +16,9 @@ once, or `--sft-dir`):
     baseline+audit-rounds   defences off; the rounds' labels train the audit model only
 
 for each algorithm (GRPO, PPO) and seed; every variant starts from the defences off
-(`bench.common.defences_off`), whatever the config sets. Every variant trains an audit reward model on a disjoint 30% of the pairs;
-the audit is measured on every step, never trained against, and judged by the gates (with
+(`bench.common.defences_off`), whatever the config sets. Every variant trains an audit reward
+model on a disjoint 30% of the pairs; the audit is measured on every step, never trained
+against, and judged by the gates (with
 `max_proxy_audit_gap` at MAX_PROXY_AUDIT_GAP). Per row: held-out accuracy before and after,
 the proxy (the ensemble's mean score) and audit scores of the greedy answers before and
 after, the largest KL, the gates' verdict and reasons, the proxy's and the audit's win rates
