@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import save, table  # noqa: E402
 from rlhf_core.config import ServingConfig  # noqa: E402
 from rlhf_core.serving.server import deploy, stop  # noqa: E402
-from tests.conftest import _free_ports  # noqa: E402
-from tests.rlhf_core.serving.gateway_process import running_gateway  # noqa: E402
-from tests.rlhf_core.serving.models import tiny_policy_dir  # noqa: E402
+from rlhf_core.testing.ports import free_ports  # noqa: E402
+from rlhf_core.testing.gateway_process import running_gateway  # noqa: E402
+from rlhf_core.testing.models import tiny_policy_dir  # noqa: E402
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -118,12 +118,12 @@ def main() -> None:
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    cfg = ServingConfig(ports=tuple(_free_ports(2)), api_key_env="RLHF_BENCH_GATEWAY_KEY_UNSET",
+    cfg = ServingConfig(ports=tuple(free_ports(2)), api_key_env="RLHF_BENCH_GATEWAY_KEY_UNSET",
                         smoke_prompt="12+34=", kv_cache_gib=0.25)
     state_dir = tmp / "serving"
     endpoint = deploy(tiny_policy_dir(tmp / "policy"), "1", cfg, state_dir).endpoint
     key = (state_dir / "api_key").read_text().strip()
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     sets = [f"output_dir={tmp}", f"serving.state_dir={state_dir}", f"serving.api_key_env={cfg.api_key_env}",
             f"feedback.port={port}", "feedback.ratings_per_minute=1000000"]
     try:

@@ -42,7 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import save, table  # noqa: E402
-from bench.scaling import JsonlSink  # noqa: E402
+from rlhf_core.testing.sinks import JsonlSink  # noqa: E402
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

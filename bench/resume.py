@@ -110,12 +110,13 @@ def parent_run_id(tracking_uri: str) -> str:
 
 def _one(stage: str | None, root: Path, env: dict) -> dict:
     """A fresh store and run directory; killed in `stage` and resumed (None: uninterrupted)."""
-    from tests.conftest import _free_ports, tiny_config_dict
+    from rlhf_core.testing.configs import tiny_config_dict
+    from rlhf_core.testing.ports import free_ports
 
     from rlhf_core.serving import server
 
     root.mkdir(parents=True)
-    raw = chaos_config(tiny_config_dict(root), _free_ports(2))
+    raw = chaos_config(tiny_config_dict(root), free_ports(2))
     config = root / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     runs, state_dir = root / "runs", root / "runs" / "serving"
@@ -146,11 +147,11 @@ def _one(stage: str | None, root: Path, env: dict) -> dict:
 
 
 def main() -> None:
-    from tests.conftest import _free_ports
+    from rlhf_core.testing.ports import free_ports
 
     stages = sys.argv[1:] or list(STAGES)
     server = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port := _free_ports(1)[0])], stdout=subprocess.DEVNULL,
+                               "--port", str(port := free_ports(1)[0])], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "CI": "1"}
     try:

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from bench.common import RESULTS, SIZES, save, table  # noqa: E402
 from bench.rollout_generation import demo_tokenizer  # noqa: E402
-from bench.scaling import JsonlSink  # noqa: E402
+from rlhf_core.testing.sinks import JsonlSink  # noqa: E402
 from rlhf_core.config import ModelConfig, PolicyConfig  # noqa: E402
 from rlhf_core.data.synthetic import answer_for, prompt_for  # noqa: E402
 from rlhf_core.models.llama import build_policy, num_parameters, save_pretrained_atomic  # noqa: E402

@@ -25,17 +25,7 @@ from rlhf_core.data.pairs import split_by_prompt  # noqa: E402
 from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import generate_demo_data  # noqa: E402
 from rlhf_core.models.llama import build_policy, save_pretrained_atomic  # noqa: E402
-
-
-class JsonlSink:
-    """Picklable metrics callback: rank 0 appends each step's metrics to a file."""
-
-    def __init__(self, path: Path):
-        self.path = str(path)
-
-    def __call__(self, step: int, metrics: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}) + "\n")
+from rlhf_core.testing.sinks import JsonlSink  # noqa: E402
 
 
 def main() -> None:

@@ -2,48 +2,20 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 from pathlib import Path
 
 import pytest
 import yaml
 
 from flows.cli import quiet_telemetry  # noqa: E402
+from rlhf_core.testing.configs import tiny_config_dict
+from rlhf_core.testing.ports import free_ports as free_ports_
 
 quiet_telemetry()
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def tiny_config_dict(tmp: Path) -> dict:
-    """A pipeline config small enough to run every stage in seconds (accuracy is not the point).
-
-    It sets every key that configs/demo.yaml sets (the bars off), so that the demo config with
-    these values as overrides is this config: the deployment tests run it that way."""
-    return {
-        "name": "test",
-        "output_dir": str(tmp / "runs"),
-        "data": {"demo": {"seed": 0, "n_sft": 240, "n_pairs": 200, "n_eval": 24}},
-        # head size 32: the smallest that vLLM's CPU attention supports
-        "model": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2,
-                  "initializer_range": 0.02},
-        "sft": {"epochs": 1, "batch_size": 32, "warmup_steps": 2, "min_eval_accuracy": 0.0},
-        # one reward model, no audit, no defences, no rounds, the answer key in the reward: the
-        # tests that want them set them
-        "reward": {"num_workers": 2, "micro_batch_size": 16, "epochs": 1, "checkpoint_every": 4,
-                   "min_eval_accuracy": 0.0, "warmup_steps": 2, "ensemble_size": 1, "audit_share": 0.0},
-        "policy": {"algorithm": "grpo", "num_workers": 1, "precision": "fp32", "steps": 2, "prompts_per_step": 8,
-                   "max_new_tokens": 4,
-                   "minibatch_size": 32, "micro_batch_size": 32, "eval_every": 2, "checkpoint_every": 2,
-                   "min_accuracy_gain": 0.0, "reward_model_weight": 0.25, "verifiable_reward_weight": 1.0,
-                   "kl_coef": 0.02, "shaping": {"aggregate": "mean", "bounded": False, "length_penalty": 0.0},
-                   "rounds": {"enabled": False, "every": 10, "prompts": 64, "learning_rate": 1e-4},
-                   "grpo": {"group_size": 4, "scale_by_std": True}},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests"},
-    }
 
 
 @pytest.fixture(scope="session")
@@ -59,39 +31,10 @@ def tiny_config(tmp_path) -> Path:
     return path
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The ports the kernel hands out to `bind(port 0)` and outgoing connections."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports that were free a moment ago, below the kernel's ephemeral
-    range. A port from `bind(port 0)` comes from that range, so any process of the run (a Ray
-    worker, a vLLM engine, a client's connection) may be handed the same port by the kernel
-    before the test's server binds it; a port below the range only goes to who asks for it."""
-    low = min(_ephemeral_range()[0], 32768)
-    candidates = random.Random().sample(range(20000, low), min(400, low - 20000))
-    ports: list[int] = []
-    for port in candidates:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise RuntimeError(f"no {n} free loopback ports between 20000 and {low}")
-
-
 @pytest.fixture(scope="session")
 def free_ports():
     """`free_ports(n)`: `n` distinct free loopback ports, for servers a test starts."""
-    return _free_ports
+    return free_ports_
 
 
 @pytest.fixture(scope="session")
@@ -168,7 +111,7 @@ def postgres_server():
         as_user = ["runuser", "-u", "postgres", "--"]
         user = pwd.getpwnam("postgres")
         os.chown(root, user.pw_uid, user.pw_gid)
-    data, port = root / "data", _free_ports(1)[0]
+    data, port = root / "data", free_ports_(1)[0]
     try:
         subprocess.run([*as_user, initdb, "-D", str(data), "-U", "rlhf", "--auth=trust", "--no-sync"],
                        check=True, capture_output=True)

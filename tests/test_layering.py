@@ -8,6 +8,8 @@
   The command line (`flows/cli.py`) also answers two commands that need no flow: `serving`
   (status and stop of the serving process) and `make-demo-data`.
 - `monitoring/` is where metrics leave the process: it never imports `flows` or `tasks`.
+- Nothing outside `tests/` imports the tests; what tests and benchmarks share is in
+  `rlhf_core.testing`.
 """
 import ast
 from pathlib import Path
@@ -85,3 +87,10 @@ def test_the_checker_sees_imports_anywhere_in_a_file(tmp_path):
     assert "rlhf_core.models.llama" in imported_modules(probe)
     assert _not_for_flows(probe, "rlhf_core.models.llama") and _not_for_flows(probe, "torch.nn")
     assert not _not_for_flows(probe, "rlhf_core.config") and not _not_for_flows(probe, "tasks.data")
+
+
+def test_benchmarks_and_the_package_never_import_the_tests():
+    """The tests may test a benchmark's code, so nothing the tests import may import them back:
+    what both need lives in `rlhf_core.testing`."""
+    for folder in ("bench", "rlhf_core", "tasks", "flows", "monitoring"):
+        assert offenders(folder, lambda p, m: m.split(".")[0] == "tests") == {}, folder

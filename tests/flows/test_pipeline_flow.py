@@ -400,7 +400,7 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
 
     from rlhf_core.feedback.simulated_users import UsersConfig, simulate
     from rlhf_core.serving import server
-    from tests.rlhf_core.serving.gateway_process import running_gateway
+    from rlhf_core.testing.gateway_process import running_gateway
 
     config, cfg, state_dir, summary = full_run
     client = MlflowClient(summary["mlflow_tracking_uri"])

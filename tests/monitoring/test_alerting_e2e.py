@@ -328,7 +328,7 @@ def test_users_unhappy_with_a_new_champion_fire_the_satisfaction_alert_and_ask_f
     the store directly, as the gateway records what vLLM serves: no model is needed to rate."""
     from rlhf_core.feedback.store import Answer, FeedbackStore, sqlite_url
     from rlhf_core.serving.state import Endpoint, append_history, write_json_atomic
-    from tests.rlhf_core.serving.gateway_process import running_gateway
+    from rlhf_core.testing.gateway_process import running_gateway
 
     def endpoint(version: str) -> Endpoint:
         return Endpoint(url="http://127.0.0.1:9", host="127.0.0.1", port=9, pid=1,

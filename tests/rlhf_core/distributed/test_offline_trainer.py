@@ -27,7 +27,7 @@ from rlhf_core.distributed.offline_trainer import Rows, offline_loss, pair_logpr
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.models.llama import load_policy
 from rlhf_core.tokenizer import load_tokenizer
-from tests.rlhf_core.distributed.sinks import JsonlSink
+from rlhf_core.testing.sinks import JsonlSink
 
 from .conftest import N_EVAL
 

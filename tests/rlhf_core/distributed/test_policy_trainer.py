@@ -23,7 +23,7 @@ from rlhf_core.distributed.policy_worker import deepspeed_config
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
 from rlhf_core.tokenizer import load_tokenizer
-from tests.rlhf_core.distributed.sinks import JsonlSink
+from rlhf_core.testing.sinks import JsonlSink
 
 from .conftest import N_EVAL
 

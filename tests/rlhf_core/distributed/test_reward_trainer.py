@@ -22,7 +22,7 @@ from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.reward_trainer import deepspeed_config, train_reward_model
 from rlhf_core.models.reward import read_reward_meta, score
-from tests.rlhf_core.distributed.sinks import JsonlSink
+from rlhf_core.testing.sinks import JsonlSink
 
 from .conftest import arithmetic_pairs
 

@@ -52,7 +52,7 @@ from rlhf_core.serving.server import (
     stop,
     stop_process_group,
 )
-from tests.rlhf_core.serving.models import POLICY, tiny_policy_dir
+from rlhf_core.testing.models import POLICY, tiny_policy_dir
 
 KEY_ENV = "RLHF_TEST_SERVING_API_KEY"  # never set by the slow tests: the key comes from the state dir
 
@@ -389,7 +389,7 @@ def v3_under_traffic(serving, killed_deploy, free_ports, tmp_path_factory):
     (which follows current.json) as fast as it answers, before, during and after the switch."""
     import threading
 
-    from tests.rlhf_core.serving.gateway_process import running_gateway
+    from rlhf_core.testing.gateway_process import running_gateway
 
     port = free_ports(1)[0]
     args = ["--set", f"output_dir={tmp_path_factory.mktemp('gateway')}", "--set", f"serving.state_dir={serving.state_dir}",

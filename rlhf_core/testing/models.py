@@ -1,4 +1,4 @@
-"""A tiny policy directory that vLLM's server loads in seconds, for the serving tests."""
+"""A tiny policy directory that vLLM's server loads in seconds, for the serving tests and benchmarks."""
 from __future__ import annotations
 
 import random

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: `python -m flows.cli` runs from it
 
 
 def start_gateway(cli_args: list[str], port: int, timeout_s: float = 60) -> subprocess.Popen:
