@@ -16,6 +16,14 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 REPO = Path(__file__).resolve().parents[1]
+SLOW_TIMEOUT_S = 600  # a slow test's limit, its module's pipeline run or cluster start included
+
+
+def pytest_collection_modifyitems(items):
+    """The slow tests get SLOW_TIMEOUT_S; the others keep the suite's default (pyproject.toml)."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +112,8 @@ def postgres_server():
 
     initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
     if initdb is None or pg_ctl is None:
-        pytest.skip("PostgreSQL's initdb and pg_ctl are not installed (Debian: apt-get install postgresql)")
+        pytest.fail("PostgreSQL's initdb and pg_ctl are not installed: run `make test-tools` "
+                    "(Debian: apt-get install postgresql)")
     as_user: list[str] = []
     root = Path(tempfile.mkdtemp(prefix="rlhf-pg-"))
     if os.geteuid() == 0:

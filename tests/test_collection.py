@@ -14,6 +14,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 DEFINITION = re.compile(r"def (test_\w+)\s*\(")  # no \b before def: it may follow a comment's last word
@@ -44,6 +46,7 @@ def collected() -> dict[str, set[str]]:
     return found
 
 
+@pytest.mark.slow  # a pytest in a subprocess: `make test` runs it, `make test-fast` does not
 def test_every_test_function_in_the_tree_is_collected():
     got = collected()
     missing = {path: sorted(names - got.get(path, set())) for path, names in written().items()}
