@@ -8,9 +8,10 @@
     rlhf make-demo-data OUT_DIR [--config PATH]           write the demo task's data
     rlhf evaluate [VERSION|ALIAS]                         re-run the gates on a registered policy
     rlhf promote VERSION [--by NAME] [--reason TEXT]      make a policy version the champion
+                 [--force]                                past a gate rejection or a rollback (with --reason)
     rlhf deploy                                           serve the champion (blue/green)
     rlhf rollback --incident ID --reason TEXT [--to V]    move the champion back and serve it
-    rlhf serving [status|stop]                            what serves now; stop it
+    rlhf serving [status|stop|ensure]                     what serves now; stop it; serve something
     rlhf gateway                                          the feedback gateway in front of what serves
     rlhf collect-feedback                                 export new feedback as a preference dataset
 
@@ -22,7 +23,9 @@ summary and log paths, the exit code; errors and tracebacks go to the log file
 Exit codes: 0 success, 1 the run failed (summary.json says why), 2 bad usage or config,
 3 the gates rejected the candidate or could not tell it from a bar (undecided): nothing was
 registered or deployed. `rlhf serving status`: 0 the registry's champion serves, healthy;
-1 nothing healthy serves; 4 a healthy server that is not the champion (it says how to fix it).
+1 nothing healthy serves; 4 a healthy server that is not the champion (it says how to fix it);
+it also says when a deploy is under way. `rlhf serving ensure`: goes on if a server answers,
+else deploys the champion, else runs the demo when there is no champion; it exits as what it ran.
 """
 from __future__ import annotations
 
@@ -31,63 +34,17 @@ import json
 import logging
 import os
 import sys
-import threading
-from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import ConfigError, load_config
 from flows.console import (
-    log_file_path, print_error, print_failure, print_summary, print_validated, route_logs, unroute_logs,
+    log_file_path, print_deployment, print_error, print_failure, print_summary, print_validated, route_logs,
+    unroute_logs,
 )
+from flows.prefect_setup import quiet_telemetry, start_prefect_server_early
 from rlhf_core.default_config import DEFAULT_CONFIG
-
-
-def quiet_telemetry() -> None:
-    """No usage reporting from Prefect, MLflow or Ray: runs are often offline, and a
-    failed phone-home only adds errors to the logs. Explicit settings win."""
-    for key, value in {
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "DO_NOT_TRACK": "1",
-    }.items():
-        os.environ.setdefault(key, value)
-
-
-def start_prefect_server_early() -> Callable[[], None]:
-    """Start Prefect's temporary API server now; return a function that waits for it to be up.
-
-    With no `PREFECT_API_URL`, Prefect starts a temporary server (a uvicorn process) the
-    first time a flow talks to its API. That comes after this process has imported the
-    pipeline's libraries (about 14 s on one core), and the server then takes 5-10 s more
-    while the other core idles (10 s when its database is new). Started first, the server's
-    start overlaps those imports: `rlhf demo` reaches its flow in 15.2 s instead of 21.1 s
-    (medians of 3 runs), 15.9 s instead of 26.6 s with a new Prefect home. Prefect keeps one
-    such server per process (`SubprocessASGIServer`), so the flow finds this one.
-
-    The server's module is imported here, not on the thread (the flow would import it anyway):
-    two threads importing one package's modules at once can deadlock on its import cycles.
-    The thread only starts the process and polls its health. If that fails, nothing changes:
-    the flow starts the server as it always did and reports any error itself.
-    """
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
-        return lambda: None  # a real server, or none allowed: nothing to start
-    import prefect.main  # noqa: F401 - sets up Prefect's logging, so the server's start is logged as before
-    from prefect.server.api.server import SubprocessASGIServer
-
-    def start() -> None:
-        try:
-            SubprocessASGIServer().start()
-        except Exception:  # noqa: BLE001 - the flow retries the start and reports the error
-            logging.getLogger(__name__).debug("early Prefect server start failed", exc_info=True)
-
-    thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
-    thread.start()
-    return thread.join
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -130,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     pro = sub.add_parser("promote", help="make a policy version the champion (records the previous one)")
     pro.add_argument("version", help="version number of `policy` (or an alias, e.g. challenger)")
     pro.add_argument("--by", default=os.environ.get("USER", "unknown"), help="who promotes (default $USER)")
-    pro.add_argument("--reason", default="promoted with rlhf promote")
-    pro.add_argument("--force", action="store_true", help="promote a version the gates rejected")
+    pro.add_argument("--reason", help="why; recorded on the version (needed to force past a rollback)")
+    pro.add_argument("--force", action="store_true",
+                     help="promote a version the gates rejected, or one rolled back from (with --reason)")
     pro.add_argument("--deploy", action="store_true", help="serve it right away (deploy-champion)")
     _config_args(pro)
 
@@ -145,8 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     rb.add_argument("--to", dest="to_version", help="version to return to (default: the previous champion)")
     _config_args(rb)
 
-    srv = sub.add_parser("serving", help="show the serving endpoint, or stop it")
-    srv.add_argument("action", nargs="?", choices=["status", "stop"], default="status")
+    srv = sub.add_parser("serving", help="show the serving endpoint, stop it, or ensure something serves")
+    srv.add_argument("action", nargs="?", choices=["status", "stop", "ensure"], default="status",
+                     help="ensure: go on if a server answers, else deploy the champion, else run the demo")
     _config_args(srv)
 
     gw = sub.add_parser("gateway", help="run the feedback gateway (OpenAI-compatible, records answers and ratings)")
@@ -163,16 +122,6 @@ def _parser() -> argparse.ArgumentParser:
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pipeline config YAML (default {DEFAULT_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-
-
-def print_deployment(stage: dict[str, Any], cfg) -> None:
-    print(f"Serving:     policy v{stage['version']} at {stage['endpoint']}/v1  (model {stage['served_model_name']!r})")
-    print(f"Sample:      {stage['sample']}")
-    print(f"API key:     ${cfg.serving.api_key_env}, else the file {_state_dir(cfg)}/api_key")
-    print(f"Try it:      curl -s {stage['endpoint']}/v1/completions -H \"Authorization: Bearer $(cat {_state_dir(cfg)}/api_key)\" \\")
-    print(f"               -H 'Content-Type: application/json' -d '{{\"model\": \"{stage['served_model_name']}\", "
-          f"\"prompt\": \"{cfg.serving.smoke_prompt}\", \"max_tokens\": 8, \"temperature\": 0}}'")
-    print("Stop it:     rlhf serving stop")
 
 
 def _state_dir(cfg) -> Path:
@@ -197,7 +146,7 @@ def _run_flow(fn, log_path: Path, cfg=None, **kwargs) -> int:
         return 1
     print_summary(summary)
     if cfg is not None and "deploy" in summary.get("stages", {}):
-        print_deployment(summary["stages"]["deploy"], cfg)
+        print_deployment(summary["stages"]["deploy"], cfg, _state_dir(cfg))
     return 3 if summary.get("status") in ("rejected", "undecided") else 0
 
 
@@ -234,19 +183,24 @@ def _registry_command(args, cfg) -> int:
 
 def _serving_command(args, cfg) -> int:
     from rlhf_core.serving import server
+    from rlhf_core.serving.state import deploy_under_way
 
     state_dir = _state_dir(cfg)
     if args.action == "stop":
         stopped = server.stop(state_dir)
         print(f"stopped policy v{stopped.version} at {stopped.url}" if stopped else "nothing was serving")
         return 0
-    current = server.current_endpoint(state_dir)
+    if args.action == "ensure":
+        return _ensure_serving(args, cfg, state_dir)
+    current, deploying = server.current_endpoint(state_dir), deploy_under_way(state_dir)
     if current is None:
-        print("nothing is serving")
+        print("nothing is serving" + (f"; {deploying}" if deploying else ""))
         return 1
     healthy = server.health(current.url)
     champion, why = _registry_champion(cfg)
     print(json.dumps({**current.to_dict(), "healthy": healthy, "champion": champion}, indent=2))
+    if deploying:
+        print(deploying, file=sys.stderr)
     if champion is None:
         print(f"could not compare with the registry's champion: {why}", file=sys.stderr)
     elif champion != current.version:
@@ -255,6 +209,31 @@ def _serving_command(args, cfg) -> int:
               f"`rlhf promote {current.version}` makes the registry say so", file=sys.stderr)
         return 4 if healthy else 1
     return 0 if healthy else 1
+
+
+def _ensure_serving(args, cfg, state_dir: Path) -> int:
+    """`rlhf serving ensure`: what `serving_plan` says, for `make demo-loop` from any state."""
+    from rlhf_core.serving import server
+    from tasks.deploy import serving_plan
+    from tasks.registry import RegistryError, champion_version
+    from tasks.tracking import tracking_client
+
+    current = server.current_endpoint(state_dir)
+    serving = current.version if current is not None and server.health(current.url) else None
+    try:  # what serves goes on whatever the registry says
+        champion = None if serving else champion_version(tracking_client(cfg))
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    plan = serving_plan(serving, champion)
+    print(plan.message)
+    if plan.action == "deploy":
+        flows, log = _flows("flows.serving", args, cfg)
+        return _run_plain_flow(flows.deploy_champion_flow, log, config_path=args.config, overrides=args.overrides)
+    if plan.action == "demo":
+        flows, log = _flows("flows.pipeline", args, cfg)
+        return _run_flow(flows.rlhf_pipeline, log, cfg=cfg, config_path=args.config, overrides=args.overrides)
+    return 0
 
 
 def _registry_champion(cfg) -> tuple[str | None, str]:

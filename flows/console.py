@@ -79,14 +79,39 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"  {name:<10} {info.get('status', '?'):<10} {figures}")
     print(f"MLflow run:  {summary['mlflow_run_id']}  ({summary['mlflow_tracking_uri']})")
     print(f"Summary:     {summary['summary_path']}")
-    uri = summary["mlflow_tracking_uri"]
+    uri, flow_run, prefect_ui = summary["mlflow_tracking_uri"], summary.get("prefect_flow_run_id"), prefect_ui_url()
+    if prefect_ui and flow_run:
+        print(f"Prefect run: {prefect_ui}/runs/flow-run/{flow_run}")
+    local = []
     if uri.startswith("sqlite:"):
+        local += [f"  mlflow ui --backend-store-uri {uri} --port 5000",
+                  f"    → http://127.0.0.1:5000/#/experiments/{summary['mlflow_experiment_id']}/runs/{summary['mlflow_run_id']}"]
+    if not prefect_ui and flow_run:  # a temporary server ran it: one started on Prefect's database shows it
+        local += ["  prefect server start", f"    → http://127.0.0.1:4200/runs/flow-run/{flow_run}"]
+    if local:
         print("Open the UIs on these runs:")
-        print(f"  mlflow ui --backend-store-uri {uri} --port 5000")
-        print(f"    → http://127.0.0.1:5000/#/experiments/{summary['mlflow_experiment_id']}/runs/{summary['mlflow_run_id']}")
-        print("  prefect server start")
-        print(f"    → http://127.0.0.1:4200/runs/flow-run/{summary['prefect_flow_run_id']}")
+        print("\n".join(local))
     print(RULE)
+
+
+def prefect_ui_url() -> str | None:
+    """The configured Prefect server's UI: `PREFECT_UI_URL`, which Prefect derives from
+    `PREFECT_API_URL` (its `/api` dropped) unless set itself; None when no server is configured
+    and each run starts a temporary one."""
+    from prefect.settings import PREFECT_UI_URL
+
+    return (PREFECT_UI_URL.value() or "").rstrip("/") or None
+
+
+def print_deployment(stage: dict[str, Any], cfg, state_dir: Path) -> None:
+    """Where the deployed champion serves, its API key, and a request to try it."""
+    print(f"Serving:     policy v{stage['version']} at {stage['endpoint']}/v1  (model {stage['served_model_name']!r})")
+    print(f"Sample:      {stage['sample']}")
+    print(f"API key:     ${cfg.serving.api_key_env}, else the file {state_dir}/api_key")
+    print(f"Try it:      curl -s {stage['endpoint']}/v1/completions -H \"Authorization: Bearer $(cat {state_dir}/api_key)\" \\")
+    print(f"               -H 'Content-Type: application/json' -d '{{\"model\": \"{stage['served_model_name']}\", "
+          f"\"prompt\": \"{cfg.serving.smoke_prompt}\", \"max_tokens\": 8, \"temperature\": 0}}'")
+    print("Stop it:     rlhf serving stop")
 
 
 def print_failure(summary: dict[str, Any], exit_code: int, log_path: Path | None) -> None:

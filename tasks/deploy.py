@@ -3,7 +3,8 @@
 `deploy_champion` serves `models:/policy@champion` with vLLM's OpenAI-compatible server
 (`rlhf_core.serving.server.deploy`: blue/green, health check and smoke completion before
 the new server takes over; a failed deploy leaves the old one serving). `rollback_champion`
-moves `champion` back for an incident (once per incident) and redeploys.
+moves `champion` back for an incident (once per incident) and redeploys. `serving_plan` is
+what `rlhf serving ensure` does when nothing serves.
 """
 from __future__ import annotations
 
@@ -58,6 +59,26 @@ def _publish(d: Deployment, state_dir) -> None:
             f"| recorded in | `{state_dir}/current.json` |",
         ]),
     )
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    action: str  # "none" (a server answers), "deploy" (serve the champion), "demo" (train one first)
+    message: str
+
+
+def serving_plan(serving: str | None, champion: str | None) -> ServingPlan:
+    """What `rlhf serving ensure` does, from the version a healthy server serves (None: none does)
+    and the registry's champion (None: there is none). Pure, for the table-driven test.
+
+    Something that serves is left alone (`rlhf serving status` tells whether it is the champion);
+    a champion that does not serve is deployed; only with no champion is a new one trained.
+    """
+    if serving is not None:
+        return ServingPlan("none", f"policy v{serving} serves")
+    if champion is not None:
+        return ServingPlan("deploy", f"nothing serves; deploying the champion, policy v{champion}")
+    return ServingPlan("demo", "nothing serves and there is no champion: running the demo to train one")
 
 
 # A deploy that finds the champion moved while it served the old one serves the new one; a

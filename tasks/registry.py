@@ -10,6 +10,9 @@ What is recorded, so that a person in the MLflow UI and the rollback flow agree:
   `previous_champion` (the version it replaced), `promoted_by`, `promoted_at` and
   `promotion_reason`. A promotion done by hand in the MLflow UI has no such tag; the
   deploy flow fills `previous_champion` in from what was serving (see `tasks.deploy`).
+  Who may be promoted is `check_promotion`'s rule: not a version the gates rejected, nor one
+  a rollback moved away from (tag `rolled_back_by_incident`), unless forced; forcing past a
+  rollback takes a reason. What a forced promotion overrode is appended to `promotion_reason`.
 - A rollback is an incident: the registered model carries the tag `incident.<id>` with a
   JSON record (from, to, reason, requested_by, status). It is written `moving` before the
   alias moves, `moved` once it has, and `completed` once the target serves, so a rollback
@@ -81,6 +84,17 @@ def by_alias(client: MlflowClient, alias: str, name: str = POLICY) -> ModelVersi
         return None
 
 
+def champion_version(client: MlflowClient, name: str = POLICY) -> str | None:
+    """The champion's version number, or None when `name` or its champion does not exist. Unlike
+    `by_alias`, a store that cannot be read raises: "there is no champion" is never a guess."""
+    try:
+        return str(client.get_model_version_by_alias(name, CHAMPION).version)
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no model; no such alias
+            return None
+        raise RegistryError(f"cannot read {name}@{CHAMPION} from the registry: {exc}") from exc
+
+
 def get_version(client: MlflowClient, version: str, name: str = POLICY) -> ModelVersion:
     """A version by number or by alias (`challenger`, `champion`); RegistryError if unknown."""
     if not version.isdigit():
@@ -104,35 +118,73 @@ class Promotion:
 _ANY = object()
 
 
+@dataclass(frozen=True)
+class PromotionCheck:
+    refusal: str | None  # why the version may not become the champion; None: it may
+    overridden: tuple[str, ...] = ()  # what `force` overrode, recorded in `promotion_reason`
+
+
+def check_promotion(
+    name: str, version: str, tags: dict[str, str], rollback: dict | None, *, force: bool, reason: str | None
+) -> PromotionCheck:
+    """May `version` (carrying `tags`) become the champion? Pure, for the table-driven tests.
+
+    Refused: a version the gates rejected (`gate.passed=false`), unless `force`; a version a
+    rollback moved away from (`rolled_back_by_incident`; `rollback` is that incident's record,
+    or None if it cannot be read), unless `force` with a `reason`, which is then recorded.
+    """
+    overridden = []
+    if tags.get("gate.passed") == "false":
+        if not force:
+            return PromotionCheck(
+                f"the gates did not pass {name} v{version} ({tags.get('gate.status', 'rejected')}: "
+                f"{tags.get('gate.reasons', 'see its gate report')}); promote it anyway with force")
+        overridden.append("a gate rejection")
+    incident = tags.get("rolled_back_by_incident")
+    if incident:
+        record = rollback or {}
+        what = (f"{name} v{version} was rolled back (incident {incident}"
+                + "".join(f", {record[k]}" for k in ("requested_at", "reason") if record.get(k)) + ")")
+        if not force:
+            return PromotionCheck(f"{what}; promote it again only on purpose: "
+                                  f"`rlhf promote {version} --force --reason TEXT` records why")
+        if not (reason or "").strip():
+            return PromotionCheck(f"{what}; a forced promotion of it needs a reason (`--reason TEXT`), "
+                                  "recorded on the version")
+        overridden.append(f"the rollback of incident {incident}")
+    return PromotionCheck(None, tuple(overridden))
+
+
 def promote(
-    client: MlflowClient, version: str, requested_by: str, reason: str, *, force: bool = False, name: str = POLICY,
-    expected_champion: str | None | object = _ANY,
+    client: MlflowClient, version: str, requested_by: str, reason: str | None, *, force: bool = False,
+    name: str = POLICY, expected_champion: str | None | object = _ANY,
 ) -> Promotion:
     """Make `version` the champion and record the one it replaces.
 
-    Refuses a version whose gate decision was a rejection unless `force` (a person may
-    overrule the gates, and that is then recorded in `promotion_reason`). With
-    `expected_champion` (a version, or None for none), refuses unless the champion is still
-    that one: a run evaluated against it must not replace another run's promotion unseen.
+    Refuses what `check_promotion` refuses: a rejected or rolled-back version unless `force`
+    (a person may overrule the gates or a rollback; a rollback only with a `reason`), and that
+    is recorded in `promotion_reason`. With `expected_champion` (a version, or None for none),
+    refuses unless the champion is still that one: a run evaluated against it must not replace
+    another run's promotion unseen. Promoting the champion again changes nothing.
     """
     target = get_version(client, version, name)
-    if target.tags.get("gate.passed") == "false" and not force:
-        raise RegistryError(
-            f"the gates did not pass {name} v{target.version} ({target.tags.get('gate.status', 'rejected')}: "
-            f"{target.tags.get('gate.reasons', 'see its gate report')}); "
-            "promote it anyway with force"
-        )
     current = by_alias(client, CHAMPION, name)
     if current is not None and current.version == target.version:
         _drop_challenger(client, name, target.version)  # a retried registration may have set it again
         return Promotion(str(target.version), target.tags.get("previous_champion") or None, changed=False)
+    incident = target.tags.get("rolled_back_by_incident")
+    check = check_promotion(name, str(target.version), target.tags,
+                            incident_record(client, incident, name) if incident else None, force=force, reason=reason)
+    if check.refusal is not None:
+        raise RegistryError(check.refusal)
     previous = None if current is None else str(current.version)
     _check_champion(previous, expected_champion, target.version, name)
+    forced = f" (forced past {' and '.join(check.overridden)})" if check.overridden else ""
     for key, value in {
         "previous_champion": previous or "",
         "promoted_by": requested_by,
         "promoted_at": now_iso(),
-        "promotion_reason": reason + (" (forced past a gate rejection)" if force and target.tags.get("gate.passed") == "false" else ""),
+        "promotion_reason": (reason or "no reason given") + forced,
     }.items():
         client.set_model_version_tag(name, target.version, key, value)
     now = by_alias(client, CHAMPION, name)  # MLflow has no compare-and-set: narrow the window

@@ -1,6 +1,7 @@
 """Blue/green state of serving, kept in one directory: `current.json` (the `Endpoint` that
 serves: the single source of truth clients read), `deployments.jsonl` (one line per deploy,
-failure and stop), `deploy.lock` (one deploy or stop at a time) and `logs/`."""
+failure and stop), `deploy.lock` (one deploy or stop at a time), `starting.json` (the deploy
+in progress, see `rlhf_core.serving.server`) and `logs/`."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -91,6 +92,57 @@ def deploy_lock(state_dir: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def deploy_lock_held(state_dir: Path) -> bool:
+    """Whether a deploy or a stop holds `<state_dir>/deploy.lock` now. Probes with a shared lock,
+    released at once, and creates nothing; a deploy that asks for the lock in that instant waits
+    for the probe."""
+    try:
+        with open(Path(state_dir) / "deploy.lock") as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except FileNotFoundError:
+        return False
+    except BlockingIOError:
+        return True
+    return False
+
+
+@dataclass(frozen=True)
+class DeployRecord:
+    """The intent record of a deploy that has not finished (`starting.json`)."""
+
+    version: str
+    since: str  # when the deploy started, ISO 8601
+    pid: int  # the server it starts; 0 until started
+    under_way: bool  # False: the deploy that wrote it died or failed to stop its server
+
+    def __str__(self) -> str:
+        pid = f"pid {self.pid}" if self.pid else "its server not started yet"
+        if self.under_way:
+            return f"a deploy is under way (version {self.version}, since {self.since}, {pid})"
+        return (f"a deploy of version {self.version} did not finish (since {self.since}, {pid}); "
+                "the next deploy or `rlhf serving stop` stops what it left")
+
+
+def deploy_under_way(state_dir: Path) -> DeployRecord | None:
+    """The deploy recorded in `<state_dir>/starting.json`, if any: under way while a deploy holds
+    the lock, else left by one that died."""
+    from rlhf_core.serving.server import STARTING  # the file the deploy writes; server imports this module
+
+    path = Path(state_dir) / STARTING
+    try:
+        d = json.loads(path.read_text())
+        record = DeployRecord(str(d["version"]), str(d["started_at"]), int(d["pid"]), under_way=False)
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        record = DeployRecord("?", "?", 0, under_way=False)
+    held = deploy_lock_held(state_dir)
+    if not held and not path.exists():
+        return None  # it finished between the two looks
+    return replace(record, under_way=held)
 
 
 def ensure_dir(path: Path) -> None:

@@ -241,3 +241,168 @@ def test_serving_status_says_when_what_serves_is_not_the_registrys_champion(tmp_
     finally:
         server.kill()
         server.wait()
+
+
+def _registry(tmp_path: Path, versions: int, champion: str | None = None):
+    """A real MLflow store with `policy` v1..v<versions> (no files) and `champion` on one of them."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    if versions:
+        client.create_registered_model("policy")
+        for _ in range(versions):
+            client.create_model_version("policy", str(tmp_path))
+    if champion is not None:
+        client.set_registered_model_alias("policy", "champion", champion)
+    return client, uri
+
+
+def test_promote_refuses_a_rolled_back_version_unless_forced_with_a_reason(tmp_path, capsys):
+    from tasks.registry import promote, start_rollback
+
+    client, uri = _registry(tmp_path, 2)
+    promote(client, "1", "alice", "v1")
+    promote(client, "2", "alice", "v2")
+    start_rollback(client, "INC-3", "error rate on v2", "alertmanager:rlhf")
+    args = ["promote", "2", "--by", "bob", "--set", f"tracking.tracking_uri={uri}"]
+
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "policy v2 was rolled back (incident INC-3, " in err and "error rate on v2" in err
+    assert "`rlhf promote 2 --force --reason TEXT`" in err
+    assert main([*args, "--force"]) == 1
+    assert "a forced promotion of it needs a reason (`--reason TEXT`)" in capsys.readouterr().err
+    assert client.get_model_version_by_alias("policy", "champion").version == 1
+
+    assert main([*args, "--force", "--reason", "the error came from the gateway, not the model"]) == 0
+    assert "policy v2 is now the champion (previous: v1)" in capsys.readouterr().out
+    tags = client.get_model_version("policy", "2").tags
+    assert tags["promoted_by"] == "bob"
+    assert tags["promotion_reason"] == ("the error came from the gateway, not the model "
+                                        "(forced past the rollback of incident INC-3)")
+
+
+def test_serving_status_says_a_deploy_is_under_way(tmp_path, capsys, free_ports, monkeypatch):
+    """A real deploy (`server.deploy`) whose server is a stand-in that never turns healthy:
+    while it waits, `serving status` names its version, start time and server pid; once it has
+    failed, no deploy is under way."""
+    import threading
+
+    from rlhf_core.config import ServingConfig
+    from rlhf_core.serving import server
+
+    def launch(model_dir, name, port, max_model_len, cfg, api_key, log_path):
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+    waiting, release = threading.Event(), threading.Event()
+
+    def check_new_server(proc, endpoint, api_key, cfg):
+        waiting.set()
+        release.wait(60)
+        raise server.ServingError("the test ends this deploy")
+
+    monkeypatch.setattr(server, "launch", launch)
+    monkeypatch.setattr(server, "_check_new_server", check_new_server)
+    state, model = tmp_path / "serving", tmp_path / "model"
+    model.mkdir()
+    failed: list[BaseException] = []
+
+    def deploy():
+        try:
+            server.deploy(model, "3", ServingConfig(ports=tuple(free_ports(2)), max_model_len=64), state)
+        except server.ServingError as e:
+            failed.append(e)
+
+    args = ["serving", "status", "--set", f"serving.state_dir={state}",
+            "--set", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    thread = threading.Thread(target=deploy)
+    thread.start()
+    try:
+        assert waiting.wait(60)
+        starting = json.loads((state / "starting.json").read_text())
+        assert main(args) == 1
+        assert capsys.readouterr().out == (f"nothing is serving; a deploy is under way (version 3, since "
+                                           f"{starting['started_at']}, pid {starting['pid']})\n")
+        assert starting["pid"] > 0
+    finally:
+        release.set()
+        thread.join(60)
+    assert failed and main(args) == 1
+    assert capsys.readouterr().out == "nothing is serving\n"
+
+
+def test_serving_status_names_a_deploy_that_died_before_it_finished(tmp_path, capsys):
+    """The intent record of a deploy killed before its server started, and no deploy holding the
+    lock: status says so, and what cleans it up."""
+    from rlhf_core.serving.server import STARTING, Endpoint
+    from rlhf_core.serving.state import deploy_lock, write_json_atomic
+
+    state = tmp_path / "serving"
+    state.mkdir()
+    with deploy_lock(state):  # as `server.deploy` writes it, under the lock; then it died
+        write_json_atomic(state / STARTING, Endpoint(
+            url="http://127.0.0.1:1", host="127.0.0.1", port=1, pid=0, served_model_name="policy-v4", version="4",
+            model_dir="/m", log_path="/l", started_at="2024-01-01T00:00:00+00:00").to_dict())
+    assert main(["serving", "status", "--set", f"serving.state_dir={state}"]) == 1
+    assert capsys.readouterr().out == (
+        "nothing is serving; a deploy of version 4 did not finish (since 2024-01-01T00:00:00+00:00, its server not "
+        "started yet); the next deploy or `rlhf serving stop` stops what it left\n")
+
+
+def _fake_server(port: int, state: Path, version: str) -> subprocess.Popen:
+    """A process that answers /health on `port`, recorded as serving `version` in `state`."""
+    from rlhf_core.serving.server import SERVER_MODULE, Endpoint, health
+    from rlhf_core.serving.state import write_json_atomic
+
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, SERVER_MODULE, "--port", str(port)])
+    state.mkdir(exist_ok=True)
+    write_json_atomic(state / "current.json", Endpoint(
+        url=f"http://127.0.0.1:{port}", host="127.0.0.1", port=port, pid=proc.pid, served_model_name=f"policy-v{version}",
+        version=version, model_dir="/m", log_path="/l", started_at="2024-01-01T00:00:00+00:00").to_dict())
+    deadline = time.monotonic() + 30
+    while not health(f"http://127.0.0.1:{port}", timeout=1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return proc
+
+
+@pytest.mark.parametrize("versions, champion, serving, flow", [
+    (0, None, False, "rlhf_pipeline"),  # a fresh checkout: the demo trains a champion
+    (2, "2", False, "deploy_champion_flow"),  # after `rlhf serving stop`: the champion is deployed, nothing trained
+    (2, "2", True, None),  # it serves: nothing to do
+])
+def test_serving_ensure_runs_what_the_state_needs(tmp_path, capsys, free_ports, monkeypatch, versions, champion,
+                                                   serving, flow):
+    """`rlhf serving ensure` (the first step of `make demo-loop`) against a real registry and
+    serving state; the flows it would run are stand-ins that record the call."""
+    from types import SimpleNamespace
+
+    _, uri = _registry(tmp_path, versions, champion)
+    state = tmp_path / "serving"
+    args = ["serving", "ensure", "--set", f"serving.state_dir={state}", "--set", f"tracking.tracking_uri={uri}"]
+    called = []
+
+    def stand_in(name, result):
+        def run(**kwargs):
+            called.append((name, kwargs))
+            return SimpleNamespace(result=lambda: result)
+        return run
+
+    summary = {"pipeline": "rlhf-pipeline", "status": "completed", "mlflow_run_id": "r", "mlflow_experiment_id": "1",
+               "mlflow_tracking_uri": uri, "summary_path": "/s.json", "prefect_flow_run_id": "f"}
+    flows = SimpleNamespace(rlhf_pipeline=stand_in("rlhf_pipeline", summary),
+                            deploy_champion_flow=stand_in("deploy_champion_flow", {"status": "serving"}))
+    monkeypatch.setattr(cli, "_flows", lambda module, a, cfg: (flows, tmp_path / "log"))
+    proc = _fake_server(free_ports(1)[0], state, "1") if serving else None
+    try:
+        assert main(args) == 0
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+    assert [name for name, _ in called] == ([flow] if flow else [])
+    if flow:
+        assert called[0][1]["overrides"] == args[2:][1::2] and called[0][1]["config_path"] == DEFAULT_CONFIG
+    out = capsys.readouterr().out
+    assert {"rlhf_pipeline": "there is no champion: running the demo", "deploy_champion_flow":
+            "deploying the champion, policy v2", None: "policy v1 serves"}[flow] in out

@@ -252,3 +252,70 @@ def test_a_deploy_that_finds_the_champion_moved_during_its_turn_serves_the_new_o
     monkeypatch.setattr(deploy, "_serve", restless)
     with disable_run_logger(), pytest.raises(ServingError, match="the champion moved 3 times during one deploy"):
         deploy.deploy_champion.fn(cfg)
+
+
+# -- who may be promoted: the rule, then through the registry ---------------------------------
+
+from tasks.registry import check_promotion  # noqa: E402
+
+ROLLED_BACK = {"gate.passed": "true", "rolled_back_by_incident": "INC-1"}
+INCIDENT = {"requested_at": "2024-05-01T10:00:00+00:00", "reason": "KL explosion"}
+
+
+@pytest.mark.parametrize(
+    "tags, force, reason, refusal, overridden",
+    [
+        ({"gate.passed": "true"}, False, None, None, ()),
+        ({"gate.passed": "false"}, False, "r", "the gates did not pass policy v2", ()),
+        ({"gate.passed": "false"}, True, None, None, ("a gate rejection",)),  # the gates: force alone suffices
+        (ROLLED_BACK, False, "r", ("policy v2 was rolled back (incident INC-1, 2024-05-01T10:00:00+00:00, KL explosion); "
+                                   "promote it again only on purpose: `rlhf promote 2 --force --reason TEXT`"), ()),
+        (ROLLED_BACK, True, None, "a forced promotion of it needs a reason", ()),
+        (ROLLED_BACK, True, "  ", "a forced promotion of it needs a reason", ()),
+        (ROLLED_BACK, True, "fixed upstream", None, ("the rollback of incident INC-1",)),
+        ({**ROLLED_BACK, "gate.passed": "false"}, True, "r", None, ("a gate rejection", "the rollback of incident INC-1")),
+    ],
+)
+def test_check_promotion(tags, force, reason, refusal, overridden):
+    check = check_promotion(POLICY, "2", tags, INCIDENT, force=force, reason=reason)
+    if refusal is None:
+        assert check.refusal is None
+    else:
+        assert check.refusal is not None and refusal in check.refusal, check.refusal
+    assert check.overridden == overridden
+
+
+def test_a_rolled_back_version_is_promoted_again_only_when_forced_with_a_reason(registry):
+    """v2 was rolled back for an incident: promoting it again is refused, forcing it without a
+    reason too; forced with a reason it is the champion and the reason is on the version."""
+    promote(registry, "1", "alice", "v1")
+    promote(registry, "2", "alice", "v2")
+    start_rollback(registry, "INC-5", "reward collapse on v2", "alertmanager:rlhf")
+    assert champion(registry) == "1"
+
+    with pytest.raises(RegistryError, match=r"policy v2 was rolled back \(incident INC-5, .*, reward collapse on v2\)"):
+        promote(registry, "2", "bob", "looks fine to me")
+    with pytest.raises(RegistryError, match="a forced promotion of it needs a reason"):
+        promote(registry, "2", "bob", None, force=True)
+    assert champion(registry) == "1" and registry.get_model_version(POLICY, "2").tags["promoted_by"] == "alice"
+
+    p = promote(registry, "2", "bob", "the reward bug is fixed upstream", force=True)
+    assert (p.version, p.previous, p.changed) == ("2", "1", True) and champion(registry) == "2"
+    tags = registry.get_model_version(POLICY, "2").tags
+    assert tags["promoted_by"] == "bob"
+    assert tags["promotion_reason"] == "the reward bug is fixed upstream (forced past the rollback of incident INC-5)"
+    assert not promote(registry, "2", "carol", None).changed  # the champion again: nothing to refuse, nothing changes
+
+
+def test_champion_version_tells_no_champion_from_an_unreadable_store(registry, free_ports, monkeypatch):
+    from tasks.registry import champion_version
+
+    empty = MlflowClient(registry.tracking_uri.replace("m.db", "empty.db"))
+    assert champion_version(empty) is None  # no registered model
+    assert champion_version(registry) is None  # no champion alias
+    promote(registry, "2", "alice", "v2")
+    assert champion_version(registry) == "2"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    down = MlflowClient(f"http://127.0.0.1:{free_ports(1)[0]}")  # nothing listens there
+    with pytest.raises(RegistryError, match="cannot read policy@champion from the registry"):
+        champion_version(down)
