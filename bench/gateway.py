@@ -6,8 +6,10 @@ clients send greedy completions of `--max-tokens` tokens, in alternating rounds 
 vLLM and through the gateway (so that drift on a shared machine hits both alike); printed are
 p50, p99 and mean of each and their difference, and the gateway's own account of the time it
 adds (its `rlhf_gateway_added_seconds` histogram: its total minus the upstream's).
-Ratings: the same number of clients post thumbs for `--seconds` seconds; every one is
-acknowledged only after its SQLite transaction committed (WAL, synchronous=FULL).
+Ratings: the same number of clients post thumbs for `--seconds` seconds, each from its own
+user, signed with the gateway's user-signing secret as an application signs its users' ids
+(the gateway checks every signature); every one is acknowledged only after its SQLite
+transaction committed (WAL, synchronous=FULL).
 
     .venv/bin/python bench/gateway.py                 # 1 and 16 concurrent, 6 rounds of 64 requests per side
 """
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import save, table  # noqa: E402
 from rlhf_core.config import ServingConfig  # noqa: E402
 from rlhf_core.serving.server import deploy, stop  # noqa: E402
+from rlhf_core.serving.user_auth import USER_SECRET_FILE, resolve_secret, sign_user  # noqa: E402
 from rlhf_core.testing.ports import free_ports  # noqa: E402
 from rlhf_core.testing.gateway_process import running_gateway  # noqa: E402
 from rlhf_core.testing.models import tiny_policy_dir  # noqa: E402
@@ -60,7 +63,8 @@ async def completions(url: str, key: str, n: int, concurrency: int, max_tokens: 
     return latencies
 
 
-async def ratings(url: str, key: str, response_id: str, concurrency: int, seconds: float) -> tuple[int, float]:
+async def ratings(url: str, key: str, user_secret: str, response_id: str, concurrency: int,
+                  seconds: float) -> tuple[int, float]:
     done = 0
     stop_at = time.perf_counter() + seconds
     async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {key}"},
@@ -69,8 +73,8 @@ async def ratings(url: str, key: str, response_id: str, concurrency: int, second
             nonlocal done
             i = 0
             while time.perf_counter() < stop_at:
-                r = await client.post(f"{url}/v1/feedback",
-                                      json={"response_id": response_id, "rating": "up", "user": f"b{w}-{i}"})
+                r = await client.post(f"{url}/v1/feedback", headers=sign_user(user_secret, f"b{w}-{i}"),
+                                      json={"response_id": response_id, "rating": "up"})
                 r.raise_for_status()
                 done += 1
                 i += 1
@@ -124,8 +128,13 @@ def main() -> None:
     endpoint = deploy(tiny_policy_dir(tmp / "policy"), "1", cfg, state_dir).endpoint
     key = (state_dir / "api_key").read_text().strip()
     port = free_ports(1)[0]
+    # the gateway's user-signing secret: an unset variable names none, so it is the state dir's
+    # file, made here (mode 0600) and read by the gateway as it starts
+    user_secret_env = "RLHF_BENCH_USER_SECRET_UNSET"
+    user_secret = resolve_secret(user_secret_env, state_dir / USER_SECRET_FILE)
     sets = [f"output_dir={tmp}", f"serving.state_dir={state_dir}", f"serving.api_key_env={cfg.api_key_env}",
-            f"feedback.port={port}", "feedback.ratings_per_minute=1000000"]
+            f"feedback.user_secret_env={user_secret_env}", f"feedback.port={port}",
+            "feedback.ratings_per_minute=1000000"]
     try:
         with running_gateway([a for s in sets for a in ("--set", s)], port) as gateway:
             asyncio.run(completions(endpoint.url, key, 32, max(levels), args.max_tokens))  # warm-up
@@ -134,7 +143,7 @@ def main() -> None:
             inside = added_histogram(httpx.get(f"{gateway}/metrics").text)
             rid = httpx.post(f"{gateway}/v1/completions", headers={"Authorization": f"Bearer {key}"},
                              json={"prompt": "12+34=", "max_tokens": 2}, timeout=60).json()["id"]
-            n, seconds = asyncio.run(ratings(gateway, key, rid, max(levels), args.seconds))
+            n, seconds = asyncio.run(ratings(gateway, key, user_secret, rid, max(levels), args.seconds))
     finally:
         stop(state_dir)
     save("gateway", {"settings": vars(args), "latency": latency, "added_inside_gateway": inside,

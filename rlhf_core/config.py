@@ -188,8 +188,28 @@ class FeedbackConfig(_Strict):
     salt_file: Path | None = Field(
         None, description="File holding the secret that user ids are hashed with; gateways sharing a store must share "
         "it. null: <serving state_dir>/user_salt, generated (mode 0600) on first use.")
+    user_secret_env: str = Field(
+        "RLHF_USER_SIGNING_SECRET", description="Environment variable that, when set and non-empty, holds the "
+        "user-signing secret: the application in front of the gateway signs each user id with it (HMAC-SHA256, "
+        "headers x-user-id and x-user-signature), and feedback counts only for signed users. Unset: <serving "
+        "state_dir>/user_signing_secret, generated (mode 0600) on first use. Gateways behind one application must "
+        "share it.")
+    admin_key_env: str = Field(
+        "RLHF_GATEWAY_ADMIN_KEY", description="Environment variable that, when set and non-empty, holds the admin key "
+        "(header x-admin-key), which may delete any user's data; a user may delete only their own. Unset: <serving "
+        "state_dir>/admin_key, generated (mode 0600) on first use.")
+    unsigned_ratings: Literal["refuse", "anonymous"] = Field(
+        "refuse", description='Feedback without a validly signed user: "refuse" answers 401; "anonymous" records it '
+        "as one anonymous user (an unsigned x-user-id or body user is ignored), whose ratings share one rate limit.")
     ratings_per_minute: int = Field(
-        60, ge=1, description="Feedback one user may send per minute; more is refused (429) and counted.")
+        60, ge=1, description="Feedback one signed user, or all anonymous feedback together, may send per minute; "
+        "more is refused (429) and counted.")
+    max_feedback_bytes: int = Field(
+        64 * 1024, ge=1, description="Largest body of POST /v1/feedback, in bytes; a larger one is refused (413) "
+        "before it is parsed.")
+    max_completion_bytes: int = Field(
+        1024 * 1024, ge=1, description="Largest body of a completion or chat completion request, in bytes; a larger "
+        "one is refused (413) and never reaches the served model.")
     max_samples: int = Field(4, ge=1, le=16, description="Largest n a client may ask for (answers to choose between).")
     upstream_timeout_s: float = Field(120.0, gt=0, description="Seconds the gateway waits for the served model.")
     export_dir: Path | None = Field(

@@ -60,13 +60,13 @@ def secret_file(path: Path) -> str:
 
 class RequireApiKey:
     """ASGI middleware loaded into the vLLM server (`--middleware`): every request except to
-    OPEN_PATHS needs `Authorization: Bearer $VLLM_API_KEY` (or the `key` given, as the
-    feedback gateway gives it). vLLM's own check skips paths
+    OPEN_PATHS (or the `open_paths` given) needs `Authorization: Bearer $VLLM_API_KEY` (or the
+    `key` given, as the feedback gateway gives them). vLLM's own check skips paths
     outside /v1, /v2, /inference, /cohere, e.g. POST /invocations. Fails closed: without
     VLLM_API_KEY only OPEN_PATHS answer."""
 
-    def __init__(self, app, key: str | None = None):
-        self.app = app
+    def __init__(self, app, key: str | None = None, open_paths: tuple[str, ...] = OPEN_PATHS):
+        self.app, self.open_paths = app, open_paths
         key = os.environ.get("VLLM_API_KEY", "") if key is None else key
         self._digest = hashlib.sha256(key.encode()).digest() if key else None
 
@@ -79,7 +79,7 @@ class RequireApiKey:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")).rstrip("/") or "/"
-        if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._authorised(scope):
+        if scope["type"] not in ("http", "websocket") or path in self.open_paths or self._authorised(scope):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})

@@ -400,6 +400,7 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
 
     from rlhf_core.feedback.simulated_users import UsersConfig, simulate
     from rlhf_core.serving import server
+    from rlhf_core.serving.user_auth import USER_SECRET_FILE, resolve_secret
     from rlhf_core.testing.gateway_process import running_gateway
 
     config, cfg, state_dir, summary = full_run
@@ -410,10 +411,12 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     port = free_ports(1)[0]
     with running_gateway(["--config", str(config), "--set", f"feedback.port={port}"], port) as gateway:
         key = server.resolve_api_key(cfg.serving, state_dir)
+        # the user-signing secret as the gateway resolved it: its variable, else the state dir's file
+        user_secret = resolve_secret(cfg.feedback.user_secret_env, state_dir / USER_SECRET_FILE)
         # a 2-step tiny policy answers mostly garbage: users choose between two answers, where
         # "closer to the right sum" still decides, so that there are pairs to train on
         users = UsersConfig(users=8, requests_per_user=12, choice_share=0.8, label_noise=0.1, seed=1)
-        counts = simulate(f"{gateway}/v1", key, users, exclude=eval_prompts)
+        counts = simulate(f"{gateway}/v1", key, users, exclude=eval_prompts, user_secret=user_secret)
     assert counts["requests"] == 96 and not [k for k in counts if k.startswith("refused")], counts
 
     overrides = [f"{k}={json.dumps(v)}" for k, v in flat(yaml.safe_load(config.read_text())).items()]

@@ -331,7 +331,8 @@ def test_every_secret_used_is_documented_with_its_key():
             used.setdefault(name, set()).add(key)
     assert used == {name: set(keys) for name, keys in documented.items()}
     assert used == {"rlhf-serving": {"api-key"}, "rlhf-receiver-token": {"receiver-token"},
-                    "rlhf-feedback": {"store-url", "user-salt"}}
+                    "rlhf-feedback": {"store-url", "user-salt"},
+                    "rlhf-gateway-auth": {"user-signing-secret", "admin-key"}}
 
 
 def test_the_configmap_has_the_pipeline_configs_mlflow_uri():
@@ -462,6 +463,8 @@ def test_vllm_serves_the_champion_downloaded_from_mlflow():
 
 
 def test_the_feedback_gateway_fronts_the_pods_vllm_with_the_same_key_and_a_shared_store():
+    from rlhf_core.serving import gateway as feedback_gateway
+
     pod = _deployment_pod("rlhf-vllm")
     vllm, gateway, init = _container(pod, "vllm"), _container(pod, "gateway"), _container(pod, "fetch-champion")
     argv = _argv(gateway)
@@ -479,7 +482,11 @@ def test_the_feedback_gateway_fronts_the_pods_vllm_with_the_same_key_and_a_share
         "labels"].items()
     for probe in ("readinessProbe", "livenessProbe"):
         get = gateway[probe]["httpGet"]
-        assert get["path"] in serving.OPEN_PATHS and _resolve_port(gateway, get["port"]) == port, probe
+        assert get["path"] in feedback_gateway.OPEN_PATHS and _resolve_port(gateway, get["port"]) == port, probe
+    # ready while the pod's vLLM answers (/health); alive while the gateway's process answers
+    # (/livez): a liveness probe on /health would restart the gateway whenever vLLM is down
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/livez"
     # the init container announces the pod's vLLM where the gateway's state_dir is
     script = " ".join(_argv(init))
     assert f'url="http://127.0.0.1:{_resolve_port(vllm, "http")}"' in script
@@ -495,6 +502,11 @@ def test_the_feedback_gateway_fronts_the_pods_vllm_with_the_same_key_and_a_share
     assert env[cfg.feedback.store_url_env] == {"secretKeyRef": {"name": "rlhf-feedback", "key": "store-url"}}
     assert cfg.feedback.store_url is None, "the store URL holds a password: the Secret, not the config"
     assert _mounted_files(pod, gateway)[str(cfg.feedback.salt_file)] == ("Secret", "rlhf-feedback", "user-salt")
+    # the user-signing secret and the admin key from one Secret, the same in every pod: a
+    # secret generated in each pod's state directory would refuse another pod's signatures
+    assert env[cfg.feedback.user_secret_env] == {
+        "secretKeyRef": {"name": "rlhf-gateway-auth", "key": "user-signing-secret"}}
+    assert env[cfg.feedback.admin_key_env] == {"secretKeyRef": {"name": "rlhf-gateway-auth", "key": "admin-key"}}
 
 
 def test_prometheus_scrapes_each_pods_gateway_and_only_vllm_in_the_vllm_job():

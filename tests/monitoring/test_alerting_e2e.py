@@ -150,8 +150,6 @@ class Stack:
 
 @pytest.fixture
 def stack_factory(monitoring_tools, tmp_path, free_ports):
-    if monitoring_tools.prometheus is None or monitoring_tools.alertmanager is None:
-        pytest.fail("prometheus / prometheus-alertmanager not on PATH (apt-get install prometheus prometheus-alertmanager)")
     stacks = []
 
     def make(trigger):
@@ -328,6 +326,7 @@ def test_users_unhappy_with_a_new_champion_fire_the_satisfaction_alert_and_ask_f
     the store directly, as the gateway records what vLLM serves: no model is needed to rate."""
     from rlhf_core.feedback.store import Answer, FeedbackStore, sqlite_url
     from rlhf_core.serving.state import Endpoint, append_history, write_json_atomic
+    from rlhf_core.serving.user_auth import USER_SECRET_FILE, sign_user
     from rlhf_core.testing.gateway_process import running_gateway
 
     def endpoint(version: str) -> Endpoint:
@@ -349,18 +348,23 @@ def test_users_unhappy_with_a_new_champion_fire_the_satisfaction_alert_and_ask_f
     triggered = []
     stack = stack_factory(lambda incident, reason, by: triggered.append((incident, reason)) or "flow-run-unhappy")
     port = free_ports(1)[0]
+    # the API key and the user-signing secret from the state dir: unset variables name them
+    # nowhere else, whatever the environment holds
     sets = [f"output_dir={tmp_path}", f"serving.state_dir={state}", f"feedback.port={port}",
-            "serving.api_key_env=RLHF_TEST_UNSET_KEY", "feedback.ratings_per_minute=100000"]
+            "serving.api_key_env=RLHF_TEST_UNSET_KEY", "feedback.user_secret_env=RLHF_TEST_UNSET_USER_SECRET",
+            "feedback.ratings_per_minute=100000"]
     with running_gateway([a for s in sets for a in ("--set", s)], port) as gateway:
         (tmp_path / "stack0" / "targets" / "gateway.json").write_text(
             f'[{{"targets": ["127.0.0.1:{port}"], "labels": {{"job_run": "gateway"}}}}]')
         key = (state / "api_key").read_text().strip()
+        user_secret = (state / USER_SECRET_FILE).read_text().strip()  # generated as the gateway started
 
         def rate(version: str, ups: int, downs: int) -> None:
+            """Ratings as an application sends them: the API key, each user's id signed."""
             with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=10, trust_env=False) as c:
                 for i in range(ups + downs):
-                    r = c.post(f"{gateway}/v1/feedback", json={"response_id": f"v{version}-{i}", "user": f"u{i}",
-                                                               "rating": "up" if i < ups else "down"})
+                    r = c.post(f"{gateway}/v1/feedback", headers=sign_user(user_secret, f"u{i}"),
+                               json={"response_id": f"v{version}-{i}", "rating": "up" if i < ups else "down"})
                     assert r.status_code == 200, r.text
 
         rate("1", 80, 20)  # happy with v1

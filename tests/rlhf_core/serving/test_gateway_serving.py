@@ -1,6 +1,8 @@
 """The feedback gateway in front of a real vLLM server, run as `rlhf gateway` in its own process:
-answers through the `openai` client (plain, streamed, n=2) are recorded and rateable, and a
-gateway killed with SIGKILL in the middle of a stream of ratings has lost none it acknowledged.
+answers through the `openai` client (plain, chat through the demo's template, streamed, n=2) are
+recorded and rateable by signed users, bodies over the limit are refused by the real HTTP server
+too, and a gateway killed with SIGKILL in the middle of a stream of ratings has lost none it
+acknowledged.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import pytest
 from rlhf_core.config import ServingConfig
 from rlhf_core.feedback.store import FeedbackStore, sqlite_url
 from rlhf_core.serving.server import deploy, stop
-from tests.rlhf_core.serving.gateway_process import running_gateway, start_gateway
-from tests.rlhf_core.serving.models import PLAIN_CHAT_TEMPLATE, tiny_policy_dir
+from rlhf_core.serving.user_auth import USER_SECRET_FILE, sign_user
+from rlhf_core.testing.gateway_process import running_gateway, start_gateway
+from rlhf_core.testing.models import tiny_policy_dir
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +37,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, free_ports):
     tmp = tmp_path_factory.mktemp("gateway")
-    model_dir = tiny_policy_dir(tmp / "policy", chat_template=PLAIN_CHAT_TEMPLATE)
+    model_dir = tiny_policy_dir(tmp / "policy")  # the demo tokenizer, with its chat template
     cfg = ServingConfig(ports=tuple(free_ports(2)), api_key_env="RLHF_TEST_GATEWAY_KEY_UNSET",
                         smoke_prompt="12+34=", kv_cache_gib=0.25)
     state_dir = tmp / "serving"
@@ -46,7 +49,7 @@ def served(tmp_path_factory, free_ports):
 def gateway_args(served: Served, port: int, *extra: str) -> list[str]:
     sets = [f"output_dir={served.output_dir}", f"serving.state_dir={served.state_dir}",
             f"serving.api_key_env={served.cfg.api_key_env}", f"serving.ports=[{served.cfg.ports[0]},{served.cfg.ports[1]}]",
-            f"feedback.port={port}", *extra]
+            "feedback.user_secret_env=RLHF_TEST_GATEWAY_USER_SECRET_UNSET", f"feedback.port={port}", *extra]
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -68,15 +71,22 @@ def store(served) -> FeedbackStore:
     return FeedbackStore(sqlite_url(served.state_dir / "feedback.db"))
 
 
-def rate(gateway: str, key: str, **body) -> httpx.Response:
-    return httpx.post(f"{gateway}/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+def user_secret(served: Served) -> str:
+    """The user-signing secret the gateway generated in the state dir when it started."""
+    return (served.state_dir / USER_SECRET_FILE).read_text().strip()
+
+
+def rate(gateway: str, served: Served, as_user: str, **body) -> httpx.Response:
+    """A rating as an application sends it: the API key, and `as_user`'s id signed."""
+    headers = {"Authorization": f"Bearer {served.key}", **sign_user(user_secret(served), as_user)}
+    return httpx.post(f"{gateway}/v1/feedback", json=body, headers=headers, timeout=30)
 
 
 def test_a_completion_through_the_gateway_is_recorded_and_rateable(served, gateway, openai_client):
     out = openai_client.completions.create(model="policy", prompt="12+34=", max_tokens=4, temperature=0,
-                                           user="alice")
+                                           user="alice", extra_headers=sign_user(user_secret(served), "alice"))
     assert out.id.startswith("resp-") and out.model == "policy-v1"
-    r = rate(gateway, served.key, response_id=out.id, rating="up", user="alice")
+    r = rate(gateway, served, "alice", response_id=out.id, rating="up", user="alice")
     assert r.status_code == 200 and r.json()["status"] == "created"
     s = store(served)
     ratings, _ = s.feedback_between(0, 1e12)
@@ -84,6 +94,16 @@ def test_a_completion_through_the_gateway_is_recorded_and_rateable(served, gatew
     assert [(x["text"], x["prompt"], x["model_version"], x["thumb"]) for x in mine] == [
         (out.choices[0].text, "12+34=", "1", 1)]
     s.close()
+
+
+def test_the_demo_model_chats_through_its_template_as_it_completes(served, gateway, openai_client):
+    """One user message is the demo's prompt, BOS included: the greedy answer is the completion's."""
+    chat = openai_client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "12+34="}], max_tokens=4, temperature=0)
+    text = openai_client.completions.create(model="policy", prompt="12+34=", max_tokens=4, temperature=0)
+    assert chat.id.startswith("resp-") and chat.choices[0].message.content
+    assert chat.choices[0].message.content == text.choices[0].text
+    assert chat.usage.prompt_tokens == text.usage.prompt_tokens
 
 
 def test_a_streamed_chat_is_recorded_as_the_client_saw_it(served, gateway, openai_client):
@@ -94,7 +114,7 @@ def test_a_streamed_chat_is_recorded_as_the_client_saw_it(served, gateway, opena
         ids.add(chunk.id)
         text += [c.delta.content or "" for c in chunk.choices]
     [rid] = ids
-    assert rate(gateway, served.key, response_id=rid, rating="down", comment="wrong").status_code == 200
+    assert rate(gateway, served, "carol", response_id=rid, rating="down", comment="wrong").status_code == 200
     s = store(served)
     [row] = [x for x in s.feedback_between(0, 1e12)[0] if x["response_id"] == rid]
     assert row["text"] == "".join(text) and row["prompt"] == [{"role": "user", "content": "12+34="}]
@@ -105,7 +125,7 @@ def test_two_samples_to_choose_between(served, gateway, openai_client):
     out = openai_client.completions.create(model="policy", prompt="56+78=", max_tokens=4, temperature=1.0, n=2,
                                            seed=3)
     assert len(out.choices) == 2
-    r = rate(gateway, served.key, response_id=out.id, preferred=1, user="bob")
+    r = rate(gateway, served, "bob", response_id=out.id, preferred=1)
     assert r.status_code == 200 and r.json()["status"] == "created"
     s = store(served)
     [c] = [x for x in s.feedback_between(0, 1e12)[1] if x["response_id"] == out.id]
@@ -118,6 +138,28 @@ def test_without_the_key_nothing_is_served(served, gateway):
     assert r.status_code == 401
 
 
+def test_unsigned_ratings_are_refused_and_the_health_check_sees_vllm(served, gateway, openai_client):
+    out = openai_client.completions.create(model="policy", prompt="12+34=", max_tokens=2, temperature=0)
+    r = httpx.post(f"{gateway}/v1/feedback", json={"response_id": out.id, "rating": "up", "user": "alice"},
+                   headers={"Authorization": f"Bearer {served.key}", "x-user-id": "alice"}, timeout=30)
+    assert r.status_code == 401
+    r = httpx.get(f"{gateway}/health", timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok", "version": "1"}
+
+
+def test_a_body_over_the_limit_is_413_from_the_real_server_chunked_or_not(served, gateway):
+    big = b'{"prompt": "' + b"1" * 5_000_000 + b'", "max_tokens": 2}'
+    headers = {"Authorization": f"Bearer {served.key}", "content-type": "application/json"}
+    r = httpx.post(f"{gateway}/v1/completions", content=big, headers=headers, timeout=60)
+    assert r.status_code == 413
+    chunks = (big[i:i + 65536] for i in range(0, len(big), 65536))
+    r = httpx.post(f"{gateway}/v1/completions", content=chunks, headers=headers, timeout=60)
+    assert r.status_code == 413
+    r = httpx.post(f"{gateway}/v1/completions", json={"prompt": "1+1=", "max_tokens": 2}, headers=headers,
+                   timeout=60)
+    assert r.status_code == 200
+
+
 def test_a_gateway_killed_mid_stream_of_ratings_loses_none_it_acknowledged(served, free_ports, openai_client):
     response_ids = [openai_client.completions.create(model="policy", prompt=f"{10 + i}+11=", max_tokens=3,
                                                      temperature=0).id for i in range(4)]
@@ -127,13 +169,16 @@ def test_a_gateway_killed_mid_stream_of_ratings_loses_none_it_acknowledged(serve
     acknowledged: list[tuple[str, str]] = []
     stop_sending = threading.Event()
 
+    secret = user_secret(served)
+
     def send(worker: int) -> None:
         with httpx.Client(timeout=10, headers={"Authorization": f"Bearer {served.key}"}) as client:
             i = 0
             while not stop_sending.is_set():
                 user, rid = f"kill-{worker}-{i}", response_ids[i % len(response_ids)]
                 try:
-                    r = client.post(f"{url}/v1/feedback", json={"response_id": rid, "rating": "up", "user": user})
+                    r = client.post(f"{url}/v1/feedback", json={"response_id": rid, "rating": "up"},
+                                    headers=sign_user(secret, user))
                 except httpx.HTTPError:
                     return  # the gateway is gone
                 if r.status_code == 200:
