@@ -31,7 +31,7 @@ from tasks.tracking import PipelineRun, flatten, stage_run
 
 
 # Bump when the SFT code changes what it produces for the same inputs.
-SFT_CACHE_VERSION = 1
+SFT_CACHE_VERSION = 2  # 2: the demo tokenizer carries its chat template
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ def make_pretrained(tmp_path, family: str, *, chat_template: bool | str = True, 
                     shards: bool = False, texts: list[str] | None = None):
     """(directory, model) of a random-weight `family` model saved as Hugging Face writes one,
     with a tokenizer trained on `texts` carrying `chat_template` (True: ChatML)."""
-    tok = train_tokenizer(texts or ["hello there, general kenobi", "what colour is the sky"], vocab_size=300)
+    tok = train_tokenizer(texts or ["hello there, general kenobi", "what colour is the sky"], vocab_size=300,
+                          chat_template=None)  # a family model brings its own template, or none
     if chat_template:
         tok.chat_template = CHATML if chat_template is True else chat_template
     if pad_is_eos:

@@ -44,7 +44,7 @@ def test_text_passes_through_and_mixing_text_with_messages_is_refused(tokenizer)
 
 
 def test_a_tokenizer_without_a_template_says_how_to_set_one():
-    tok = train_tokenizer(["hello"], vocab_size=300)
+    tok = train_tokenizer(["hello"], vocab_size=300, chat_template=None)
     with pytest.raises(ChatTemplateError, match="no chat template; set `model.chat_template`"):
         render_prompt(tok, [user("Sky?")])
 
