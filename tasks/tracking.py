@@ -23,6 +23,7 @@ from prefect import get_run_logger, task
 from rlhf_core.config import PipelineConfig, load_config
 from rlhf_core.process_owner import owner_gone, this_process
 from tasks.journal import Stages
+from tasks.prefect_runs import FLOW_RUN_TAG, DeadRun, crash_flow_runs, flow_run_tags
 
 DEFAULT_DB = "mlflow.db"
 
@@ -107,8 +108,9 @@ OWNER_TAG = "rlhf.owner"  # host:pid:start of the process that opened the run (r
 
 def close_abandoned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     """Close as KILLED every run still RUNNING whose owner process is gone (a pipeline killed
-    mid-stage leaves its runs RUNNING forever otherwise), with the reason in `failure_reason`.
-    Runs owned by live processes, by other hosts, or by nobody known are left alone."""
+    mid-stage leaves its runs RUNNING forever otherwise), with the reason in `failure_reason`, and
+    mark their Prefect flow runs CRASHED (`tasks.prefect_runs`). Runs owned by live processes, by
+    other hosts, or by nobody known are left alone."""
     closed = []
     for run in client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=1000):
         owner = run.data.tags.get(OWNER_TAG)
@@ -118,11 +120,9 @@ def close_abandoned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
                            f"killed: the process that ran it (pid {pid} on {host}) ended without closing it; "
                            f"closed by pid {os.getpid()} at {datetime.now(timezone.utc).isoformat(timespec='seconds')}")
             client.set_terminated(run.info.run_id, "KILLED")
-            closed.append(run.info.run_id)
-    return closed
-
-
-FLOW_RUN_TAG = "prefect.flow_run_id"  # the Prefect flow run that opened the run: a retry of it resumes the run
+            closed.append(DeadRun.of(run, owner))
+    crash_flow_runs(closed)
+    return [dead.mlflow_run_id for dead in closed]
 
 
 class ResumeRefused(ValueError):
@@ -167,7 +167,7 @@ def start_pipeline_run(cfg: PipelineConfig, config_source: str, flow_name: str =
         exp_id,
         run_name=out_dir.name,
         tags={"pipeline": flow_name, "config.name": cfg.name, "config.source": config_source, "git.commit": git_commit(),
-              OWNER_TAG: this_process(), **({FLOW_RUN_TAG: flow_run.id} if flow_run.id else {})},
+              OWNER_TAG: this_process(), **flow_run_tags()},
     )
     resolved = cfg.model_dump(mode="json")
     client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, v[:6000]) for k, v in flatten(resolved).items()])
@@ -256,7 +256,7 @@ def _reopen(client: MlflowClient, previous) -> PipelineRun:
     hold_run_dir(Path(tags["output_dir"]), run_id)
     attempt = int(tags.get("resume.count", "0")) + 1
     for key, value in {
-        "resume.count": str(attempt), OWNER_TAG: this_process(),
+        "resume.count": str(attempt), OWNER_TAG: this_process(), **flow_run_tags(),
         "resume.previous": f"{previous.info.status}: {tags.get('failure_reason', '')}"[:5000],
         "resume.at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }.items():
