@@ -4,7 +4,8 @@ its log for the cause of a failure.
 
 The server is detached: started with `start_new_session=True`, it outlives the process that
 deployed it (a Prefect flow run) and is stopped as a process group (SIGTERM, then SIGKILL),
-which also reaches vLLM's engine-core and worker processes.
+which also reaches vLLM's engine-core and worker processes (what they become when the API
+server is killed alone, and how they are found and ended: `rlhf_core.serving.orphans`).
 
 Telemetry is off (`VLLM_NO_USAGE_STATS`, `VLLM_DO_NOT_TRACK`, `DO_NOT_TRACK`). The KV cache
 is sized with `--kv-cache-memory-bytes` from `cfg.kv_cache_gib` (fractions of a GiB allowed)
@@ -185,7 +186,11 @@ def is_server(pid: int, port: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    args = [a.decode(errors="replace") for a in argv]
+    return is_server_command([a.decode(errors="replace") for a in argv], port)
+
+
+def is_server_command(args: list[str] | tuple[str, ...], port: int) -> bool:
+    """Is `args` the command line of a vLLM API server on `port`?"""
     return SERVER_MODULE in args and any(a == "--port" and b == str(port) for a, b in zip(args, args[1:]))
 
 

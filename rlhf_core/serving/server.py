@@ -19,6 +19,10 @@ serves": clients read it, or use its port. A deployment:
    endpoint or the new one, never half of one), appends a line to
    `<state_dir>/deployments.jsonl`, and stops the old server.
 
+A deploy or `stop` ends the recorded server's whole process group, found by group and port
+even when its API server was killed alone and left vLLM's engine processes running
+(`rlhf_core.serving.orphans`).
+
 A failed deployment stops its own process group and leaves `current.json` and the old
 server untouched: the old version keeps serving. It leaves its server log in
 `<state_dir>/logs/` and a `"failed"` line in `deployments.jsonl`; the `ServingError` says
@@ -27,8 +31,8 @@ corrupt checkpoint the root cause is logged by a worker process, far above the A
 server's own traceback).
 
 The API key (`rlhf_core.serving.auth`), the server process (`.process`), the blue/green
-state (`.state`) and the HTTP calls (`.client`) live in modules of their own; their public
-names are importable from here too.
+state (`.state`), what a server killed alone leaves (`.orphans`) and the HTTP calls
+(`.client`) live in modules of their own; their public names are importable from here too.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from rlhf_core.config import ServingConfig
 from rlhf_core.serving.auth import OPEN_PATHS, RequireApiKey, resolve_api_key
 from rlhf_core.serving.client import complete, health, list_models, requests_in_flight
 from rlhf_core.serving.errors import ServingError
+from rlhf_core.serving.orphans import Orphans, end_server, find_orphans
 from rlhf_core.serving.process import (
     GiB,
     KILL_GRACE_S,
@@ -66,6 +71,7 @@ from rlhf_core.serving.state import (
     deploy_lock,
     ensure_dir,
     next_port,
+    recorded_endpoint,
     state_dir_for,
     url_for,
     write_json_atomic,
@@ -73,8 +79,9 @@ from rlhf_core.serving.state import (
 
 __all__ = [
     "GiB", "KILL_GRACE_S", "OPEN_PATHS", "SERVER_MODULE", "SERVER_PREFILL_TOKENS", "DeployResult", "Endpoint",
-    "RequireApiKey", "ServingError", "complete", "current_endpoint", "deploy", "health", "list_models", "next_port",
-    "resolve_api_key", "server_command", "state_dir_for", "stop", "stop_process_group",
+    "Orphans", "RequireApiKey", "ServingError", "Stopped", "complete", "current_endpoint", "deploy", "find_orphans",
+    "health", "list_models", "next_port", "resolve_api_key", "server_command", "state_dir_for", "stop",
+    "stop_process_group", "stop_serving",
 ]
 
 log = logging.getLogger(__name__)
@@ -103,6 +110,8 @@ def deploy(
     with deploy_lock(state_dir):
         _stop_abandoned(state_dir)
         previous = current_endpoint(state_dir)
+        if previous is None:  # it may have died and left vLLM's engine running
+            _end_orphans(state_dir, recorded_endpoint(state_dir))
         port = next_port(cfg.ports, previous)
         if port_in_use(cfg.host, port):
             raise ServingError(f"port {port} on {cfg.host} is already in use; not starting {name} there")
@@ -143,27 +152,65 @@ def deploy(
             _drain(previous, cfg.drain_timeout_s)
             log.info("stopping the previous server %s (pid %d)", previous.served_model_name, previous.pid)
             try:
-                stop_process_group(previous.pid)
+                end_server(previous)
             except ServingError as e:  # the new server is current already: report, do not undo
                 log.error("could not stop the previous server %s: %s", previous.served_model_name, e)
     return DeployResult(endpoint=endpoint, previous=previous, smoke_completion=text, seconds=seconds)
 
 
+@dataclass(frozen=True)
+class Stopped:
+    """What `stop_serving` ended: the server that served, or the orphans of one that died."""
+
+    endpoint: Endpoint | None  # the server that served
+    orphans: Orphans | None = None  # what a dead server left running
+
+    def __str__(self) -> str:
+        if self.endpoint is not None:
+            return f"stopped policy v{self.endpoint.version} at {self.endpoint.url}"
+        if self.orphans is not None:
+            o = self.orphans
+            return (f"ended {len(o.pids)} orphaned process{'es' if len(o.pids) != 1 else ''} of the last server, "
+                    f"policy v{o.endpoint.version} (pids {', '.join(map(str, o.pids))}, pgid {o.endpoint.pid}); "
+                    "nothing serves now")
+        return "nothing was serving"
+
+
 def stop(state_dir: Path) -> Endpoint | None:
     """Stop the current server and remove current.json; the endpoint stopped, or None."""
+    return stop_serving(state_dir).endpoint
+
+
+def stop_serving(state_dir: Path) -> Stopped:
+    """Stop the recorded server's whole process group, its leader alive or not (the orphans of
+    one killed alone too), and remove current.json."""
     state_dir = Path(state_dir)
     if not state_dir.exists():
-        return None
+        return Stopped(None)
     with deploy_lock(state_dir):
         _stop_abandoned(state_dir)
-        endpoint = current_endpoint(state_dir)
+        recorded, endpoint = recorded_endpoint(state_dir), current_endpoint(state_dir)
         # current.json goes first: from then on nobody is sent to the server being stopped.
         with contextlib.suppress(FileNotFoundError):
             (state_dir / "current.json").unlink()
         if endpoint is not None:
-            stop_process_group(endpoint.pid)
+            end_server(endpoint)
             append_history(state_dir, "stopped", endpoint, None)
-    return endpoint
+            return Stopped(endpoint)
+        return Stopped(None, _end_orphans(state_dir, recorded))
+
+
+def _end_orphans(state_dir: Path, recorded: Endpoint | None) -> Orphans | None:
+    """End the processes the dead server `recorded` left running, and record it."""
+    if recorded is None or recorded.pid <= 1:
+        return None
+    pids = end_server(recorded)
+    if not pids:
+        return None
+    log.warning("the server of %s (pid %d) had died; ended %d process(es) it left running: %s",
+                recorded.served_model_name, recorded.pid, len(pids), pids)
+    append_history(state_dir, "stopped", recorded, None, orphans=pids)
+    return Orphans(recorded, tuple(pids))
 
 
 def _stop_new_server(proc: subprocess.Popen, state_dir: Path) -> str:
@@ -196,6 +243,8 @@ def _stop_abandoned(state_dir: Path) -> None:
         log.warning("a deploy of %s died before it finished; stopping the server it started (process group %d)",
                     abandoned.served_model_name, pgid)
         stop_process_group(pgid)
+    if abandoned is not None and abandoned.pid > 1 and end_server(abandoned):  # its API server died alone
+        groups.add(abandoned.pid)
     if abandoned is not None:
         append_history(state_dir, "abandoned", abandoned, None, stopped_process_groups=sorted(groups))
     path.unlink()

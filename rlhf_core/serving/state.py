@@ -50,15 +50,23 @@ def state_dir_for(cfg: ServingConfig, output_dir: Path) -> Path:
     return (Path(cfg.state_dir) if cfg.state_dir is not None else Path(output_dir) / "serving").resolve()
 
 
-def current_endpoint(state_dir: Path) -> Endpoint | None:
-    """The endpoint in <state_dir>/current.json; None if there is none or its server is gone."""
+def recorded_endpoint(state_dir: Path) -> Endpoint | None:
+    """The endpoint in <state_dir>/current.json, its server running or not; None if there is none."""
     path = Path(state_dir) / "current.json"
     try:
-        endpoint = Endpoint.from_dict(json.loads(path.read_text()))
+        return Endpoint.from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError) as e:
         raise ServingError(f"{path} is unreadable ({e!r}); inspect it, then stop the server by hand") from e
+
+
+def current_endpoint(state_dir: Path) -> Endpoint | None:
+    """The endpoint in <state_dir>/current.json; None if there is none or its server is gone."""
+    path = Path(state_dir) / "current.json"
+    endpoint = recorded_endpoint(state_dir)
+    if endpoint is None:
+        return None
     if not is_server(endpoint.pid, endpoint.port):
         log.warning(
             "%s records %s (pid %d, port %d) but that server is no longer running (pid gone or reused)",
