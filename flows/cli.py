@@ -4,6 +4,7 @@
              [--resume RUN_ID]                            or continue a failed or killed run
     rlhf demo                                             run it on the packaged configs/demo.yaml
     rlhf validate PATH [--eval PATH] [--record]           validate preference data only
+                  [--set key.path=value ...] [--show N]   and print N rows as the trainer sees them
     rlhf check-config PATH                                validate a config file only
     rlhf make-demo-data OUT_DIR [--config PATH]           write the demo task's data
     rlhf evaluate [VERSION|ALIAS]                         re-run the gates on a registered policy
@@ -14,6 +15,7 @@
     rlhf serving [status|stop|ensure]                     what serves now; stop it; serve something
     rlhf gateway                                          the feedback gateway in front of what serves
     rlhf collect-feedback                                 export new feedback as a preference dataset
+    rlhf env [--json]                                     versions, machine and settings for a bug report
 
 Every command takes `--config PATH` (default: the packaged configs/demo.yaml, found from any
 directory) and `--debug`. A failed run prints one block: the stage, the cause, the report,
@@ -24,7 +26,8 @@ Exit codes: 0 success, 1 the run failed (summary.json says why), 2 bad usage or 
 3 the gates rejected the candidate or could not tell it from a bar (undecided): nothing was
 registered or deployed. `rlhf serving status`: 0 the registry's champion serves, healthy;
 1 nothing healthy serves; 4 a healthy server that is not the champion (it says how to fix it);
-it also says when a deploy is under way. `rlhf serving ensure`: goes on if a server answers,
+it also says when a deploy is under way, and names the processes a server killed alone left
+running (`rlhf serving stop` ends them). `rlhf serving ensure`: goes on if a server answers,
 else deploys the champion, else runs the demo when there is no champion; it exits as what it ran.
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ from flows.console import (
     unroute_logs,
 )
 from flows.prefect_setup import quiet_telemetry, start_prefect_server_early
+from flows.show import print_environment, print_rows
 from rlhf_core.default_config import DEFAULT_CONFIG
 
 
@@ -71,7 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("--record", action="store_true",
                      help="run it as the validate-data flow, recorded in MLflow and Prefect (slower: starts "
                           "Prefect's temporary server when none is configured)")
-    val.set_defaults(overrides=[])
+    val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set model.pretrained=DIR (repeatable)")
+    val.add_argument("--show", type=int, default=0, metavar="N",
+                     help="also print N rows as the trainer sees them: rendered, token counts, what is cut")
 
     chk = sub.add_parser("check-config", help="validate a pipeline config file and print it resolved")
     chk.add_argument("path")
@@ -113,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
 
     col = sub.add_parser("collect-feedback", help="export the feedback since the last export (collect-feedback flow)")
     _config_args(col)
+    env = sub.add_parser("env", help="print versions, machine and settings to paste into a bug report")
+    env.add_argument("--json", action="store_true", help="the same as JSON")
+    _config_args(env)
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true",
                              help="show errors and tracebacks on the terminal too (they always go to the log file)")
@@ -186,15 +196,14 @@ def _serving_command(args, cfg) -> int:
     from rlhf_core.serving.state import deploy_under_way
 
     state_dir = _state_dir(cfg)
-    if args.action == "stop":
-        stopped = server.stop(state_dir)
-        print(f"stopped policy v{stopped.version} at {stopped.url}" if stopped else "nothing was serving")
+    if args.action == "stop":  # the recorded server's whole process group, its leader alive or not
+        print(server.stop_serving(state_dir))
         return 0
     if args.action == "ensure":
         return _ensure_serving(args, cfg, state_dir)
     current, deploying = server.current_endpoint(state_dir), deploy_under_way(state_dir)
     if current is None:
-        print("nothing is serving" + (f"; {deploying}" if deploying else ""))
+        print("; ".join(str(x) for x in ("nothing is serving", deploying, server.find_orphans(state_dir)) if x))
         return 1
     healthy = server.health(current.url)
     champion, why = _registry_champion(cfg)
@@ -270,7 +279,7 @@ def _flow_command(args, cfg) -> int:
     if args.command == "validate":
         flows, log = _flows("flows.validate", args, cfg)
         return _run_flow(flows.validate_data_flow, log, preferences_path=args.path, eval_path=args.eval_path,
-                         config_path=args.config)
+                         config_path=args.config, overrides=args.overrides)
     common = {"config_path": args.config, "overrides": args.overrides}
     if args.command == "evaluate":
         flows, log = _flows("flows.evaluate", args, cfg)
@@ -350,9 +359,13 @@ def main(argv: list[str] | None = None) -> int:
             files = generate_demo_data(load_config(args.config).data.demo, Path(args.out_dir))
             print("\n".join(str(f) for f in (files.sft, files.preferences, files.eval)))
             return 0
+        if args.command == "env":  # before the config is loaded: a broken config is worth reporting too
+            return print_environment(args.config, args.overrides, args.json)
         cfg = load_config(args.config, args.overrides)  # fail fast, before any server starts
         if args.command == "validate":
             _check_inputs(args)
+            if args.show > 0:
+                print_rows(cfg, args.path, args.show)
             if not args.record:
                 return _validate_here(args, cfg)
         if getattr(args, "resume", None):

@@ -13,11 +13,14 @@ from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summ
 
 @flow(name="validate-data", log_prints=True)
 def validate_data_flow(
-    preferences_path: str, eval_path: str | None = None, config_path: str = DEFAULT_CONFIG
+    preferences_path: str, eval_path: str | None = None, config_path: str = DEFAULT_CONFIG,
+    overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Validate a preference file (JSONL or Parquet) and optionally its eval set, with the
-    thresholds of `config_path`; the report goes to MLflow and to a Prefect artifact."""
-    cfg = load_config(config_path)
+    thresholds of `config_path` and `overrides` (`key.path=value` items, e.g.
+    `model.pretrained=DIR`, whose tokenizer renders conversational data); the report goes to
+    MLflow and to a Prefect artifact."""
+    cfg = load_config(config_path, overrides)
     run = start_pipeline_run(cfg, config_source=str(config_path), flow_name="validate-data")
     summary = summary_header(run, "validate-data", str(config_path))
     with recorded_outcome(run, summary) as stages:

@@ -28,7 +28,7 @@ def test_help_lists_every_subcommand_with_its_help_line():
                          env={**os.environ, "COLUMNS": "200"})
     commands = _subcommands()
     assert {"run", "demo", "validate", "check-config", "make-demo-data", "evaluate", "promote", "deploy",
-            "rollback", "serving", "gateway", "collect-feedback"} == set(commands)
+            "rollback", "serving", "gateway", "collect-feedback", "env"} == set(commands)
     for name, help_line in commands.items():
         assert re.search(rf"^\s+{re.escape(name)}\s+{re.escape(help_line)}$", out.stdout, re.M), (name, out.stdout)
 
@@ -406,3 +406,9 @@ def test_serving_ensure_runs_what_the_state_needs(tmp_path, capsys, free_ports, 
     out = capsys.readouterr().out
     assert {"rlhf_pipeline": "there is no champion: running the demo", "deploy_champion_flow":
             "deploying the champion, policy v2", None: "policy v1 serves"}[flow] in out
+
+
+def test_the_readmes_command_list_names_exactly_the_parsers_subcommands():
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"^## Command line\n\n```\n(.*?)^```", text, re.M | re.S).group(1)
+    assert set(re.findall(r"^rlhf ([a-z-]+)", block, re.M)) == set(_subcommands())
