@@ -17,7 +17,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
+# eight runs of the CLI, each starting its own Ray cluster: the longest test of the suite (~6 min)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("prefect_server")]
 
 STAGES = ("validate", "sft", "reward", "policy", "evaluate")  # the stages with an MLflow run of their own
 

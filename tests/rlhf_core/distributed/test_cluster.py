@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import json, os, ray
 from rlhf_core.distributed.cluster import connect_ray, ray_session
@@ -21,6 +23,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow  # starts a Ray cluster of its own
 def test_one_local_cluster_for_the_stages_with_single_node_train_settings_a_user_setting_wins():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_TRAIN_")}
     env |= {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1.5", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -86,6 +89,7 @@ def _fit(torch_config, tmp_path, name):
     return trainer.fit().return_value["ranks"]
 
 
+@pytest.mark.slow  # a Ray Train fit
 def test_the_training_process_group_listens_on_loopback_only(ray_cluster, tmp_path):
     """With the pipeline's set-up (`torch_trainer` → `LoopbackTorchConfig`) two workers on one
     node rendezvous and talk over loopback: no socket of theirs beyond Ray's own server is

@@ -22,8 +22,9 @@ from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
 from rlhf_core.distributed.policy_worker import deepspeed_config
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
-from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.testing.sinks import JsonlSink
+from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.ppo_step import prompt_indices
 
 from .conftest import N_EVAL
 
@@ -197,23 +198,6 @@ def test_pipelined_grpo_bounds_the_lag_and_weighs_lagged_tokens(ray_cluster, dem
 
 
 @pytest.mark.slow
-def test_ppo_runs_end_to_end_on_two_workers_with_parameters_sharded(ray_cluster, demo, tmp_path):
-    """ZeRO-3: the actor's and the critic's parameters are sharded over the two workers; the
-    weights the engine receives are gathered from both, and it still follows the trainer."""
-    cfg = CFG.model_copy(update={"algorithm": "ppo", "num_workers": 2, "prompts_per_step": 16,
-                                 "minibatch_size": 16, "micro_batch_size": 4, "zero_stage": 3})
-    result = run(demo, tmp_path, cfg, _check_sync=True)
-    check_finite_run(result, cfg)
-    for check in result.sync_checks:
-        assert check["engine"] == check["hf"]
-    assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
-    for m in result.metrics_history:
-        for name in ("policy/value_loss", "policy/explained_variance", "policy/critic_grad_norm",
-                     "policy/step_time_s/worker_1"):
-            assert name in m and (math.isfinite(m[name]) or name == "policy/explained_variance"), (name, m)
-
-
-@pytest.mark.slow
 def test_grpo_with_lora_trains_adapters_resumes_from_them_and_the_engine_follows_the_merged_weights(
         ray_cluster, demo, tmp_path):
     """The options that save memory and time, together: LoRA, gradient checkpointing and bf16
@@ -229,6 +213,7 @@ def test_grpo_with_lora_trains_adapters_resumes_from_them_and_the_engine_follows
     result = run(demo, tmp_path, cfg, _check_sync=True, _kill_once=kill)
     check_finite_run(result, cfg)
     assert result.attempts == 2 and result.resumed_from_step == 2
+    assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
     kls = [m["policy/kl"] for m in result.metrics_history]
     assert abs(kls[0]) < 1e-6 and max(kls) > 1e-4, kls
     for check in result.sync_checks:
@@ -256,35 +241,29 @@ def test_grpo_with_lora_trains_adapters_resumes_from_them_and_the_engine_follows
 
 
 @pytest.mark.slow
-def test_pipelined_ppo_runs_end_to_end_with_its_critic_and_lag_correction(ray_cluster, demo, tmp_path):
-    """PPO with the KL in the reward and a value model, rollouts one update behind."""
+def test_pipelined_ppo_on_two_workers_with_parameters_sharded_keeps_its_critic_and_the_engine_in_step(
+        ray_cluster, demo, tmp_path):
+    """PPO with the KL in the reward and a value model, on two workers under ZeRO-3 (the actor's
+    and the critic's parameters sharded over both), rollouts one update behind. The weights the
+    engine receives are gathered from both workers, and after each sync it answers as the
+    trainer does; the lag correction weighs the tokens sampled by older weights."""
     cfg = CFG.model_copy(update={"algorithm": "ppo", "num_workers": 2, "prompts_per_step": 16,
-                                 "minibatch_size": 16, "micro_batch_size": 4,
+                                 "minibatch_size": 16, "micro_batch_size": 4, "zero_stage": 3,
                                  "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2, is_cap=2.0)})
-    result = run(demo, tmp_path, cfg)
+    result = run(demo, tmp_path, cfg, _check_sync=True)
     check_finite_run(result, cfg)
+    for check in result.sync_checks:
+        assert check["engine"] == check["hf"]
+    assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
     history = result.metrics_history
     assert max(m["pipeline/lag_max"] for m in history) == 1
     for m in history:
-        assert math.isfinite(m["policy/value_loss"]) and 0 < m["pipeline/is_weight_mean"] <= cfg.pipeline.is_cap, m
+        for name in ("policy/value_loss", "policy/explained_variance", "policy/critic_grad_norm",
+                     "policy/step_time_s/worker_1"):
+            assert name in m and (math.isfinite(m[name]) or name == "policy/explained_variance"), (name, m)
+        assert 0 < m["pipeline/is_weight_mean"] <= cfg.pipeline.is_cap, m
         if m["pipeline/lag_mean"] == 1:
             assert m["pipeline/is_log_ratio_abs"] > 1e-3, m
-
-
-@pytest.mark.slow
-def test_killed_worker_resumes_from_its_last_checkpoint(ray_cluster, demo, tmp_path):
-    cfg = CFG.model_copy(update={"num_workers": 2, "steps": 5, "eval_every": 5})
-    kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
-    result = run(demo, tmp_path, cfg, _kill_once=kill)
-    assert kill.marker.exists()
-    assert result.attempts == 2
-    assert result.resumed_from_step == 2  # the checkpoint before the kill
-    assert result.steps == 5 and len(result.metrics_history) == 5
-    # the resumed run continued at the next prompt batch: the same prompts an unbroken run would use
-    from rlhf_core.training.ppo_step import prompt_indices
-
-    assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(5)]
-    assert [e["step"] for e in result.evaluations] == [0, 5]
 
 
 @pytest.mark.slow
@@ -314,8 +293,9 @@ def test_circuit_breaker_stops_an_absurd_learning_rate_and_keeps_the_last_good_c
 def test_ensemble_audit_shaping_and_rounds_survive_a_killed_worker(ray_cluster, demo, tmp_path):
     """The reward model alone as the reward: a 3-member ensemble (mean - std), bounded shaping
     and a length penalty, an audit model, and a preference round at step 2 labelled by the
-    simulated annotator. A worker killed at step 3 resumes from step 2's checkpoint, which holds
-    the round's reward and audit weights: nothing is labelled twice."""
+    simulated annotator. A worker killed at step 3 resumes from step 2's checkpoint (all the
+    policy's parameters), which holds the round's reward and audit weights: nothing is labelled
+    twice, and the resumed run continues at the next prompt batch, the one an unbroken run uses."""
     tok = load_tokenizer(demo["sft"])
     prompts = demo["prompts"][:64]
     ensemble = reward_model_from_base(demo["sft"], seed=1, num_members=3).eval()
@@ -337,6 +317,9 @@ def test_ensemble_audit_shaping_and_rounds_survive_a_killed_worker(ray_cluster, 
                           replay_pairs=[{"prompt": p, "chosen": "1", "rejected": "2"} for p in prompts],
                           _kill_once=kill)
     assert kill.marker.exists() and result.attempts == 2 and result.resumed_from_step == 2
+    assert result.steps == 4 and len(result.metrics_history) == 4
+    assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(4)]
+    assert [e["step"] for e in result.evaluations] == [0, 4]
     history = {m["step"]: m for m in result.metrics_history}
     for step, m in history.items():
         assert m["policy/ensemble_disagreement"] > 0 and math.isfinite(m["policy/audit_score_mean"])
