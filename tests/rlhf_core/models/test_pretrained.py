@@ -95,3 +95,24 @@ def test_the_estimate_is_within_a_fifth_of_the_measured_peaks():
     estimate = training_bytes(int(result["parameters_m"] * 1e6), workers=result["workers"], with_critic=False,
                               reward_parameters=int(result["parameters_m"] * 1e6))
     assert abs(estimate - measured) / measured < 0.2, (estimate / 2**30, measured / 2**30)
+
+
+def test_preflight_compares_the_estimates_with_the_available_memory(tmp_path, make_pretrained):
+    """The same machine total, another process holding most of it: refused, naming both stages'
+    estimates, the available and total memory and the settings."""
+    from rlhf_core.config import RewardConfig
+
+    path, _ = make_pretrained(tmp_path, "llama")
+    info = inspect_pretrained(path)
+    reward = RewardConfig(num_workers=2, micro_batch_size=32, max_length=64)
+    ok = dict(max_total_tokens=64, supported_head_sizes=None, needs_chat_template=False, workers=2,
+              with_critic=False, memory_bytes=24 * 2**30, reward=reward)
+    assert preflight(info, **ok, available_bytes=20 * 2**30) == []
+    problems = preflight(info, **ok, available_bytes=2 * 2**30)
+    assert len(problems) == 2
+    policy, rm = (p.splitlines() for p in problems)
+    assert policy[0].startswith("model.pretrained: the policy stage (") and "on 2 workers) needs about" in policy[0]
+    assert "2.0 GiB available of 24.0 GiB total" in policy[0]
+    assert "policy.lora.enabled" in policy[1] and "policy.gradient_checkpointing" in policy[1]
+    assert rm[0].startswith("model.pretrained: the reward stage (") and "64 sequences of up to 64 tokens" in rm[0]
+    assert "reward.num_workers=2" in rm[1] and "reward.micro_batch_size=32" in rm[1] and "reward.max_length=64" in rm[1]

@@ -1,0 +1,135 @@
+"""How much memory a training stage takes, and whether the machine has it: pure arithmetic on the
+model's shape, the stage's settings and a snapshot of the machine's memory.
+
+A stage can use the memory *available* when it starts (what other processes hold is not there
+to take), less what Ray's memory monitor keeps free: the raylet kills worker processes once the
+node's used memory passes `RAY_memory_usage_threshold` (0.95 by default) of its total. The
+estimates count fp32 training with AdamW under ZeRO stage 1-2, as the stages run it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KILL_THRESHOLD = 0.95  # Ray's default RAY_memory_usage_threshold
+
+# Resident memory a process holds beyond its tensors (torch, DeepSpeed, Ray; vLLM's CPU backend
+# and its KV cache), from the peaks bench/pretrained_scale.py measured on a 111M model:
+# 4.1 GiB per Ray Train worker, 2.4 GiB for the vLLM worker.
+WORKER_OVERHEAD = int(1.5 * 2**30)
+ENGINE_OVERHEAD = 2 * 2**30
+
+# What a Llama-family layer keeps for the backward pass in fp32, in bytes per token per unit of
+# width: the tensors autograd saved in a forward pass of transformers' LlamaForSequenceClassification
+# at SmolLM2-135M's shape (width 576, 30 layers, MLP 1536, sdpa attention) came to 78-80 per token,
+# layer and unit of width on 1,024 and 2,048 tokens (tests/rlhf_core/models/test_memory.py counts
+# them the same way on a small model).
+ACTIVATION_BYTES = 80
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+@dataclass(frozen=True)
+class MachineMemory:
+    """The machine's memory at one moment (psutil.virtual_memory's total and available)."""
+
+    total: int
+    available: int  # what a new process can take without swapping: other processes' memory is not in it
+
+    def usable(self, threshold: float = KILL_THRESHOLD) -> int:
+        """What a stage may add before the machine passes Ray's kill threshold."""
+        return max(0, self.available - int((1 - threshold) * self.total))
+
+    def describe(self) -> str:
+        return (f"{gib(self.total)} GiB total, {gib(self.available)} GiB available "
+                f"({gib(self.total - self.available)} GiB already in use)")
+
+
+def activation_bytes(tokens: int, num_layers: int, hidden_size: int) -> int:
+    """Activations one forward pass over `tokens` tokens keeps for its backward pass (fp32)."""
+    return tokens * num_layers * hidden_size * ACTIVATION_BYTES
+
+
+def reward_stage_bytes(
+    parameters: int, num_layers: int, hidden_size: int, *, workers: int, micro_batch_size: int, max_length: int,
+) -> int:
+    """An estimate of the reward stage's resident bytes, all workers together.
+
+    Each worker holds the model's weights, gradients and ZeRO's gradient buffers (12 bytes a
+    parameter), its shard of AdamW's two moments (8 / workers), the activations of one
+    micro-batch (chosen and rejected: 2 x micro_batch_size sequences of up to max_length tokens)
+    and `WORKER_OVERHEAD`. The ensemble's score heads are a few parameters on the same backbone,
+    and the audit model trains after the proxy, not beside it: neither adds to the peak."""
+    per_worker = (parameters * 12 + parameters * 8 // workers + WORKER_OVERHEAD
+                  + activation_bytes(2 * micro_batch_size * max_length, num_layers, hidden_size))
+    return workers * per_worker
+
+
+# The settings that shrink a stage, each with the value that already uses least and why it helps.
+_WORKERS = ("num_workers", 1, "each worker holds the whole model with its gradients and AdamW state")
+_REWARD = (
+    _WORKERS,
+    ("micro_batch_size", 1, "activations grow with it; raise reward.grad_accum_steps to keep the batch"),
+    ("max_length", None, "activations grow with it"),
+)
+_POLICY = (
+    _WORKERS,
+    ("micro_batch_size", 1, "activations and logits grow with it; the minibatch stays as it is"),
+    ("lora.enabled", True, "true: adapters train, no reference copy, AdamW state for the adapters only"),
+    ("gradient_checkpointing", True, "true: activations recomputed in the backward pass"),
+)
+
+
+def _offline(method: str) -> tuple:
+    return (
+        _WORKERS,
+        (f"{method}.micro_batch_size", 1, f"activations grow with it; policy.{method}.batch_size stays"),
+        (f"{method}.max_length", None, "activations grow with it"),
+        ("lora.enabled", True, "true: adapters train, no reference copy, AdamW state for the adapters only"),
+        ("gradient_checkpointing", True, "true: activations recomputed in the backward pass"),
+    )
+
+
+def _setting(cfg: Any, dotted: str) -> Any:
+    for name in dotted.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def ways_to_use_less(stage: str, cfg: Any = None) -> list[str]:
+    """The settings of `stage` ("reward" | "policy") that take memory off it, with their values
+    in `cfg` (its `RewardConfig` | `PolicyConfig`) when given; a setting already at its least is
+    left out."""
+    algorithm = getattr(cfg, "algorithm", None)
+    table = _REWARD if stage == "reward" else _offline(algorithm) if algorithm in ("dpo", "kto") else _POLICY
+    ways = []
+    for key, least, why in table:
+        if cfg is None:
+            ways.append(f"{stage}.{key} ({why})")
+        elif (value := _setting(cfg, key)) != least:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            ways.append(f"{stage}.{key}={shown} ({why})")
+    return ways
+
+
+def advice(ways: Sequence[str]) -> str:
+    """The block's last line: what to change."""
+    return "to use less: " + "; ".join([*ways, "or stop other processes that hold memory"])
+
+
+def memory_refusal(subject: str, need: int, machine: MachineMemory, ways: Sequence[str],
+                   threshold: float = KILL_THRESHOLD) -> str | None:
+    """None when `need` bytes fit in what `machine` can give a stage; else the message: `subject`
+    (what needs it), the estimate, the available and total memory, and what to change."""
+    usable = machine.usable(threshold)
+    if need <= usable:
+        return None
+    return "\n".join([
+        (f"{subject} needs about {gib(need)} GiB, more than the {gib(usable)} GiB it can use: {gib(machine.available)} "
+         f"GiB available of {gib(machine.total)} GiB total, less the {gib(machine.available - usable)} GiB that Ray's "
+         f"memory monitor keeps free (it kills workers above {threshold:.0%} of the total)"),
+        advice(ways),
+    ])
