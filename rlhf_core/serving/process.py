@@ -17,6 +17,10 @@ the same cores for every server: a new server starting beside one under traffic 
 CPU in 70 s and never became healthy. The servers started here use `cfg.cpu_threads_bind`,
 "nobind" by default.
 
+Two middlewares of this package are loaded into the server: `RequireApiKey` (the key on every
+path but `/health` and `/metrics`) and, inside it, `DrainGate` (`rlhf_core.serving.drain`: how a
+replaced server stops taking requests and answers those it accepted before it is stopped).
+
 Unless `cfg.chunked_prefill`, the server never splits a prompt across scheduler steps
 (`--no-enable-chunked-prefill`; a step takes whole prompts up to `SERVER_PREFILL_TOKENS`
 tokens, or one of `max_model_len`). vLLM's CPU backend cannot sample a seeded request whose
@@ -41,6 +45,7 @@ from pathlib import Path
 
 from rlhf_core.config import ServingConfig
 from rlhf_core.serving.auth import RequireApiKey
+from rlhf_core.serving.drain import DrainGate
 from rlhf_core.serving.errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,8 @@ def server_command(model_dir: Path, name: str, port: int, max_model_len: int, cf
         "--max-model-len", str(max_model_len),
         "--enforce-eager",
         "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * GiB)),
+        # The last one given is the outermost: RequireApiKey guards DrainGate's POST /drain.
+        "--middleware", f"{DrainGate.__module__}.{DrainGate.__qualname__}",
         "--middleware", f"{RequireApiKey.__module__}.{RequireApiKey.__qualname__}",
         *([] if cfg.chunked_prefill else [
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, SERVER_PREFILL_TOKENS))]),

@@ -16,8 +16,11 @@ serves": clients read it, or use its port. A deployment:
    not quality, which the evaluation gates have already judged, and a model may rightly
    answer `</s>` first;
 4. only then writes the new `current.json` (tmp file + `os.replace`: readers see the old
-   endpoint or the new one, never half of one), appends a line to
-   `<state_dir>/deployments.jsonl`, and stops the old server.
+   endpoint or the new one, never half of one) and appends a line to
+   `<state_dir>/deployments.jsonl`;
+5. drains the old server (`rlhf_core.serving.drain`): after a second for requests routed just
+   before the switch, it stops taking new ones (503, or a refused connection) and gets up to
+   `cfg.drain_timeout_s` to answer every request it accepted; only then is it stopped.
 
 A deploy or `stop` ends the recorded server's whole process group, found by group and port
 even when its API server was killed alone and left vLLM's engine processes running
@@ -31,8 +34,9 @@ corrupt checkpoint the root cause is logged by a worker process, far above the A
 server's own traceback).
 
 The API key (`rlhf_core.serving.auth`), the server process (`.process`), the blue/green
-state (`.state`), what a server killed alone leaves (`.orphans`) and the HTTP calls
-(`.client`) live in modules of their own; their public names are importable from here too.
+state (`.state`), what a server killed alone leaves (`.orphans`), draining a replaced server
+(`.drain`) and the HTTP calls (`.client`) live in modules of their own; their public names are
+importable from here too.
 """
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ from pathlib import Path
 
 from rlhf_core.config import ServingConfig
 from rlhf_core.serving.auth import OPEN_PATHS, RequireApiKey, resolve_api_key
-from rlhf_core.serving.client import complete, health, list_models, requests_in_flight
+from rlhf_core.serving.client import complete, health, list_models
+from rlhf_core.serving.drain import Drained, drain
 from rlhf_core.serving.errors import ServingError
 from rlhf_core.serving.orphans import Orphans, end_server, find_orphans
 from rlhf_core.serving.process import (
@@ -78,16 +83,15 @@ from rlhf_core.serving.state import (
 )
 
 __all__ = [
-    "GiB", "KILL_GRACE_S", "OPEN_PATHS", "SERVER_MODULE", "SERVER_PREFILL_TOKENS", "DeployResult", "Endpoint",
-    "Orphans", "RequireApiKey", "ServingError", "Stopped", "complete", "current_endpoint", "deploy", "find_orphans",
-    "health", "list_models", "next_port", "resolve_api_key", "server_command", "state_dir_for", "stop",
-    "stop_process_group", "stop_serving",
+    "GiB", "KILL_GRACE_S", "OPEN_PATHS", "SERVER_MODULE", "SERVER_PREFILL_TOKENS", "DeployResult", "Drained",
+    "Endpoint", "Orphans", "RequireApiKey", "ServingError", "Stopped", "complete", "current_endpoint", "deploy",
+    "find_orphans", "health", "list_models", "next_port", "resolve_api_key", "server_command", "state_dir_for",
+    "stop", "stop_process_group", "stop_serving",
 ]
 
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 1.0
-DRAIN_GRACE_S, DRAIN_POLL_S = 1.0, 0.25
 STARTING = "starting.json"  # the deploy in progress: its endpoint, written before its server starts
 
 
@@ -97,6 +101,7 @@ class DeployResult:
     previous: Endpoint | None  # the server it replaced (now stopped), if any
     smoke_completion: str  # text of the smoke completion (may be empty, see the module docstring)
     seconds: float  # start -> healthy + smoke passed
+    drained: Drained | None = None  # how the previous server's drain went, if there was one
 
 
 def deploy(
@@ -148,14 +153,8 @@ def deploy(
         (state_dir / STARTING).unlink()
         append_history(state_dir, "deployed", endpoint, previous, seconds=round(seconds, 1))
         log.info("%s serves on %s after %.0f s", name, endpoint.url, seconds)
-        if previous is not None:
-            _drain(previous, cfg.drain_timeout_s)
-            log.info("stopping the previous server %s (pid %d)", previous.served_model_name, previous.pid)
-            try:
-                end_server(previous)
-            except ServingError as e:  # the new server is current already: report, do not undo
-                log.error("could not stop the previous server %s: %s", previous.served_model_name, e)
-    return DeployResult(endpoint=endpoint, previous=previous, smoke_completion=text, seconds=seconds)
+        drained = None if previous is None else _retire(previous, api_key, cfg.drain_timeout_s)
+    return DeployResult(endpoint=endpoint, previous=previous, smoke_completion=text, seconds=seconds, drained=drained)
 
 
 @dataclass(frozen=True)
@@ -250,18 +249,23 @@ def _stop_abandoned(state_dir: Path) -> None:
     path.unlink()
 
 
-def _drain(previous: Endpoint, timeout_s: float) -> None:
-    """Give the previous server up to `timeout_s` to answer what it has in hand: requests sent to it
-    just before the switch (vLLM's `num_requests_running` and `_waiting` both 0)."""
-    deadline = time.monotonic() + timeout_s
-    time.sleep(min(DRAIN_GRACE_S, timeout_s))  # a request routed a moment before the switch is on its way
-    while time.monotonic() < deadline:
-        busy = requests_in_flight(previous.url)
-        if not busy:
-            return
-        time.sleep(DRAIN_POLL_S)
-    log.warning("the previous server %s still had requests after drain_timeout_s=%g s; stopping it anyway",
-                previous.served_model_name, timeout_s)
+def _retire(previous: Endpoint, api_key: str, timeout_s: float) -> Drained:
+    """Drain the server the switch replaced, then stop its process group."""
+    name = previous.served_model_name
+    log.info("draining the previous server %s: no new requests, up to %g s for those it accepted", name, timeout_s)
+    drained = drain(previous.url, api_key, timeout_s)
+    if drained.in_flight_left:
+        log.warning("the previous server %s still had %d request(s) after drain_timeout_s=%g s; they are aborted",
+                    name, drained.in_flight_left, timeout_s)
+    else:
+        log.info("the previous server %s answered the %s request(s) it had in flight in %.1f s", name,
+                 "?" if drained.in_flight_at_close is None else drained.in_flight_at_close, drained.seconds)
+    log.info("stopping the previous server %s (pid %d)", name, previous.pid)
+    try:
+        end_server(previous)
+    except ServingError as e:  # the new server is current already: report, do not undo
+        log.error("could not stop the previous server %s: %s", name, e)
+    return drained
 
 
 def _check_new_server(proc: subprocess.Popen, endpoint: Endpoint, api_key: str, cfg: ServingConfig) -> str:

@@ -1,12 +1,14 @@
 """Blue/green deployment of vLLM's OpenAI-compatible server.
 
-Fast tests (no server) cover the key, the port choice, the recorded endpoint, stopping a
-process group and the key check loaded into the server. The slow tests run one real
-sequence on loopback, because every server start costs ~40 s on two CPU cores:
+Fast tests (no vLLM server) cover the key, the port choice, the recorded endpoint, stopping a
+process group, the key check loaded into the server and the drain gate (in a real uvicorn
+server). The slow tests run one real sequence on loopback, because every server start costs
+~40 s on two CPU cores:
 
     deploy v1 -> deploy a corrupt v2 (fails, v1 keeps serving) -> a deploy SIGKILLed in its
-    health wait (its server orphaned) -> deploy v3 under client traffic (stops the orphan,
-    replaces v1, no request fails) -> stop
+    health wait (its server orphaned) -> deploy v3 under client traffic, through the gateway
+    and pinned to v1's own address (stops the orphan, drains and replaces v1, no accepted
+    request fails) -> stop
 
 Each stage is a module-scoped fixture that depends on the one before, and the tests of a
 stage come before those of the next in this file, so a stage's live checks run while its
@@ -24,7 +26,10 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +39,8 @@ import pytest
 
 from rlhf_core.config import ServingConfig
 from rlhf_core.data.synthetic import answer_for, prompt_for
+from rlhf_core.serving import drain as drain_module
+from rlhf_core.serving.drain import DrainGate, drain, may_stop
 from rlhf_core.serving.server import (
     SERVER_MODULE,
     SERVER_PREFILL_TOKENS,
@@ -288,6 +295,138 @@ def test_require_api_key_fails_closed_without_a_key(monkeypatch):
     assert asgi_status(guard, "/health") == 200
 
 
+# --- fast: the drain gate ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("in_flight", "connections", "elapsed_s", "timeout_s", "expected"), [
+    (0, 0, 0.0, 30.0, True),  # nothing accepted, nothing open: stop now
+    (1, 1, 0.0, 30.0, False),  # a request is being answered
+    (0, 1, 5.0, 30.0, False),  # all answered, but a client may still send on its open connection
+    (0.0, 0, 1.0, 30.0, True),  # vLLM's /metrics count (a float) of a server without the gate
+    (2, 2, 30.0, 30.0, True),  # the timeout: stop anyway (what is left is aborted)
+    (1, 1, 0.0, 0.0, True),  # drain_timeout_s 0: no wait
+])
+def test_may_stop_once_nothing_is_in_flight_and_no_connection_is_open_or_at_the_timeout(
+        in_flight, connections, elapsed_s, timeout_s, expected):
+    assert may_stop(in_flight, connections, elapsed_s, timeout_s) is expected
+
+
+def test_the_drain_gate_sits_inside_the_key_check():
+    """vLLM adds `--middleware` classes in order, the last outermost: RequireApiKey must come
+    after DrainGate, or anyone could POST /drain."""
+    cmd = server_command(Path("/m"), "policy-v1", 8100, 64, ServingConfig())
+    given = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"]
+    assert given == [f"{DrainGate.__module__}.DrainGate", f"{RequireApiKey.__module__}.RequireApiKey"]
+
+
+def served_app(middlewares: list[str]):
+    """A Starlette app with a slow (3 s) and a fast route and `middlewares` added the way vLLM adds
+    `--middleware` (`vllm/entrypoints/serve/middleware/register.py`)."""
+    import importlib
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    async def slow(request):
+        await asyncio.sleep(3)
+        return JSONResponse({"ok": True})
+
+    async def fast(request):
+        return JSONResponse({"ok": True})
+
+    async def metrics(request):
+        return PlainTextResponse("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n")
+
+    app = Starlette(routes=[Route("/slow", slow, methods=["POST"]), Route("/fast", fast), Route("/metrics", metrics)])
+    for name in middlewares:
+        module, cls = name.rsplit(".", 1)
+        app.add_middleware(getattr(importlib.import_module(module), cls))
+    return app
+
+
+@contextmanager
+def uvicorn_serving(app):
+    """`app` served by uvicorn (uvloop, keep-alive 5 s) on a socket bound beforehand and kept in
+    `app.state.server`, as vLLM's launcher serves its app; its URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5))
+    app.state.server = server
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def refuses_new_connections(url: str, within_s: float) -> bool:
+    """Does the server at `url` refuse a new connection within `within_s`? Asks /metrics, which
+    the gate neither counts nor refuses on an open connection."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/metrics", timeout=1, trust_env=False)
+        except httpx.ConnectError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_drained_server_refuses_new_requests_and_answers_those_it_accepted(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setattr(drain_module, "DRAIN_GRACE_S", 0.2)
+    cmd = server_command(Path("/m"), "policy-v1", 8100, 64, ServingConfig())
+    app = served_app([cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"])
+    auth = {"Authorization": "Bearer k"}
+    with uvicorn_serving(app) as url, ThreadPoolExecutor(2) as pool, \
+            httpx.Client(trust_env=False, timeout=10, headers=auth) as kept:
+        with httpx.Client(trust_env=False, timeout=10) as other:
+            assert other.post(f"{url}/drain?timeout=1").status_code == 401  # the key guards the gate
+            assert other.get(f"{url}/drain?timeout=1", headers=auth).status_code == 405
+        assert kept.get(f"{url}/fast").status_code == 200  # a keep-alive connection, idle from now on
+
+        def timed_slow():
+            with httpx.Client(trust_env=False, timeout=10, headers=auth) as client:
+                start = time.time()
+                r = client.post(f"{url}/slow")
+                return r, start, time.time()
+
+        slow = pool.submit(timed_slow)
+        time.sleep(0.3)  # the slow request is in flight
+        drained = pool.submit(drain, url, "k", 10.0)
+        assert refuses_new_connections(url, within_s=2), "the drained server still accepts connections"
+        refused = kept.get(f"{url}/fast")  # a request on an open connection: 503, and the connection closes
+        assert (refused.status_code, refused.headers["connection"]) == (503, "close")
+        assert not drained.done()  # the slow request is not answered yet
+
+        r, started, ended = slow.result(timeout=10)
+        result = drained.result(timeout=10)
+    assert (r.status_code, r.json(), r.headers["connection"]) == (200, {"ok": True}, "close")
+    assert result.gated and (result.in_flight_at_close, result.in_flight_left) == (1, 0)
+    assert started < result.closed_at < ended  # it was in flight when the server closed
+    assert 2 < result.seconds < 5
+
+
+def test_a_server_without_the_gate_is_drained_by_its_metrics(monkeypatch):
+    """A server started before the gate existed: POST /drain is 404, and vLLM's own count of
+    running and waiting requests (here 0) decides."""
+    monkeypatch.setattr(drain_module, "DRAIN_GRACE_S", 0.0)
+    with uvicorn_serving(served_app([])) as url:
+        result = drain(url, None, 5.0)
+    assert not result.gated and (result.in_flight_at_close, result.in_flight_left) == (None, 0)
+    assert result.seconds < 2
+
+
 # --- slow: one real blue/green sequence ---------------------------------------------------
 
 
@@ -368,10 +507,25 @@ def killed_deploy(serving, failed_v2):
 
 
 @dataclass
+class Call:
+    """One request of a client pinned to the old server's own address."""
+
+    kind: str  # "long": a stream of LONG_TOKENS tokens (ignore_eos); "short": 2 tokens, not streamed
+    started: float  # unix time
+    ended: float
+    outcome: str  # "answered"; "refused" before accept (connect error or 503); anything else "dropped"
+    detail: str = ""
+
+
+LONG_TOKENS = 48  # with the prompt, within the tiny policy's 64 positions
+
+
+@dataclass
 class UnderTraffic:
     result: object  # the DeployResult
     responses: list[tuple[int, str]]  # (status, served model) of every client request, in order
     during: int  # how many were sent while the deploy ran
+    pinned: list[Call]  # the requests sent to v1's own address, which does not follow current.json
 
 
 def _clients(gateway: str, key: str, stop_at: list[float], out: list[tuple[int, str]]) -> None:
@@ -383,21 +537,64 @@ def _clients(gateway: str, key: str, stop_at: list[float], out: list[tuple[int, 
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def v3_under_traffic(serving, killed_deploy, free_ports, tmp_path_factory):
-    """v3 deployed while two clients call the served model through the feedback gateway
-    (which follows current.json) as fast as it answers, before, during and after the switch."""
-    import threading
+def _outcome(r: httpx.Response, stream: bool) -> tuple[str, str]:
+    """A response's outcome: answered only with every token it asked for and no error."""
+    if r.status_code == 503:
+        return "refused", "503"
+    if r.status_code != 200:
+        return "dropped", f"HTTP {r.status_code}: {r.text[:200]}"
+    if not stream:
+        reason = r.json()["choices"][0]["finish_reason"]
+        return ("answered", "") if reason in ("length", "stop") else ("dropped", f"finish_reason {reason}")
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    reasons = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+    if events[-1:] != ["[DONE]"] or any("error" in c for c in chunks) or [r for r in reasons if r] != ["length"]:
+        return "dropped", f"stream ended {events[-2:]}"
+    return "answered", ""
 
+
+def _pinned(url: str, key: str, model: str, kind: str, stop_at: list[float], out: list[Call]) -> None:
+    """Requests to one server's own address, one after another, as a client that does not
+    follow current.json sends them."""
+    long = kind == "long"
+    body = {"model": model, "prompt": "12+34=", "temperature": 0, "max_tokens": LONG_TOKENS if long else 2,
+            "ignore_eos": long, "stream": long}
+    with httpx.Client(timeout=120, trust_env=False, headers={"Authorization": f"Bearer {key}"}) as client:
+        while time.monotonic() < stop_at[0]:
+            started = time.time()
+            try:
+                with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    r.read()
+                outcome, detail = _outcome(r, long)
+            except httpx.ConnectError as e:  # refused: it accepts no connection
+                outcome, detail = "refused", repr(e)
+            except httpx.HTTPError as e:  # reset or cut off after it accepted the request
+                outcome, detail = "dropped", repr(e)
+            out.append(Call(kind, started, time.time(), outcome, detail))
+            if outcome == "refused":
+                time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def v3_under_traffic(serving, v1, killed_deploy, free_ports, tmp_path_factory):
+    """v3 deployed while two clients call the served model through the feedback gateway
+    (which follows current.json) as fast as it answers, before, during and after the switch,
+    and three more send to v1's own address throughout: two stream long completions back to
+    back (so that some are in flight when v1 is drained), one asks for short ones."""
     from rlhf_core.testing.gateway_process import running_gateway
 
     port = free_ports(1)[0]
     args = ["--set", f"output_dir={tmp_path_factory.mktemp('gateway')}", "--set", f"serving.state_dir={serving.state_dir}",
             "--set", f"feedback.port={port}"]
     responses: list[tuple[int, str]] = []
+    pinned: list[Call] = []
+    old = v1.endpoint
     with running_gateway(args, port) as gateway:
         stop_at = [float("inf")]
         threads = [threading.Thread(target=_clients, args=(gateway, serving.key, stop_at, responses)) for _ in range(2)]
+        threads += [threading.Thread(target=_pinned, args=(old.url, serving.key, old.served_model_name, kind, stop_at,
+                                                           pinned)) for kind in ("long", "long", "short")]
         for t in threads:
             t.start()
         time.sleep(3)
@@ -409,7 +606,7 @@ def v3_under_traffic(serving, killed_deploy, free_ports, tmp_path_factory):
             stop_at[0] = time.monotonic() + 3
             for t in threads:
                 t.join()
-    return UnderTraffic(result, responses, during)
+    return UnderTraffic(result, responses, during, pinned)
 
 
 @pytest.fixture(scope="module")
@@ -554,6 +751,28 @@ def test_a_deploy_under_traffic_succeeds_and_no_request_fails_across_the_switch(
     assert v3_under_traffic.during >= 20, "the clients hardly ran during the deploy"
     print(f"{len(responses)} requests, {v3_under_traffic.during} during the deploy "
           f"({v3_under_traffic.result.seconds:.0f} s), none failed")
+
+
+@pytest.mark.slow
+def test_a_client_pinned_to_the_old_server_has_no_accepted_request_dropped(v3_under_traffic):
+    """v1 is drained: it stops taking requests (503 or a refused connection, both fine: the
+    client may go elsewhere) and answers every request it accepted before it is stopped. The
+    server's own count and the client's timestamps both show requests in flight at that moment."""
+    calls, drained = v3_under_traffic.pinned, v3_under_traffic.result.drained
+    dropped = [c for c in calls if c.outcome == "dropped"]
+    assert dropped == [], f"{len(dropped)} of {len(calls)} accepted requests were dropped: {dropped[:3]}"
+    assert drained.gated and drained.in_flight_left == 0
+    closed = drained.closed_at
+    in_flight = [c for c in calls if c.outcome == "answered" and c.started < closed < c.ended]
+    assert drained.in_flight_at_close >= 1 and in_flight, "no request was in flight when v1 closed: nothing was tested"
+    assert not [c for c in calls if c.outcome == "answered" and c.started > closed], "v1 took requests after it closed"
+    refused = [c for c in calls if c.outcome == "refused"]
+    assert refused and min(c.started for c in refused) > closed - 1, "the pinned clients were refused before the drain"
+    long_ = [c for c in calls if c.kind == "long" and c.outcome == "answered"]
+    print(f"pinned to v1: {len(calls)} requests, {len(long_)} long streams answered; at the close "
+          f"{drained.in_flight_at_close} in flight by v1's count, {len(in_flight)} by the clients' clocks "
+          f"({sum(c.kind == 'long' for c in in_flight)} long), all answered; {len(refused)} refused after; "
+          f"drain {drained.seconds:.1f} s")
 
 
 @pytest.mark.slow
