@@ -1,5 +1,9 @@
 """Prefect tasks for the data stage: materialise the inputs, then validate them.
 
+Validation also reads the gates' regression suites (`gates.regression_suites`; the demo's are
+generated here): a missing file or a bad row fails the stage, by file and line, before
+anything trains.
+
 The data contract (Great Expectations) is cached on the dataset fingerprint and the
 `validation` settings: a nightly run on the same data reuses the report instead of
 re-running every expectation, and still records its own validate run, tags and report.
@@ -20,6 +24,7 @@ from rlhf_core.data.schema import LINE_COLUMN, fingerprint, read_table, write_js
 from rlhf_core.data.sources import read_source
 from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.data.validation import ValidationReport, prompt_key
+from rlhf_core.eval.regression import RegressionSuite
 from rlhf_core.feedback.mix import data_format, labelled_answers, mix, recent_exports
 from tasks.data_contract import (
     DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, prepare_files,
@@ -125,12 +130,27 @@ def check_data_contract(data_fingerprint: str, paths: DataPaths, cfg: Validation
     return contract(paths, cfg)
 
 
+def check_regression_suites(paths: DataPaths, cfg: PipelineConfig, out_dir: Path) -> list[RegressionSuite]:
+    """The gates' regression suites read and checked as the evaluate stage will read them (the
+    demo's generated without the eval prompts); raises `SuiteFormatError` naming file and line."""
+    if not cfg.gates.regression_suites:
+        return []
+    from tasks.evaluate import eval_set, regression_suites  # noqa: PLC0415 - loads the model stack
+
+    eval_prompts, _ = eval_set.fn(paths, cfg)
+    return regression_suites(cfg, out_dir, eval_prompts)
+
+
 @task(name="validate-data")
 def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> ValidatedData:
     """Run the data contract; record the report in MLflow and Prefect; raise when it fails."""
     data_fp = fingerprint([p for p in (paths.preferences, paths.eval, paths.prompts, paths.labelled) if p is not None])
     with stage_run(run, "validate", {"dataset.fingerprint": data_fp}) as stage_id:
         client = run.client
+        suites = check_regression_suites(paths, cfg, run.out_dir)
+        if suites:
+            get_run_logger().info("regression suites: %s", ", ".join(f"{s.name} ({len(s.prompts)} rows, {s.path})"
+                                                                      for s in suites))
         client.set_tag(run.run_id, "dataset.fingerprint", data_fp)
         for key, value in paths.lineage().items():  # the feedback datasets mixed in
             client.set_tag(run.run_id, key, value)

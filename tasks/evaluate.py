@@ -3,7 +3,9 @@
 `evaluate_candidate` answers the held-out prompts with the candidate, the reference (SFT)
 policy and the current champion, and applies `rlhf_core.eval.gates.gate`. The decision
 goes to MLflow (metrics `eval/...`, `gate/passed`, tags `gate.*`), to the Prefect table
-artifact `gate-decision`, and to `gate_report.json` in the run's output directory.
+artifact `gate-decision`, and to `gate_report.json` in the run's output directory. Every
+policy also answers the regression suites (`gates.regression_suites`; the demo's generated
+into `<run>/data`); the report names each suite with the accuracies and the interval.
 
 `register_candidate` turns a passing candidate into a version of `policy` with its lineage
 and gate report, gives it the alias `challenger`, and promotes it to `champion` when
@@ -25,6 +27,7 @@ from rlhf_core.data.pairs import split_by_prompt
 from rlhf_core.data.schema import read_table
 from rlhf_core.eval.evaluate import EvalResult, Policy, evaluate, scorers_for
 from rlhf_core.eval.gates import Decision, gate
+from rlhf_core.eval.regression import RegressionSuite, load_suites, suite_report
 from rlhf_core.models.llama import load_policy
 from rlhf_core.tokenizer import load_tokenizer
 from tasks.registry import (
@@ -52,6 +55,7 @@ class Evaluation:
     champion_version: str | None
     run_id: str  # the evaluate stage's MLflow run
     report_path: Path
+    suites: tuple[RegressionSuite, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -65,10 +69,25 @@ class Evaluation:
             "win_rate_vs_reference": round(c.win_rate_vs_reference, 3),
             "kl_to_reference": round(c.kl_to_reference, 3),
             "champion": self.champion_version,
+            **({"regression": self.regression_summary()} if self.suites else {}),
             **({"reasons": list(self.decision.reasons)} if self.decision.reasons else {}),
             **({"undecided": list(self.decision.undecided)} if self.decision.undecided else {}),
             "report": str(self.report_path),
         }
+
+    def regression_summary(self) -> dict[str, dict]:
+        """Per suite: the candidate's and the reference's accuracy and the interval of the difference."""
+        r = self.result
+        rows = suite_report(self.suites, r.candidate.figures, r.reference.figures,
+                            None if r.champion is None else r.champion.figures)
+        return {row["name"]: {"accuracy": row["candidate"], "reference_accuracy": row["reference"],
+                              "diff_vs_reference": row["diff_vs_reference"]} for row in rows}
+
+
+def regression_suites(cfg: PipelineConfig, out_dir: Path, eval_prompts: list[str]) -> list[RegressionSuite]:
+    """The configured regression suites, read and checked (`SuiteFormatError` naming file and line);
+    the demo's are generated into `out_dir/data`, without the eval prompts."""
+    return load_suites(cfg.gates.regression_suites, out_dir / "data", cfg.data.demo, exclude=eval_prompts)
 
 
 @task(name="eval-set")
@@ -87,7 +106,8 @@ def _policy(name: str, model_dir: Path) -> Policy:
     return Policy(name, load_policy(model_dir), load_tokenizer(model_dir))
 
 
-def _report_json(ev_result: EvalResult, decision: Decision, candidate: Candidate, champion: str | None, cfg) -> dict:
+def _report_json(ev_result: EvalResult, decision: Decision, candidate: Candidate, champion: str | None, cfg,
+                 suites: list[RegressionSuite]) -> dict:
     def policy(report):
         if report is None:
             return None
@@ -102,6 +122,9 @@ def _report_json(ev_result: EvalResult, decision: Decision, candidate: Candidate
         "candidate": {"model_dir": str(candidate.model_dir), **policy(ev_result.candidate)},
         "reference": {"model_dir": str(candidate.reference_dir), **policy(ev_result.reference)},
         "champion": None if champion is None else {"version": champion, **policy(ev_result.champion)},
+        "regression_suites": suite_report(
+            suites, ev_result.candidate.figures, ev_result.reference.figures,
+            None if ev_result.champion is None else ev_result.champion.figures),
         "lineage": candidate.lineage,
     }
 
@@ -134,18 +157,20 @@ def evaluate_candidate(
         champion_policy = None
         if champion is not None:
             champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion"))
+        suites = regression_suites(cfg, run.out_dir, prompts)
         n = min(cfg.gates.eval_prompts, len(prompts))
         result = evaluate(
             _policy("candidate", candidate.model_dir), _policy("reference", candidate.reference_dir), champion_policy,
             scorer, prompts[:n], None if answers is None else answers[:n],
             max_new_tokens=cfg.policy.max_new_tokens, temperature=cfg.policy.temperature, seed=cfg.policy.seed,
             audit=audit, confidence=cfg.gates.confidence, bootstrap_samples=cfg.gates.bootstrap_samples,
+            suites=suites,
         )
         decision = gate(
             result.candidate.figures, result.reference.figures,
             None if result.champion is None else result.champion.figures, cfg.gates,
         )
-        report = _report_json(result, decision, candidate, champion_version, cfg)
+        report = _report_json(result, decision, candidate, champion_version, cfg, suites)
         report_path = run.out_dir / "gate_report.json"
         tmp = report_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -160,7 +185,7 @@ def evaluate_candidate(
         _publish_decision(decision, champion_version)
         log.info("gate %s: %s", decision.status.upper(),
                  "; ".join((*decision.reasons, *decision.undecided)) or "every check passed")
-    return Evaluation(candidate, result, decision, champion_version, stage_id, report_path)
+    return Evaluation(candidate, result, decision, champion_version, stage_id, report_path, tuple(suites))
 
 
 @dataclass(frozen=True)

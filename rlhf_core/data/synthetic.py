@@ -13,11 +13,15 @@ Everything is generated locally from one seed (no hub), as three disjoint-by-pro
   reject an answer off by 1 or 10 on a problem without carries;
 - a held-out eval set (`prompt`, `answer`) whose prompts appear in no training split.
 
+Beside them, `no_carry_suite` draws a regression suite for the gates: additions without a
+carry, which the SFT corpus teaches right (`gates.regression_suites`, path `demo:no_carry`).
+
 Same seed and config, same bytes (tested).
 """
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,3 +118,30 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
     write_jsonl(pair_rows, files.preferences)
     write_jsonl(eval_rows, files.eval)
     return files
+
+
+NO_CARRY_SUITE_ROWS = 200
+
+
+def no_carry_suite(cfg: DemoDataConfig, exclude: Collection[str] = (), n: int = NO_CARRY_SUITE_ROWS) -> list[dict]:
+    """The demo's regression suite: `n` additions without a carry (`prompt`, `answer`), drawn
+    with a seed of their own from `cfg.seed`, none of whose prompts is in `exclude` (the eval
+    set's: the suite is judged apart from the task's own gate). Fewer when fewer exist.
+
+    Why these: forgetting to carry changes nothing where nothing carries, so every such answer
+    in the SFT corpus is right whatever `wrong_share`, and the SFT policy answers them right.
+    RL then works on the carry problems (most preference pairs are about them); a policy that
+    learned to carry where nothing carries gains on the task and loses on these. The same
+    config and `exclude` give the same rows."""
+    width = len(str(cfg.max_operand))
+    excluded = set(exclude)
+    pool = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)
+            if not has_carry(a, b) and prompt_for(a, b, width) not in excluded]
+    if not pool:
+        raise ValueError(f"data.demo: no addition without a carry up to max_operand={cfg.max_operand} is left "
+                         "for the regression suite")
+    chosen = random.Random(f"no-carry-suite:{cfg.seed}").sample(pool, min(n, len(pool)))
+    return [{"prompt": prompt_for(a, b, width), "answer": answer_for(a + b, width)} for a, b in chosen]
+
+
+DEMO_SUITES = {"no_carry": no_carry_suite}  # `gates.regression_suites[].path: demo:<name>`

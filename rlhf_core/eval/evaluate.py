@@ -14,6 +14,8 @@ with like. What is measured, and how:
 - Lengths are in characters, so a champion with another tokenizer is measured alike.
 - A prompt whose generation raises (a batch fails, then each prompt is retried alone) is a
   generation failure: its answer counts as empty and wrong, and it is in `failed_prompts`.
+- Regression suites (`rlhf_core.eval.regression`) are answered greedily too, by every
+  policy, and checked row by row with each suite's checker; a failed row counts as wrong.
 
 Evaluation runs Hugging Face `generate` in this process: for a policy of the demo's size
 the three policies take seconds, and no engine must be started.
@@ -29,8 +31,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.eval.confidence import Interval, bootstrap_interval, differences, proxy_audit_gaps, win_outcomes
-from rlhf_core.eval.gates import EvalFigures
+from rlhf_core.eval.gates import EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
+from rlhf_core.eval.regression import RegressionSuite, correct
 from rlhf_core.models.reward import RewardStats, audit_model_dir, load_reward_model, normalise, score
 from rlhf_core.rollout.hf_reference import right_padded
 
@@ -91,6 +94,7 @@ class PolicyReport:
             "kl_to_reference": f.kl_to_reference, "degenerate_rate": f.degenerate_rate,
             "generation_failures": f.generation_failures, "length_ratio": f.length_ratio,
             **{f"length_{k}": v for k, v in self.length.items()},
+            **{f"regression/{suite.name}/accuracy": suite.accuracy for suite in f.regression},
         }
         return {f"eval/{self.name}/{k}": float(v) for k, v in out.items() if v is not None}
 
@@ -186,6 +190,66 @@ class EvalResult:
         return out
 
 
+@dataclass(frozen=True)
+class _Paired:
+    """The per-prompt outcomes of every policy on the eval prompts, and how their paired
+    intervals are drawn (None: no intervals)."""
+
+    scores: dict[str, list[float]]
+    audit_scores: dict[str, list[float]] | None
+    correct: dict[str, list[bool]] | None
+    reference: str
+    confidence: float | None
+    bootstrap_samples: int
+    seed: int
+
+    def interval(self, outcomes) -> Interval | None:
+        if self.confidence is None:
+            return None
+        return bootstrap_interval(outcomes, self.confidence, self.bootstrap_samples, self.seed)
+
+    def versus(self, name: str, vs: str, key: str) -> dict[str, Interval | None]:
+        """`name`'s win-rate and accuracy-gain intervals against `vs`, as `EvalFigures` fields."""
+        gain = None if self.correct is None else self.interval(differences(self.correct[name], self.correct[vs]))
+        return {f"win_rate_vs_{key}_interval": self.interval(win_outcomes(self.scores[name], self.scores[vs])),
+                f"accuracy_gain_vs_{key}": gain}
+
+    def audit(self, name: str) -> dict[str, Interval | None]:
+        """`name`'s audit win-rate and proxy-audit gap intervals against the reference."""
+        if self.audit_scores is None:
+            return {}
+        audit_wins = win_outcomes(self.audit_scores[name], self.audit_scores[self.reference])
+        proxy_wins = win_outcomes(self.scores[name], self.scores[self.reference])
+        return {"audit_win_rate_vs_reference_interval": self.interval(audit_wins),
+                "proxy_audit_gap_interval": self.interval(proxy_audit_gaps(proxy_wins, audit_wins))}
+
+
+def suite_figures(
+    policies: Sequence[Policy], reference: Policy, champion: Policy | None, suites: Sequence[RegressionSuite],
+    max_new_tokens: int, interval,
+) -> dict[str, tuple[SuiteFigures, ...]]:
+    """Per policy, its `SuiteFigures` on each suite: greedy answers checked row by row, and
+    with `interval` (outcomes -> Interval | None) the paired intervals of its per-row
+    correctness minus the reference's and the champion's."""
+    out: dict[str, list[SuiteFigures]] = {p.name: [] for p in policies}
+    for suite in suites:
+        right = {p.name: correct(suite, answer(p, suite.prompts, max_new_tokens).texts) for p in policies}
+        for p in policies:
+            out[p.name].append(SuiteFigures(
+                suite.name, sum(right[p.name]) / len(suite.prompts),
+                diff_vs_reference=interval(differences(right[p.name], right[reference.name])),
+                diff_vs_champion=None if champion is None else interval(differences(right[p.name],
+                                                                                    right[champion.name])),
+            ))
+    return {name: tuple(figures) for name, figures in out.items()}
+
+
+def _scored(by: Scorer, prompts: Sequence[str], outputs: dict[str, Answers]) -> dict[str, list[float]]:
+    """Each policy's answers scored by `by`, normalised as in training."""
+    return {name: normalise(score(by.model, by.tokenizer, prompts, out.texts, by.max_length), by.stats).tolist()
+            for name, out in outputs.items()}
+
+
 def evaluate(
     candidate: Policy,
     reference: Policy,
@@ -201,6 +265,7 @@ def evaluate(
     audit: Scorer | None = None,
     confidence: float | None = None,
     bootstrap_samples: int = 2000,
+    suites: Sequence[RegressionSuite] = (),
 ) -> EvalResult:
     """Answer `prompts` with every policy and compute each one's `EvalFigures`.
 
@@ -212,46 +277,30 @@ def evaluate(
     With `confidence`, each policy's comparisons with the reference and the champion carry
     paired bootstrap intervals at that level (`rlhf_core.eval.confidence`, resampling the
     prompts `bootstrap_samples` times, seeded with `seed`), and with `audit` so do its audit
-    win rate against the reference and its proxy-audit gap, on the same resamples.
+    win rate against the reference and its proxy-audit gap, on the same resamples. Every
+    policy also answers each regression suite of `suites` (`EvalFigures.regression`).
     """
     if not prompts:
         raise ValueError("no eval prompts")
     if answers is not None and len(answers) != len(prompts):
         raise ValueError(f"{len(answers)} answers for {len(prompts)} eval prompts")
-    outputs = {p.name: answer(p, prompts, max_new_tokens) for p in (candidate, reference, champion) if p is not None}
-    def scored(by: Scorer) -> dict[str, list[float]]:
-        return {name: normalise(score(by.model, by.tokenizer, prompts, out.texts, by.max_length), by.stats).tolist()
-                for name, out in outputs.items()}
-
-    scores = scored(scorer)
-    audit_scores = scored(audit) if audit is not None else None
+    policies = [p for p in (candidate, reference, champion) if p is not None]
+    outputs = {p.name: answer(p, prompts, max_new_tokens) for p in policies}
+    scores = _scored(scorer, prompts, outputs)
+    audit_scores = _scored(audit, prompts, outputs) if audit is not None else None
+    paired = _Paired(scores, audit_scores, None if answers is None else {
+        name: [p.strip() == a.strip() for p, a in zip(out.texts, answers)] for name, out in outputs.items()},
+        reference.name, confidence, bootstrap_samples, seed)
+    regression = suite_figures(policies, reference, champion, suites, max_new_tokens, paired.interval)
     ref_length = response_length_stats(outputs[reference.name].texts)["mean"]
-
-    correct = None if answers is None else {
-        name: [p.strip() == a.strip() for p, a in zip(out.texts, answers)] for name, out in outputs.items()}
-
-    def interval(outcomes) -> Interval | None:
-        return None if confidence is None else bootstrap_interval(outcomes, confidence, bootstrap_samples, seed)
-
-    def intervals(name: str, vs: str, key: str) -> dict[str, Interval | None]:
-        return {f"win_rate_vs_{key}_interval": interval(win_outcomes(scores[name], scores[vs])),
-                f"accuracy_gain_vs_{key}": None if correct is None else interval(differences(correct[name], correct[vs]))}
-
-    def audit_intervals(name: str) -> dict[str, Interval | None]:
-        if audit_scores is None:
-            return {}
-        audit_wins = win_outcomes(audit_scores[name], audit_scores[reference.name])
-        proxy_wins = win_outcomes(scores[name], scores[reference.name])
-        return {"audit_win_rate_vs_reference_interval": interval(audit_wins),
-                "proxy_audit_gap_interval": interval(proxy_audit_gaps(proxy_wins, audit_wins))}
 
     def report(policy: Policy, kl: float) -> PolicyReport:
         out = outputs[policy.name]
         length = response_length_stats(out.texts)
         figures = EvalFigures(
-            **intervals(policy.name, reference.name, "reference"),
-            **audit_intervals(policy.name),
-            **({} if champion is None else intervals(policy.name, champion.name, "champion")),
+            **paired.versus(policy.name, reference.name, "reference"),
+            **paired.audit(policy.name),
+            **({} if champion is None else paired.versus(policy.name, champion.name, "champion")),
             accuracy=None if answers is None else exact_match(out.texts, answers),
             rm_score_mean=sum(scores[policy.name]) / len(prompts),
             win_rate_vs_reference=win_rate(scores[policy.name], scores[reference.name]),
@@ -264,14 +313,14 @@ def evaluate(
             audit_score_mean=None if audit_scores is None else sum(audit_scores[policy.name]) / len(prompts),
             audit_win_rate_vs_reference=(None if audit_scores is None
                                          else win_rate(audit_scores[policy.name], audit_scores[reference.name])),
+            regression=regression[policy.name],
         )
         samples = list(zip(prompts[:n_samples], out.texts[:n_samples]))
         return PolicyReport(policy.name, figures, scores[policy.name], length, out.failed_prompts, samples)
 
-    def kl_of(policy: Policy) -> float:
-        if not _same_vocabulary(policy.tokenizer, reference.tokenizer):
-            return math.nan
-        return sequence_kl(policy, reference, prompts, max_new_tokens, temperature, seed)
+    def kl_of(policy: Policy) -> float:  # NaN: another vocabulary, no token-level KL
+        same = _same_vocabulary(policy.tokenizer, reference.tokenizer)
+        return sequence_kl(policy, reference, prompts, max_new_tokens, temperature, seed) if same else math.nan
 
     return EvalResult(
         candidate=report(candidate, kl_of(candidate)),

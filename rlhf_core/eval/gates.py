@@ -21,10 +21,15 @@ The checks, in the order they are reported:
     length_ratio            mean length / reference mean length <= max_length_ratio
     degenerate_rate         degenerate share <= max_degenerate_rate
     generation_failures     failed-prompt share <= max_generation_failure_rate
+    regression_vs_reference:<suite>, regression_vs_champion:<suite>
+                            for each of `regression_suites`: accuracy on the suite minus the
+                            reference's (the champion's) >= -margin of the suite; a candidate
+                            that lost a skill the base model had is rejected as `regression:<suite>`
 
 With confidence intervals (`gates.confidence`; `rlhf_core.eval.confidence`, paired bootstrap
-over the prompts) the four comparisons with the reference and the champion and the two audit
-checks decide on the interval, not the point estimate, and a call may be *undecided*:
+over the prompts) the four comparisons with the reference and the champion, the two audit
+checks and the regression suites decide on the interval, not the point estimate, and a call
+may be *undecided*:
 
     better than the reference   accuracy gain, win rate, and win rate under the audit model:
                                 passes when the interval's low end is above the bar, fails
@@ -37,6 +42,8 @@ checks decide on the interval, not the point estimate, and a call may be *undeci
     not worse than the champion accuracy: passes when the low end of the accuracy difference
                                 is at least -max_regression_vs_champion (non-inferiority),
                                 fails ("regressed") when its high end is below that
+    not worse on a suite        regression suites, against the reference and the champion: the
+                                same rule with the suite's margin, over the suite's rows
     better than the champion    win rate: passes when the low end is above
                                 min_win_rate_vs_champion, fails when the high end is below it
                                 by more than win_rate_margin_vs_champion
@@ -46,8 +53,8 @@ A candidate as good as the champion is then neither promoted nor rejected: the d
 in the figures) the checks compare point estimates.
 
 Accuracy checks are skipped when the task has no answers (`accuracy is None`); champion
-checks are skipped when there is no champion yet; the audit checks when there is no audit
-model. A value equal to its threshold passes (up to `TOLERANCE`, so `0.8 - 0.1` does not
+checks (a suite's too) are skipped when there is no champion yet; the audit checks when there
+is no audit model. A value equal to its threshold passes (up to `TOLERANCE`, so `0.8 - 0.1` does not
 reject an accuracy of exactly 0.7), as does a gap interval whose high end equals the maximum.
 A NaN figure fails its check rather than raising, so a broken evaluation is rejected with a
 reason.
@@ -55,16 +62,36 @@ reason.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
 
 from rlhf_core.config import GateConfig
-from rlhf_core.eval.confidence import Interval, prompts_to_decide
+from rlhf_core.eval.checks import (  # noqa: F401 - Check, Decision and TOLERANCE are re-exported
+    TOLERANCE, Check, Decision, at_least, at_most, better_than, fmt, not_above, not_worse_than, skip,
+)
+from rlhf_core.eval.confidence import Interval
 
-TOLERANCE = 1e-9
+_better_than = better_than  # the name the interval tests import it by
 
 _SHARES = ("win_rate_vs_reference", "win_rate_vs_champion", "degenerate_rate", "generation_failures", "accuracy",
            "audit_win_rate_vs_reference")
+
+
+@dataclass(frozen=True)
+class SuiteFigures:
+    """One policy's accuracy on one regression suite (`gates.regression_suites`): the share of
+    its greedy answers the suite's checker accepts. `diff_vs_reference` / `diff_vs_champion`
+    are the paired bootstrap intervals of its per-row correctness minus the reference's / the
+    champion's (`confidence.differences`); None without `gates.confidence` (and without a
+    champion, for the latter): the gate then compares the accuracies."""
+
+    name: str
+    accuracy: float
+    diff_vs_reference: Interval | None = None
+    diff_vs_champion: Interval | None = None
+
+    def __post_init__(self) -> None:
+        if self.accuracy < 0 or self.accuracy > 1:  # NaN passes, to fail its check
+            raise ValueError(f"regression suite {self.name}: accuracy is a share in [0, 1], got {self.accuracy}")
 
 
 @dataclass(frozen=True)
@@ -86,6 +113,7 @@ class EvalFigures:
     The `*_interval` and `accuracy_gain_*` fields are the paired bootstrap intervals of these
     comparisons (`rlhf_core.eval.confidence`); None without `gates.confidence` (or without the
     audit model, for the audit's), and the gates then compare the point estimates.
+    regression: the policy's figures on each of `gates.regression_suites`, in their order.
     """
 
     accuracy: float | None
@@ -106,6 +134,7 @@ class EvalFigures:
     win_rate_vs_champion_interval: Interval | None = None
     audit_win_rate_vs_reference_interval: Interval | None = None
     proxy_audit_gap_interval: Interval | None = None  # of win_rate_vs_reference - audit_win_rate_vs_reference
+    regression: tuple[SuiteFigures, ...] = ()
 
     def __post_init__(self) -> None:
         for name in _SHARES:
@@ -126,160 +155,8 @@ class EvalFigures:
         return 1.0 if self.mean_length == 0 else math.inf
 
 
-@dataclass(frozen=True)
-class Check:
-    """One gate check. `op` says how `observed` must compare with `threshold` to pass.
-
-    A skipped check passes, has no observed value nor threshold, and says why in `skipped`.
-    `reason` is the rejection line (`code: explanation`) when the check failed, else None.
-    An undecided check has not passed, has no `reason`, and says why in `undecided`; `low`
-    and `high` are the interval it was judged on, if any.
-    """
-
-    name: str
-    passed: bool
-    observed: float | None
-    threshold: float | None
-    op: Literal[">=", "<="]
-    skipped: str | None = None
-    reason: str | None = None
-    undecided: str | None = None
-    low: float | None = None
-    high: float | None = None
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The gate's verdict: `passed` iff every check passed; one `reasons` line per failed
-    check, one `undecided` line per check the evidence does not settle either way.
-    `status`: "passed", "rejected" (a check failed) or "undecided" (none failed, some open)."""
-
-    passed: bool
-    reasons: tuple[str, ...]
-    checks: tuple[Check, ...]
-    undecided: tuple[str, ...] = ()
-
-    @classmethod
-    def from_checks(cls, checks: tuple[Check, ...]) -> "Decision":
-        failed = tuple(c.reason for c in checks if not c.passed and c.undecided is None)
-        undecided = tuple(c.undecided for c in checks if c.undecided is not None)
-        return cls(passed=not failed and not undecided, reasons=failed, checks=checks, undecided=undecided)
-
-    @property
-    def status(self) -> str:
-        return "passed" if self.passed else "rejected" if self.reasons else "undecided"
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain, JSON-ready dict (tuples become lists)."""
-        return {
-            "status": self.status,
-            "passed": self.passed,
-            "reasons": list(self.reasons),
-            "undecided": list(self.undecided),
-            "checks": [asdict(c) for c in self.checks],
-        }
-
-    def to_markdown(self) -> str:
-        """A verdict line, a table of every check, then the reasons and open calls (if any)."""
-        verdict = {"passed": "passed ✅", "rejected": "rejected ❌", "undecided": "undecided ⚖️"}[self.status]
-        lines = [
-            f"**Gate: {verdict}**",
-            "",
-            "| check | observed | interval | threshold | result |",
-            "|---|---|---|---|---|",
-        ]
-        for c in self.checks:
-            if c.skipped:
-                lines.append(f"| {c.name} | – | – | – | skipped ({c.skipped}) |")
-            else:
-                mark = "undecided" if c.undecided else "✅" if c.passed else "❌"
-                interval = "–" if c.low is None else f"[{_fmt(c.low)}, {_fmt(c.high)}]"
-                lines.append(f"| {c.name} | {_fmt(c.observed)} | {interval} | {c.op} {_fmt(c.threshold)} | {mark} |")
-        if self.reasons or self.undecided:
-            lines += ["", *(f"- {r}" for r in self.reasons), *(f"- undecided: {u}" for u in self.undecided)]
-        return "\n".join(lines)
-
-
-def _fmt(x: float | None) -> str:
-    return "–" if x is None else f"{x:.4g}"
-
-
-def _ci(i: Interval) -> str:
-    return f"{_fmt(i.estimate)} [{_fmt(i.low)}, {_fmt(i.high)}] ({i.level:.0%}, {i.n} prompts)"
-
-
-def _open_call(what: str, interval: Interval, bar: float, fail_below: float) -> str:
-    """Why a call is open, and how many prompts would close it if the estimate held: on the
-    side of the bar or of the rejection line where the estimate lies. An estimate between the
-    two (within the margin) is decided by no number of prompts."""
-    if interval.estimate > bar:
-        needed = prompts_to_decide(interval, bar)
-    elif interval.estimate < fail_below:
-        needed = prompts_to_decide(interval, fail_below)
-    else:
-        needed = None
-    if needed is None:
-        more = ("no number of prompts decides it: the estimate is on the bar" if fail_below == bar else
-                f"no number of prompts decides it: the estimate lies between {_fmt(fail_below)} and the bar, "
-                "as good as the bar within the margin")
-    else:
-        more = f"about {needed} prompts would decide it if the estimate held"
-    below = "" if fail_below == bar else f" nor clearly below {_fmt(fail_below)}"
-    return f"{what} {_ci(interval)} is neither clearly above {_fmt(bar)}{below or ' nor clearly below it'}; {more}"
-
-
-def _better_than(name: str, code: str, interval: Interval, bar: float, fail_below: float, what: str,
-                 basis: str = "") -> Check:
-    """Passes when the interval lies above `bar`; fails when it lies below `fail_below`
-    (`bar` less a margin, or `bar` itself); else undecided."""
-    base = dict(name=name, observed=interval.estimate, threshold=bar, op=">=", low=interval.low, high=interval.high)
-    if interval.low > bar + TOLERANCE:
-        return Check(passed=True, **base)
-    if interval.high < fail_below - TOLERANCE:
-        return Check(passed=False, reason=f"{code}: {what} {_ci(interval)} < {basis}{_fmt(fail_below)}", **base)
-    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar, fail_below)}", **base)
-
-
-def _not_worse_than(name: str, code: str, interval: Interval, bar: float, what: str, basis: str = "") -> Check:
-    """Non-inferiority: passes when the interval's low end is at least `bar`, fails when its
-    high end is below it, else undecided."""
-    base = dict(name=name, observed=interval.estimate, threshold=bar, op=">=", low=interval.low, high=interval.high)
-    if interval.low >= bar - TOLERANCE:
-        return Check(passed=True, **base)
-    if interval.high < bar - TOLERANCE:
-        return Check(passed=False, reason=f"{code}: {what} {_ci(interval)} < {basis}{_fmt(bar)}", **base)
-    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar, bar)}", **base)
-
-
-def _not_above(name: str, code: str, interval: Interval, bar: float, what: str) -> Check:
-    """Passes when the interval's high end is at most `bar`, fails when its low end is above it,
-    else undecided."""
-    base = dict(name=name, observed=interval.estimate, threshold=bar, op="<=", low=interval.low, high=interval.high)
-    if interval.high <= bar + TOLERANCE:
-        return Check(passed=True, **base)
-    if interval.low > bar + TOLERANCE:
-        return Check(passed=False, reason=f"{code}: {what} {_ci(interval)} > max {_fmt(bar)}", **base)
-    return Check(passed=False, undecided=f"{name}: {_open_call(what, interval, bar, bar)}", **base)
-
-
-def _at_least(name: str, code: str, observed: float, threshold: float, what: str, basis: str = "") -> Check:
-    """`basis` says where a derived threshold comes from, e.g. `reference 0.6 + min gain 0.05 = `."""
-    passed = observed >= threshold - TOLERANCE
-    reason = None if passed else f"{code}: {what} {_fmt(observed)} < {basis}{_fmt(threshold)}"
-    return Check(name, passed, observed, threshold, ">=", reason=reason)
-
-
-def _at_most(name: str, code: str, observed: float, threshold: float, what: str) -> Check:
-    passed = observed <= threshold + TOLERANCE
-    reason = None if passed else f"{code}: {what} {_fmt(observed)} > max {_fmt(threshold)}"
-    return Check(name, passed, observed, threshold, "<=", reason=reason)
-
-
-def _skipped(name: str, op: Literal[">=", "<="], why: str) -> Check:
-    return Check(name, True, None, None, op, skipped=why)
-
-
-def _require_consistent(candidate: EvalFigures, reference: EvalFigures, champion: EvalFigures | None) -> None:
+def _require_consistent(candidate: EvalFigures, reference: EvalFigures, champion: EvalFigures | None,
+                        thresholds: GateConfig) -> None:
     """Figures that cannot describe one evaluation are a caller's bug, not a rejection."""
     if (candidate.accuracy is None) != (reference.accuracy is None):
         raise ValueError("candidate and reference must both have an accuracy or neither (same eval prompts)")
@@ -287,6 +164,11 @@ def _require_consistent(candidate: EvalFigures, reference: EvalFigures, champion
         raise ValueError("candidate and champion must both have an accuracy or neither (same eval prompts)")
     if (champion is None) != (candidate.win_rate_vs_champion is None):
         raise ValueError("candidate.win_rate_vs_champion must be given exactly when there is a champion")
+    suites = [s.name for s in thresholds.regression_suites]
+    for who, figures in (("candidate", candidate), ("reference", reference), ("champion", champion)):
+        if figures is not None and [s.name for s in figures.regression] != suites:
+            raise ValueError(f"the {who}'s regression figures {[s.name for s in figures.regression]} are not "
+                             f"those of gates.regression_suites {suites}")
 
 
 def gate(
@@ -296,102 +178,136 @@ def gate(
 
     `reference` is the policy RL started from (the SFT model); `champion` is the currently
     promoted policy, None before the first promotion. The length ratio is the candidate's
-    own `mean_length / reference_mean_length`, both measured on the same prompts.
+    own `mean_length / reference_mean_length`, both measured on the same prompts. Each policy's
+    `regression` figures are those of `thresholds.regression_suites`, in that order.
     """
-    _require_consistent(candidate, reference, champion)
+    _require_consistent(candidate, reference, champion, thresholds)
     t = thresholds
-    no_answers, no_champion = "no answers", "no champion"
-
-    if candidate.accuracy is None:
-        acc_ref = _skipped("accuracy_vs_reference", ">=", no_answers)
-    elif (gain := candidate.accuracy_gain_vs_reference) is not None:
-        acc_ref = _better_than("accuracy_vs_reference", "accuracy_below_reference", gain, t.min_accuracy_gain,
-                               t.min_accuracy_gain, "accuracy gain over the reference", "min gain ")
-    else:
-        acc_ref = _at_least(
-            "accuracy_vs_reference", "accuracy_below_reference", candidate.accuracy,
-            reference.accuracy + t.min_accuracy_gain, "accuracy",
-            f"reference {_fmt(reference.accuracy)} + min gain {_fmt(t.min_accuracy_gain)} = ",
-        )
-    if champion is None:
-        acc_champ = _skipped("accuracy_vs_champion", ">=", no_champion)
-        win_champ = _skipped("win_rate_vs_champion", ">=", no_champion)
-    else:
-        if candidate.accuracy is None:
-            acc_champ = _skipped("accuracy_vs_champion", ">=", no_answers)
-        elif (diff := candidate.accuracy_gain_vs_champion) is not None:
-            acc_champ = _not_worse_than("accuracy_vs_champion", "accuracy_regressed_vs_champion", diff,
-                                        -t.max_regression_vs_champion, "accuracy minus the champion's",
-                                        "-max regression ")
-        else:
-            acc_champ = _at_least(
-                "accuracy_vs_champion", "accuracy_regressed_vs_champion", candidate.accuracy,
-                champion.accuracy - t.max_regression_vs_champion, "accuracy",
-                f"champion {_fmt(champion.accuracy)} - max regression {_fmt(t.max_regression_vs_champion)} = ",
-            )
-        if (wins := candidate.win_rate_vs_champion_interval) is not None:
-            win_champ = _better_than(
-                "win_rate_vs_champion", "win_rate_vs_champion_too_low", wins, t.min_win_rate_vs_champion,
-                t.min_win_rate_vs_champion - t.win_rate_margin_vs_champion, "win rate vs champion",
-                f"min {_fmt(t.min_win_rate_vs_champion)} - margin {_fmt(t.win_rate_margin_vs_champion)} = ")
-        else:
-            win_champ = _at_least(
-                "win_rate_vs_champion", "win_rate_vs_champion_too_low", candidate.win_rate_vs_champion,
-                t.min_win_rate_vs_champion, "win rate vs champion", "min ",
-            )
-
-    audit_what = (f"win rate vs reference under the audit reward model (the proxy's: "
-                  f"{_fmt(candidate.win_rate_vs_reference)})")
-    if candidate.audit_win_rate_vs_reference is None:
-        audit = _skipped("audit_vs_reference", ">=", "no audit model")
-    elif (audit_wins := candidate.audit_win_rate_vs_reference_interval) is not None:
-        audit = _better_than("audit_vs_reference", "audit_rejects_candidate", audit_wins,
-                             t.min_audit_win_rate_vs_reference, t.min_audit_win_rate_vs_reference, audit_what, "min ")
-    else:
-        audit = _at_least("audit_vs_reference", "audit_rejects_candidate", candidate.audit_win_rate_vs_reference,
-                          t.min_audit_win_rate_vs_reference, audit_what, "min ")
-
-    if candidate.audit_win_rate_vs_reference is None or t.max_proxy_audit_gap is None:
-        gap = _skipped("proxy_audit_gap", "<=", "no audit model" if candidate.audit_win_rate_vs_reference is None
-                       else "gates.max_proxy_audit_gap not set")
-    else:
-        gap_what = (f"win rate vs reference {_fmt(candidate.win_rate_vs_reference)} under the proxy but "
-                    f"{_fmt(candidate.audit_win_rate_vs_reference)} under the audit: gap")
-        if (gaps := candidate.proxy_audit_gap_interval) is not None:
-            gap = _not_above("proxy_audit_gap", "wins_on_proxy_only", gaps, t.max_proxy_audit_gap, gap_what)
-        else:
-            gap = _at_most("proxy_audit_gap", "wins_on_proxy_only",
-                           candidate.win_rate_vs_reference - candidate.audit_win_rate_vs_reference,
-                           t.max_proxy_audit_gap, gap_what)
-
-    if (wins_ref := candidate.win_rate_vs_reference_interval) is not None:
-        win_ref = _better_than("win_rate_vs_reference", "win_rate_vs_reference_too_low", wins_ref,
-                               t.min_win_rate_vs_reference, t.min_win_rate_vs_reference, "win rate vs reference",
-                               "min ")
-    else:
-        win_ref = _at_least(
-            "win_rate_vs_reference", "win_rate_vs_reference_too_low", candidate.win_rate_vs_reference,
-            t.min_win_rate_vs_reference, "win rate vs reference", "min ",
-        )
+    accuracy_vs_champion, win_rate_vs_champion = _champion_checks(candidate, champion, t)
     checks = (
-        acc_ref,
-        acc_champ,
-        win_ref,
-        win_champ,
-        audit,
-        gap,
-        _at_most("kl_to_reference", "kl_above_max", candidate.kl_to_reference, t.max_kl, "KL to reference"),
-        _at_most(
+        _accuracy_vs_reference(candidate, reference, t),
+        accuracy_vs_champion,
+        _win_rate_vs_reference(candidate, t),
+        win_rate_vs_champion,
+        *_audit_checks(candidate, t),
+        at_most("kl_to_reference", "kl_above_max", candidate.kl_to_reference, t.max_kl, "KL to reference"),
+        at_most(
             "length_ratio", "length_ratio_above_max", candidate.length_ratio, t.max_length_ratio,
             "mean length / reference mean length",
         ),
-        _at_most(
+        at_most(
             "degenerate_rate", "degenerate_rate_above_max", candidate.degenerate_rate, t.max_degenerate_rate,
             "degenerate share",
         ),
-        _at_most(
+        at_most(
             "generation_failures", "generation_failures_above_max", candidate.generation_failures,
             t.max_generation_failure_rate, "failed-prompt share",
         ),
+        *_regression_checks(candidate, reference, champion, t),
     )
     return Decision.from_checks(checks)
+
+
+_NO_ANSWERS, _NO_CHAMPION = "no answers", "no champion"
+
+
+def _accuracy_vs_reference(candidate: EvalFigures, reference: EvalFigures, t: GateConfig) -> Check:
+    if candidate.accuracy is None:
+        return skip("accuracy_vs_reference", ">=", _NO_ANSWERS)
+    if (gain := candidate.accuracy_gain_vs_reference) is not None:
+        return better_than("accuracy_vs_reference", "accuracy_below_reference", gain, t.min_accuracy_gain,
+                           t.min_accuracy_gain, "accuracy gain over the reference", "min gain ")
+    return at_least(
+        "accuracy_vs_reference", "accuracy_below_reference", candidate.accuracy,
+        reference.accuracy + t.min_accuracy_gain, "accuracy",
+        f"reference {fmt(reference.accuracy)} + min gain {fmt(t.min_accuracy_gain)} = ",
+    )
+
+
+def _champion_checks(candidate: EvalFigures, champion: EvalFigures | None, t: GateConfig) -> tuple[Check, Check]:
+    """(accuracy_vs_champion, win_rate_vs_champion)."""
+    if champion is None:
+        return skip("accuracy_vs_champion", ">=", _NO_CHAMPION), skip("win_rate_vs_champion", ">=", _NO_CHAMPION)
+    if candidate.accuracy is None:
+        accuracy = skip("accuracy_vs_champion", ">=", _NO_ANSWERS)
+    elif (diff := candidate.accuracy_gain_vs_champion) is not None:
+        accuracy = not_worse_than("accuracy_vs_champion", "accuracy_regressed_vs_champion", diff,
+                                  -t.max_regression_vs_champion, "accuracy minus the champion's", "-max regression ")
+    else:
+        accuracy = at_least(
+            "accuracy_vs_champion", "accuracy_regressed_vs_champion", candidate.accuracy,
+            champion.accuracy - t.max_regression_vs_champion, "accuracy",
+            f"champion {fmt(champion.accuracy)} - max regression {fmt(t.max_regression_vs_champion)} = ",
+        )
+    if (wins := candidate.win_rate_vs_champion_interval) is not None:
+        win_rate = better_than(
+            "win_rate_vs_champion", "win_rate_vs_champion_too_low", wins, t.min_win_rate_vs_champion,
+            t.min_win_rate_vs_champion - t.win_rate_margin_vs_champion, "win rate vs champion",
+            f"min {fmt(t.min_win_rate_vs_champion)} - margin {fmt(t.win_rate_margin_vs_champion)} = ")
+    else:
+        win_rate = at_least(
+            "win_rate_vs_champion", "win_rate_vs_champion_too_low", candidate.win_rate_vs_champion,
+            t.min_win_rate_vs_champion, "win rate vs champion", "min ",
+        )
+    return accuracy, win_rate
+
+
+def _win_rate_vs_reference(candidate: EvalFigures, t: GateConfig) -> Check:
+    if (wins := candidate.win_rate_vs_reference_interval) is not None:
+        return better_than("win_rate_vs_reference", "win_rate_vs_reference_too_low", wins,
+                           t.min_win_rate_vs_reference, t.min_win_rate_vs_reference, "win rate vs reference", "min ")
+    return at_least(
+        "win_rate_vs_reference", "win_rate_vs_reference_too_low", candidate.win_rate_vs_reference,
+        t.min_win_rate_vs_reference, "win rate vs reference", "min ",
+    )
+
+
+def _audit_checks(candidate: EvalFigures, t: GateConfig) -> tuple[Check, Check]:
+    """(audit_vs_reference, proxy_audit_gap)."""
+    if candidate.audit_win_rate_vs_reference is None:
+        return (skip("audit_vs_reference", ">=", "no audit model"),
+                skip("proxy_audit_gap", "<=", "no audit model"))
+    what = (f"win rate vs reference under the audit reward model (the proxy's: "
+            f"{fmt(candidate.win_rate_vs_reference)})")
+    if (audit_wins := candidate.audit_win_rate_vs_reference_interval) is not None:
+        audit = better_than("audit_vs_reference", "audit_rejects_candidate", audit_wins,
+                            t.min_audit_win_rate_vs_reference, t.min_audit_win_rate_vs_reference, what, "min ")
+    else:
+        audit = at_least("audit_vs_reference", "audit_rejects_candidate", candidate.audit_win_rate_vs_reference,
+                         t.min_audit_win_rate_vs_reference, what, "min ")
+    if t.max_proxy_audit_gap is None:
+        return audit, skip("proxy_audit_gap", "<=", "gates.max_proxy_audit_gap not set")
+    gap_what = (f"win rate vs reference {fmt(candidate.win_rate_vs_reference)} under the proxy but "
+                f"{fmt(candidate.audit_win_rate_vs_reference)} under the audit: gap")
+    if (gaps := candidate.proxy_audit_gap_interval) is not None:
+        return audit, not_above("proxy_audit_gap", "wins_on_proxy_only", gaps, t.max_proxy_audit_gap, gap_what)
+    return audit, at_most("proxy_audit_gap", "wins_on_proxy_only",
+                          candidate.win_rate_vs_reference - candidate.audit_win_rate_vs_reference,
+                          t.max_proxy_audit_gap, gap_what)
+
+
+def _regression_checks(candidate: EvalFigures, reference: EvalFigures, champion: EvalFigures | None,
+                       t: GateConfig) -> list[Check]:
+    """Per suite of `t.regression_suites`: not worse than the reference, and than the champion."""
+    checks = []
+    for i, suite in enumerate(t.regression_suites):
+        mine = candidate.regression[i]
+        checks.append(_no_regression(mine, reference.regression[i], mine.diff_vs_reference, "reference",
+                                     suite.margin))
+        if champion is None:
+            checks.append(skip(f"regression_vs_champion:{suite.name}", ">=", _NO_CHAMPION))
+        else:
+            checks.append(_no_regression(mine, champion.regression[i], mine.diff_vs_champion, "champion",
+                                         suite.margin))
+    return checks
+
+
+def _no_regression(suite: SuiteFigures, baseline: SuiteFigures, diff: Interval | None, vs: str,
+                   margin: float) -> Check:
+    """Non-inferiority on one suite, as `accuracy_vs_champion`: the accuracy difference (its
+    interval's low end, with intervals) must be at least -margin; rejected as `regression:<suite>`."""
+    name, code = f"regression_vs_{vs}:{suite.name}", f"regression:{suite.name}"
+    what = f"suite {suite.name}: accuracy {fmt(suite.accuracy)} vs the {vs}'s {fmt(baseline.accuracy)}, difference"
+    if diff is not None:
+        return not_worse_than(name, code, diff, -margin, what, "-margin ")
+    return at_least(name, code, suite.accuracy - baseline.accuracy, -margin, what, "-margin ")

@@ -28,5 +28,6 @@ def tiny_config_dict(tmp: Path) -> dict:
                    "kl_coef": 0.02, "shaping": {"aggregate": "mean", "bounded": False, "length_penalty": 0.0},
                    "rounds": {"enabled": False, "every": 10, "prompts": 64, "learning_rate": 1e-4},
                    "grpo": {"group_size": 4, "scale_by_std": True}},
+        "gates": {"regression_suites": []},  # the tests that want one set it
         "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests"},
     }

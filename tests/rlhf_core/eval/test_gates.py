@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 
 from rlhf_core.config import ConfigError, GateConfig, parse_config
-from rlhf_core.eval.confidence import Interval
-from rlhf_core.eval.gates import Decision, EvalFigures, gate
+from rlhf_core.eval.confidence import Interval, bootstrap_interval, differences
+from rlhf_core.eval.gates import Decision, EvalFigures, SuiteFigures, gate
 
 CHECK_ORDER = [
     "accuracy_vs_reference",
@@ -358,3 +358,93 @@ def test_the_gap_interval_is_not_judged_when_the_gap_is_off_nor_the_audit_withou
     assert decision.passed
     assert {c.name: c.skipped for c in decision.checks if c.skipped} == {
         "audit_vs_reference": "no audit model", "proxy_audit_gap": "no audit model"}
+
+
+# --- regression suites ---------------------------------------------------------------------
+
+WITH_SUITE = T.model_copy(update={"regression_suites": GateConfig(
+    regression_suites=[{"name": "no_carry", "path": "suite.jsonl", "margin": 0.05}]).regression_suites})
+RIGHT = [True] * 40  # the reference answers every row of the suite right
+
+
+def on_suite(correct: list[bool], vs_reference: list[bool] = RIGHT, vs_champion: list[bool] | None = None,
+             intervals: bool = True) -> SuiteFigures:
+    """A policy's figures on the suite from its per-row outcomes, intervals drawn as evaluate draws them."""
+    def interval(baseline):
+        if baseline is None or not intervals:
+            return None
+        return bootstrap_interval(differences(correct, baseline), 0.95, 2000, seed=0)
+
+    return SuiteFigures("no_carry", sum(correct) / len(correct), interval(vs_reference), interval(vs_champion))
+
+
+def suite_gate(candidate: SuiteFigures, champion: SuiteFigures | None = None):
+    """GOOD, REFERENCE (every row right) and CHAMPION (or none) with these suite figures."""
+    return gate(replace(GOOD, regression=(candidate,), win_rate_vs_champion=None if champion is None else 0.6),
+                replace(REFERENCE, regression=(on_suite(RIGHT),)),
+                None if champion is None else replace(CHAMPION, regression=(champion,)), WITH_SUITE)
+
+
+def test_a_candidate_that_answers_the_suite_as_the_reference_does_passes_on_a_zero_interval():
+    decision = suite_gate(on_suite(RIGHT, vs_champion=RIGHT), champion=on_suite(RIGHT))
+    assert decision.passed, decision.to_markdown()
+    assert [c.name for c in decision.checks] == CHECK_ORDER + ["regression_vs_reference:no_carry",
+                                                               "regression_vs_champion:no_carry"]
+    c = by_name(decision)["regression_vs_reference:no_carry"]
+    assert (c.observed, c.low, c.high, c.threshold, c.op) == (0.0, 0.0, 0.0, -0.05, ">=")
+
+
+def test_a_candidate_that_lost_every_row_the_reference_got_right_is_rejected_with_both_scores_and_the_interval():
+    decision = suite_gate(on_suite([False] * 40))
+    assert decision.status == "rejected" and codes(decision) == ["regression"]
+    assert decision.reasons == (("regression:no_carry: suite no_carry: accuracy 0 vs the reference's 1, difference "
+                                 "-1 [-1, -1] (95%, 40 prompts) < -margin -0.05"),)
+    assert by_name(decision)["regression_vs_champion:no_carry"].skipped == "no champion"
+
+
+def test_a_candidate_as_good_as_the_reference_but_worse_than_the_champion_is_rejected_against_the_champion():
+    """The reference and the candidate miss rows 0-9; the champion answers them all."""
+    missed = [False] * 10 + [True] * 30
+    candidate = on_suite(missed, vs_reference=missed, vs_champion=RIGHT)
+    decision = gate(replace(GOOD, regression=(candidate,)), replace(REFERENCE, regression=(on_suite(missed, missed),)),
+                    replace(CHAMPION, regression=(on_suite(RIGHT, missed),)), WITH_SUITE)
+    assert codes(decision) == ["regression"]
+    assert by_name(decision)["regression_vs_reference:no_carry"].passed
+    assert decision.reasons[0].startswith(
+        "regression:no_carry: suite no_carry: accuracy 0.75 vs the champion's 1, difference -0.25 [")
+
+
+def test_a_suite_difference_across_the_margin_is_undecided_and_on_point_estimates_decided():
+    """Two rows of forty lost: -0.05 is the estimate, and the interval reaches below -margin."""
+    two_lost = [False, False] + [True] * 38
+    decision = suite_gate(on_suite(two_lost))
+    assert decision.status == "undecided", decision.to_markdown()
+    assert decision.undecided[0].startswith("regression_vs_reference:no_carry: suite no_carry: accuracy 0.95")
+    assert suite_gate(on_suite(two_lost, intervals=False)).passed  # -0.05 on the margin passes
+    assert codes(suite_gate(on_suite([False] * 3 + [True] * 37, intervals=False))) == ["regression"]
+
+
+def test_a_better_candidate_on_the_suite_passes():
+    decision = gate(replace(GOOD, win_rate_vs_champion=None, regression=(on_suite(RIGHT, vs_reference=[False] * 40),)),
+                    replace(REFERENCE, regression=(on_suite([False] * 40),)), None, WITH_SUITE)
+    assert decision.passed
+    assert by_name(decision)["regression_vs_reference:no_carry"].low == 1.0
+
+
+@pytest.mark.parametrize("who", ["candidate", "reference"])
+def test_suite_figures_that_do_not_match_the_configured_suites_are_a_caller_error(who):
+    figures = {"candidate": replace(GOOD, win_rate_vs_champion=None, regression=(on_suite(RIGHT),)),
+               "reference": replace(REFERENCE, regression=(on_suite(RIGHT),))}
+    figures[who] = replace(figures[who], regression=())
+    with pytest.raises(ValueError, match=f"the {who}'s regression figures"):
+        gate(figures["candidate"], figures["reference"], None, WITH_SUITE)
+
+
+def test_suite_accuracy_out_of_range_is_rejected():
+    with pytest.raises(ValueError, match="regression suite x: accuracy"):
+        SuiteFigures("x", 1.5)
+
+
+def test_without_suites_the_checks_are_the_tasks_alone():
+    assert [c.name for c in gate(GOOD, REFERENCE, CHAMPION, T).checks] == CHECK_ORDER
+    assert GateConfig().regression_suites == []

@@ -1,0 +1,160 @@
+"""Regression suites for the gates: small eval sets of what the base model already does right.
+
+A suite (`gates.regression_suites`) is a JSONL file of `{"prompt": ..., "answer": ...}` rows, or
+`demo:<name>`, one the demo generates into the run's data directory
+(`rlhf_core.data.synthetic.DEMO_SUITES`). `load_suites` reads and checks every suite before
+anything trains: a missing file, or a row that is not JSON, not an object, or lacks a
+non-blank text `prompt` or `answer`, fails with every problem named by file and line in one
+message. `correct` scores a policy's answers row by row (0/1) with the suite's checker, a
+verifiable reward of `rlhf_core.training.verifiable` (`answer_exact_match` compares with the
+row's answer, white space stripped).
+
+`rlhf_core.eval.evaluate` answers the suites greedily; the gate's figures and rule are
+`rlhf_core.eval.gates.SuiteFigures` and the `regression_vs_*` checks.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_core.config import DemoDataConfig, RegressionSuiteConfig
+from rlhf_core.data.schema import DataFormatError, write_jsonl
+from rlhf_core.data.synthetic import DEMO_SUITES
+from rlhf_core.eval.gates import EvalFigures
+from rlhf_core.training.verifiable import resolve_verifiable_reward, takes_answers
+
+DEMO_PREFIX = "demo:"
+SHOWN_PROBLEMS = 5  # bad rows named per suite; the message counts the rest
+
+
+class SuiteFormatError(DataFormatError):
+    """A regression suite that cannot be used: the message names each file and line and what is wrong."""
+
+
+@dataclass(frozen=True)
+class RegressionSuite:
+    """A suite read and checked: its settings, and its rows as two aligned lists."""
+
+    name: str
+    path: Path
+    checker: str
+    margin: float
+    prompts: list[str]
+    answers: list[str]
+
+
+def read_suite(path: str | Path) -> tuple[list[str], list[str]]:
+    """(prompts, answers) of a suite file. Blank lines are skipped, as in every JSONL the
+    pipeline reads; any other bad row raises `SuiteFormatError` naming `path:line` (up to
+    `SHOWN_PROBLEMS` of them, and how many more)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SuiteFormatError(f"{path}: regression suite file not found")
+    prompts, answers, problems = [], [], []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]
+            if not raw.strip():
+                continue
+            row, problem = _parse_row(raw)
+            if problem is not None:
+                problems.append(f"{path}:{lineno}: {problem}")
+            else:
+                prompts.append(row["prompt"])
+                answers.append(row["answer"])
+    if problems:
+        more = len(problems) - SHOWN_PROBLEMS
+        shown = problems[:SHOWN_PROBLEMS] + ([f"... and {more} more bad rows"] if more > 0 else [])
+        raise SuiteFormatError("\n".join(shown))
+    if not prompts:
+        raise SuiteFormatError(f"{path}: regression suite has no rows")
+    return prompts, answers
+
+
+def _parse_row(raw: bytes) -> tuple[dict | None, str | None]:
+    """(the row, None), or (None, what is wrong with it)."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not valid UTF-8"
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg})"
+    if not isinstance(row, dict):
+        return None, f"expected a JSON object with prompt and answer, got {type(row).__name__}"
+    for key in ("prompt", "answer"):
+        if key not in row:
+            return None, f"{key} is missing"
+        if not isinstance(row[key], str):
+            return None, f"{key} must be text, got {type(row[key]).__name__}"
+        if not row[key].strip():
+            return None, f"{key} is empty"
+    return row, None
+
+
+def suite_file(path: str, data_dir: Path, demo: DemoDataConfig, exclude: Collection[str] = ()) -> Path:
+    """The file a suite's `path` stands for: itself, or for `demo:<name>` the demo suite
+    generated from `demo` (without the prompts in `exclude`) into `data_dir`."""
+    if not path.startswith(DEMO_PREFIX):
+        return Path(path)
+    name = path[len(DEMO_PREFIX):]
+    if name not in DEMO_SUITES:
+        known = ", ".join(DEMO_PREFIX + n for n in sorted(DEMO_SUITES))
+        raise SuiteFormatError(f"{path}: no such demo suite; the demo's: {known}")
+    return write_jsonl(DEMO_SUITES[name](demo, exclude), data_dir / f"regression-{name}.jsonl")
+
+
+def load_suites(suites: Sequence[RegressionSuiteConfig], data_dir: Path, demo: DemoDataConfig,
+                exclude: Collection[str] = ()) -> list[RegressionSuite]:
+    """Every configured suite read and checked (demo suites generated into `data_dir` first,
+    without the prompts in `exclude`). Raises one `SuiteFormatError` that names every suite
+    that cannot be used, by file and line."""
+    loaded, problems = [], []
+    for suite in suites:
+        try:
+            path = suite_file(suite.path, data_dir, demo, exclude)
+            prompts, answers = read_suite(path)
+        except SuiteFormatError as exc:
+            problems.append(f"regression suite {suite.name} (gates.regression_suites): {exc}")
+            continue
+        loaded.append(RegressionSuite(suite.name, path, suite.checker, suite.margin, prompts, answers))
+    if problems:
+        raise SuiteFormatError("\n".join(problems))
+    return loaded
+
+
+def correct(suite: RegressionSuite, responses: Sequence[str]) -> list[bool]:
+    """Per row, whether the suite's checker accepts the response. A checker scores 0 or 1."""
+    if len(responses) != len(suite.prompts):
+        raise ValueError(f"regression suite {suite.name}: {len(responses)} responses for {len(suite.prompts)} rows")
+    fn = resolve_verifiable_reward(suite.checker)
+    if takes_answers(fn):
+        scores = fn(suite.prompts, responses, answers=suite.answers)
+    else:
+        scores = fn(suite.prompts, responses)
+    values = [float(v) for v in scores]
+    if len(values) != len(responses) or any(v not in (0.0, 1.0) for v in values):
+        raise ValueError(f"regression suite {suite.name}: checker {suite.checker} must score each of the "
+                         f"{len(responses)} rows 0 or 1, got {values[:5]}...")
+    return [v == 1.0 for v in values]
+
+
+def suite_report(suites: Sequence[RegressionSuite], candidate: EvalFigures, reference: EvalFigures,
+                 champion: EvalFigures | None) -> list[dict]:
+    """Per suite, for the gate report: its file, checker, margin and rows, each policy's
+    accuracy, and the candidate's paired intervals of the difference (None: point estimates)."""
+    rows = []
+    for i, suite in enumerate(suites):
+        mine = candidate.regression[i]
+        rows.append({
+            "name": suite.name, "path": str(suite.path), "checker": suite.checker, "margin": suite.margin,
+            "rows": len(suite.prompts), "candidate": mine.accuracy,
+            "reference": reference.regression[i].accuracy,
+            "champion": None if champion is None else champion.regression[i].accuracy,
+            "diff_vs_reference": None if mine.diff_vs_reference is None else mine.diff_vs_reference.to_dict(),
+            "diff_vs_champion": None if mine.diff_vs_champion is None else mine.diff_vs_champion.to_dict(),
+        })
+    return rows
