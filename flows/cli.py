@@ -5,7 +5,8 @@
     rlhf demo                                             run it on the packaged configs/demo.yaml
     rlhf validate PATH [--eval PATH] [--record]           validate preference data only
                   [--set key.path=value ...] [--show N]   and print N rows as the trainer sees them
-    rlhf check-config PATH                                validate a config file only
+    rlhf check-config PATH [--explain] [--set ...]        validate a config and print it resolved,
+                                                          with --explain where each value came from
     rlhf make-demo-data OUT_DIR [--config PATH]           write the demo task's data
     rlhf evaluate [VERSION|ALIAS]                         re-run the gates on a registered policy
     rlhf promote VERSION [--by NAME] [--reason TEXT]      make a policy version the champion
@@ -46,6 +47,7 @@ from flows.console import (
     log_file_path, print_deployment, print_error, print_failure, print_summary, print_validated, route_logs,
     unroute_logs,
 )
+from flows.config_view import print_config
 from flows.prefect_setup import quiet_telemetry, start_prefect_server_early
 from flows.show import print_environment, print_rows
 from rlhf_core.default_config import DEFAULT_CONFIG
@@ -82,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
 
     chk = sub.add_parser("check-config", help="validate a pipeline config file and print it resolved")
     chk.add_argument("path")
+    chk.add_argument("--explain", "--origins", action="store_true",
+                     help="print each key, its value and where it came from: default, a file (or its base), --set")
+    chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     data = sub.add_parser("make-demo-data", help="write the demo task's SFT, preference and eval files")
     data.add_argument("out_dir")
@@ -350,9 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
         if args.command == "check-config":
-            cfg = load_config(args.path)
-            print(json.dumps(cfg.model_dump(mode="json"), indent=2))
-            return 0
+            return print_config(args.path, args.overrides, args.explain)
         if args.command == "make-demo-data":
             from rlhf_core.data.synthetic import generate_demo_data
 

@@ -25,12 +25,26 @@ from rlhf_core.config import PipelineConfig
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 INTRO = """# Configuration
 
-Every run reads one YAML file (`configs/demo.yaml` is the packaged default); every key is
-optional and falls back to the default below. Unknown keys, wrong types and out-of-range values
-are rejected before anything runs, naming the key. Override any key on the command line with
-`--set key.path=value` (the value is read as YAML), e.g. `rlhf run --set sft.epochs=2`.
+Every run reads one YAML file (`configs/demo.yaml` is the packaged default) and the bases it
+names ([overlays](#overlays)); every key is optional and falls back to the default below.
+Unknown keys, wrong types and out-of-range values are rejected before anything runs, naming the
+key. Override any key on the command line with `--set key.path=value` (the value is read as
+YAML), e.g. `rlhf run --set sft.epochs=2`.
 
 This page is generated from `rlhf_core/config.py` by `make docs`; do not edit it by hand.
+
+## Overlays
+
+A config file may start from another one and hold only what it changes: `base: demo.yaml`
+names a file relative to the overlay's own folder (`base: packaged:demo.yaml` is the packaged
+demo, wherever the overlay lives), and a base may name a base of its own. The files are merged
+from the deepest base up: mappings merge key by key, anything else (a list, a scalar, null)
+replaces the base's value; `--set` applies after all files. `configs/k8s.yaml` is such an
+overlay: the demo plus the keys that place it on the cluster. A shipped config holds no key
+that would have its value anyway (a test checks it).
+
+`rlhf check-config PATH --explain` prints every resolved value and where it came from:
+`default`, the file or base that set it, or `--set`.
 """
 _BOUNDS = ((annotated_types.Ge, "≥", "ge"), (annotated_types.Gt, ">", "gt"),
            (annotated_types.Le, "≤", "le"), (annotated_types.Lt, "<", "lt"))

@@ -1,15 +1,35 @@
-"""Loading a pipeline config: YAML file, `key.path=value` overrides, then validation into a
+"""Loading a pipeline config: YAML files, `key.path=value` overrides, then validation into a
 `PipelineConfig`, with every bad key named in one `ConfigError`:
 
     policy.ppo.clip_range: must be > 0, got -1
+
+A file may name a `base` and hold only what it changes (an overlay):
+
+    base: demo.yaml          # relative to this file's folder; `packaged:demo.yaml` is the packaged one
+    output_dir: /mnt/shared/runs
+
+Bases may chain. The files are merged from the deepest base up: mappings merge key by key,
+anything else (lists, scalars, null) replaces what the base had. `--set` overrides apply after
+all files; keys no layer sets keep the model's default. `config_origins` says which of these
+each value of the resolved config came from.
 """
 from __future__ import annotations
 
+import copy
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from rlhf_core.config import PipelineConfig
+
+BASE_KEY = "base"
+PACKAGED = "packaged:"  # `base: packaged:NAME` is configs/NAME of the installed package
+DEFAULT, SET = "default", "--set"
+
 
 class ConfigError(ValueError):
     """A config that cannot be used. `problems` holds one `key.path: message` per error."""
@@ -42,8 +62,12 @@ def _describe(err: dict[str, Any]) -> str:
     return f"{path}: {msg}"
 
 
-def parse_config(raw: dict[str, Any] | None, source: str = "config") -> PipelineConfig:
-    """Validate a plain dict into a `PipelineConfig`, or raise `ConfigError` naming every bad key."""
+def parse_config(raw: dict[str, Any] | None, source: str = "config",
+                 origins: dict[str, str] | None = None) -> PipelineConfig:
+    """Validate a plain dict into a `PipelineConfig`, or raise `ConfigError` naming every bad key.
+
+    With `origins` (key path -> where it was set, as `resolve` returns them) from more than one
+    place, each problem also names the file (or `--set`) its key came from."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -53,33 +77,202 @@ def parse_config(raw: dict[str, Any] | None, source: str = "config") -> Pipeline
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError([_describe(e) for e in exc.errors()], source) from None
+        named = origins is not None and len(set(origins.values())) > 1
+        problems = [_describe(e) + (_from(origins, e["loc"]) if named else "") for e in exc.errors()]
+        raise ConfigError(problems, source) from None
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a copy."""
+def _from(origins: dict[str, str], loc: tuple) -> str:
+    origin = origin_of(origins, ".".join(str(p) for p in loc))
+    return "" if origin == DEFAULT else f" (from {origin})"
+
+
+# --- layers -------------------------------------------------------------------------------
+
+
+def _read(path: Path, source: str, base_of: str | None) -> dict[str, Any]:
+    """The mapping in the file at `path`; `base_of`: the file that named it as its base."""
+    where = f" (the base of {base_of})" if base_of else ""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"file not found: {path}{where}"], source) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML{where}: {exc}"], source) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"<root>: must be a mapping, got {type(raw).__name__}{where}"], source)
+    return raw
+
+
+def _base_path(base: Any, of: Path) -> Path:
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError([f"{BASE_KEY}: must be the path of a config file, got {base!r}"], str(of))
+    if base.startswith(PACKAGED):
+        from rlhf_core.default_config import DEFAULT_CONFIG
+
+        return Path(DEFAULT_CONFIG).parent / base.removeprefix(PACKAGED)
+    path = Path(base).expanduser()
+    return path if path.is_absolute() else Path(os.path.normpath(of.parent / path))
+
+
+def read_chain(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """The file at `path` and the bases it names, deepest base first, as (the file's path,
+    its keys without `base`). A base that names a file already in the chain is refused."""
+    chain: list[tuple[str, dict[str, Any]]] = []
+    seen: list[Path] = []
+    current = Path(path)
+    while True:
+        if current.resolve() in seen:
+            cycle = [name for name, _ in chain[seen.index(current.resolve()):]] + [str(current)]
+            raise ConfigError([f"{BASE_KEY}: the bases form a cycle: {' -> '.join(cycle)}"], str(path))
+        seen.append(current.resolve())
+        raw = dict(_read(current, str(path), chain[-1][0] if chain else None))
+        base = raw.pop(BASE_KEY, None)
+        chain.append((str(current), raw))
+        if base is None:
+            return chain[::-1]
+        current = _base_path(base, current)
+
+
+def _forget(origins: dict[str, str], key: str) -> None:
+    for k in [k for k in origins if k == key or k.startswith(key + ".")]:
+        del origins[k]
+
+
+def _record(origins: dict[str, str], key: str, value: Any, label: str) -> None:
+    """`key` (and every key under it, when `value` is a mapping) now comes from `label`."""
+    _forget(origins, key)
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _record(origins, f"{key}.{k}", v, label)
+    else:
+        origins[key] = label
+
+
+def merge(into: dict[str, Any], layer: dict[str, Any], label: str, origins: dict[str, str],
+          prefix: str = "") -> None:
+    """Deep-merge `layer` into `into` in place: a mapping met by a mapping merges key by key,
+    anything else replaces. `origins` learns that every key `layer` sets comes from `label`."""
+    for key, value in layer.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge(into[key], value, label, origins, path + ".")
+        else:
+            into[key] = copy.deepcopy(value)
+            _record(origins, path, value, label)
+
+
+def _override(out: dict[str, Any], item: str, origins: dict[str, str]) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError([f"override {item!r}: expected key.path=value"])
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError([f"{key}: {part} is not a mapping"])
+    node[parts[-1]] = yaml.safe_load(value)
+    _record(origins, key, node[parts[-1]], SET)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str],
+                    origins: dict[str, str] | None = None) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a copy.
+    The value replaces what was at `a.b.c`, a mapping too. `origins` learns the keys they set."""
     out = yaml.safe_load(yaml.safe_dump(raw)) or {}
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError([f"override {item!r}: expected key.path=value"])
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError([f"{key}: {part} is not a mapping"])
-        node[parts[-1]] = yaml.safe_load(value)
+        _override(out, item, {} if origins is None else origins)
     return out
 
 
+def resolve(path: str | Path, overrides: list[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The raw config of `path` with its bases merged and the overrides applied, and where each
+    key it sets came from: key path -> the file's path, or `--set`."""
+    raw: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for label, layer in read_chain(path):
+        merge(raw, layer, label, origins)
+    return apply_overrides(raw, overrides or [], origins), origins
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
-    """Load, override and validate a pipeline config from a YAML file."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError([f"file not found: {path}"], str(path)) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"not valid YAML: {exc}"], str(path)) from None
-    return parse_config(apply_overrides(raw, overrides or []), source=str(path))
+    """Load a pipeline config from a YAML file (and its bases), override and validate it."""
+    raw, origins = resolve(path, overrides)
+    return parse_config(raw, source=str(path), origins=origins)
+
+
+# --- where values come from ---------------------------------------------------------------
+
+
+def origin_of(origins: dict[str, str], key: str) -> str:
+    """Where `key` got its value: the layer that set it or a mapping above it, else `default`."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in origins:
+            return origins[".".join(parts[:n])]
+    below = [label for k, label in origins.items() if k.startswith(key + ".")]
+    return below[-1] if below else DEFAULT
+
+
+def leaf_keys(model: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of every value of a config model: its fields, nested sections walked into."""
+    from pydantic import BaseModel
+
+    keys = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        keys += leaf_keys(value, f"{prefix}{name}.") if isinstance(value, BaseModel) else [prefix + name]
+    return keys
+
+
+def config_origins(path: str | Path, overrides: list[str] | None = None) -> dict[str, str]:
+    """Every key of the resolved config of `path` (dotted, in the models' order) -> where its
+    value came from: `default`, the path of the file or base that set it, or `--set`.
+    Raises `ConfigError` as `load_config` does."""
+    raw, origins = resolve(path, overrides)
+    cfg = parse_config(raw, source=str(path), origins=origins)
+    return {key: origin_of(origins, key) for key in leaf_keys(cfg)}
+
+
+def restated_keys(path: str | Path) -> list[str]:
+    """Keys the file at `path` itself sets to the value they would have without it: the model's
+    default, or for an overlay, its bases' value. A key that sets an overlay back to the
+    default (`policy.precision: auto` over a base's fp32) changes something and is not listed."""
+    *bases, (_, own) = read_chain(path)
+    under: dict[str, Any] = {}
+    for label, layer in bases:
+        merge(under, layer, label, {})
+    without = parse_config(under, source=str(path)).model_dump(mode="json")
+    restated = []
+    for key in _own_leaves(own):
+        with_key = copy.deepcopy(under)
+        merge(with_key, _nested(key, _get(own, key)), "", {})
+        try:
+            value = _get(parse_config(with_key).model_dump(mode="json"), key)
+        except (ConfigError, KeyError):
+            continue  # invalid or not a config value: the validation of the file says so
+        if value == _get(without, key):
+            restated.append(key)
+    return restated
+
+
+def _own_leaves(raw: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in raw.items():
+        out += _own_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [prefix + str(key)]
+    return out
+
+
+def _get(tree: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree[part]
+    return tree
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
