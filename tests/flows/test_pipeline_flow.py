@@ -90,9 +90,9 @@ def full_run(deployed, tmp_path_factory, tiny_config_factory, free_ports):
 
     tmp = tmp_path_factory.mktemp("full")
     raw = tiny_config_factory(tmp)
-    raw["gates"] = {"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
+    raw["gates"].update({"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
                     "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,
-                    "max_degenerate_rate": 1.0, "max_kl": 1000.0}
+                    "max_degenerate_rate": 1.0, "max_kl": 1000.0})
     raw["serving"] = {"ports": free_ports(2), "smoke_prompt": "12+34="}
     config = tmp / "full.yaml"  # the same settings as a file, for the commands the later tests run
     config.write_text(yaml.safe_dump(raw))
