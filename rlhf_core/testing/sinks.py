@@ -7,13 +7,13 @@ from pathlib import Path
 
 
 class JsonlSink:
-    """A picklable on_metrics callback that appends `{"step": s, **metrics}` lines to a file
-    (numeric metrics only)."""
+    """A picklable on_metrics callback that appends `{"step": s, **metrics}` lines to a file.
+    Every figure is kept, the workers' hosts and pids (strings) included; a value JSON cannot
+    hold is written as its `str`."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **numeric}) + "\n")
+            f.write(json.dumps({"step": step, **metrics}, default=str) + "\n")
