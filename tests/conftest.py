@@ -58,18 +58,14 @@ def prefect_server():
 def ray_cluster():
     """A local cluster with 4 logical CPUs (more than this machine's cores: enough for 2
     workers plus the too-many-workers check), with the Ray Train settings the pipeline gives
-    the local clusters it starts (`LOCAL_CLUSTER_ENV`).
-
-    Not loopback-only, and Ray 2.60 offers no way to make it so: it turns a node address of
-    127.0.0.1 into the machine's reachable address (`services.resolve_ip_for_localhost`),
-    and its GCS, raylet and worker servers listen on every interface."""
+    the local clusters it starts (`LOCAL_CLUSTER_ENV`), on loopback as they are."""
     import ray
 
-    from rlhf_core.distributed.cluster import LOCAL_CLUSTER_ENV
+    from rlhf_core.distributed.cluster import LOCAL_CLUSTER_ENV, start_local_ray
 
     saved = {key: os.environ.get(key) for key in LOCAL_CLUSTER_ENV}
     os.environ.update(LOCAL_CLUSTER_ENV)
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    start_local_ray(num_cpus=4)
     yield ray
     ray.shutdown()
     for key, value in saved.items():

@@ -39,9 +39,29 @@ def connect_ray() -> bool:
     # echoed, Ray Train's per-report lines bury the pipeline's output. A worker failure
     # still surfaces as the exception trainer.fit() raises.
     protect_ray_token()  # before Ray writes a new token: its directory is ours alone
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    start_local_ray(log_to_driver=False)
     protect_ray_token()
     return True
+
+
+def start_local_ray(**init_kwargs) -> None:
+    """Start a one-node cluster that listens on loopback only, and connect to it.
+
+    Ray's servers (GCS, raylet, every worker's gRPC server, the runtime-env agent, the
+    autoscaler monitor's unauthenticated /metrics) bind 127.0.0.1 when the node's address is
+    127.0.0.1, and every interface otherwise. On Linux `ray.init` turns a node address of
+    127.0.0.1 into the machine's reachable one unless Ray treats the machine as it does a
+    laptop (macOS, Windows: `ray_constants.ENABLE_RAY_CLUSTER` off, the node is loopback).
+    We do that for the start of our own cluster only: nothing joins a cluster we start, and
+    `ray start` for real clusters reads the setting in its own process."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **init_kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def protect_ray_token(directory: Path | None = None) -> None:

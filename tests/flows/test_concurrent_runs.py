@@ -22,8 +22,11 @@ from mlflow.tracking import MlflowClient
 REPO = Path(__file__).resolve().parents[2]
 
 
-RAY_DAEMONS = ("gcs_server", "raylet", "/ray/dashboard/", "/ray/_private/runtime_env/", "/ray/_private/log_monitor.py",
-               "/ray/autoscaler/", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+def loopback(ip: str) -> bool:
+    """127.0.0.0/8 and ::1, also written as IPv4 in IPv6 (`::ffff:127.0.0.1`, how a server
+    listening on IPv6 sockets shows a loopback-only bind)."""
+    address = ipaddress.ip_address(ip)
+    return address.is_loopback or bool(getattr(address, "ipv4_mapped", None) and address.ipv4_mapped.is_loopback)
 
 
 class Listeners(threading.Thread):
@@ -67,40 +70,34 @@ class Listeners(threading.Thread):
         self.join(10)
 
     def beyond_loopback(self) -> dict[int, tuple[str, list[str]]]:
-        """The listeners not on loopback that are not Ray's. Ray 2.60 has no loopback-only mode:
-        its daemons (GCS, raylet, agents) listen on every interface, and so does the one
-        gRPC server of each process that runs a Ray core worker (the driver and each worker),
-        so one such socket is allowed in those; a second would be ours (a rendezvous store, a
-        collective's listener, an engine's port)."""
+        """Every process that listened beyond loopback, with what it listened on. Ray's servers
+        count too: the local cluster a run starts listens on loopback only."""
         found = {}
         for pid, (cmdline, addrs) in self.seen.items():
-            wide = sorted(a for a in addrs if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback)
-            ray_daemon = any(d in cmdline for d in RAY_DAEMONS)
-            # a Ray worker is first seen as default_worker.py or, once Ray renamed it, as ray::IDLE,
-            # ray::<actor>; one seen only while it exited is known by its parent, the raylet
-            core_worker = ("default_worker.py" in cmdline or "flows.cli" in cmdline or cmdline.startswith("ray::")
-                           or (not cmdline and "raylet" in self.parents.get(pid, "")))
-            if wide and not ray_daemon and not (core_worker and len(wide) == 1):
-                found[pid] = (cmdline[:200], wide)
+            wide = sorted(a for a in addrs if not loopback(a.rsplit(":", 1)[0]))
+            if wide:
+                found[pid] = (cmdline[:200] or f"(exited; parent {self.parents.get(pid, '')[:120]})", wide)
         return found
 
 
-def test_the_sampler_tells_ray_processes_from_the_projects():
+def test_the_sampler_finds_every_listener_beyond_loopback():
     """The rules on made-up samples: the test below relies on them and cannot show them fail."""
     sampler = Listeners([])
-    raylet = "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --node_ip_address=10.0.0.2"
-    sampler.record(1, "ray::IDLE", raylet, {":::4001"})  # a worker's one gRPC server
-    sampler.record(2, "", raylet, {":::4002"})  # the same, first seen while it exited
-    sampler.record(3, raylet, "python -m flows.cli run", {"0.0.0.0:4003", ":::4004"})  # a Ray daemon
-    sampler.record(4, "ray::RayTrainWorker", raylet, {":::4005", "127.0.0.1:29500"})  # the store on loopback
-    sampler.record(5, "python -m vllm.entrypoints.openai.api_server", "python -m flows.cli run", {"127.0.0.1:8000"})
+    raylet = "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --node_ip_address=127.0.0.1"
+    sampler.record(1, "ray::IDLE", raylet, {"127.0.0.1:4001"})  # a worker's gRPC server
+    sampler.record(2, raylet, "python -m flows.cli run", {"127.0.0.1:4003", "::1:4004", "::ffff:127.0.0.1:4005"})
+    sampler.record(3, "ray::RayTrainWorker", raylet, {"127.0.0.1:29500"})  # the store on loopback
+    sampler.record(4, "python -m vllm.entrypoints.openai.api_server", "python -m flows.cli run", {"127.0.0.1:8000"})
     assert sampler.beyond_loopback() == {}
-    sampler.record(4, "", raylet, {"0.0.0.0:29501"})  # a second wide socket in a worker is ours
-    sampler.record(6, "", "python -m flows.cli run", {":::4006"})  # an unknown exiting child of the driver
-    sampler.record(7, "python -m vllm.entrypoints.openai.api_server", "python -m flows.cli run", {"0.0.0.0:8001"})
-    assert sorted(sampler.beyond_loopback()) == [4, 6, 7]
-    sampler.record(2, "ray::IDLE", raylet, set())  # a later sample names it; the name stays
-    assert sampler.seen[2][0] == "ray::IDLE"
+    sampler.record(1, "", raylet, {":::4001", "::ffff:10.0.0.2:4002"})  # a Ray server on every interface counts
+    sampler.record(5, "", "python -m flows.cli run", {"0.0.0.0:4006"})  # an unknown exiting child of the driver
+    sampler.record(4, "python -m vllm.entrypoints.openai.api_server", "python -m flows.cli run", {"0.0.0.0:8001"})
+    assert sorted(sampler.beyond_loopback()) == [1, 4, 5]
+    assert sampler.beyond_loopback()[5][0].startswith("(exited; parent python -m flows.cli run")
+    sampler.record(6, "", raylet, set())
+    sampler.record(6, "ray::IDLE", raylet, set())  # a later sample names it; the name stays
+    sampler.record(6, "", raylet, set())
+    assert sampler.seen[6][0] == "ray::IDLE"
 
 
 @pytest.mark.slow
@@ -151,8 +148,7 @@ def test_two_runs_started_together_leave_one_champion_that_serves(tmp_path, tiny
         assert current.pid in listeners.seen, "the sampler never saw the served model"
         assert any(("default_worker.py" in cmd or cmd.startswith("ray::")) and any(a.startswith("127.0.0.1:") for a in addrs)
                    for cmd, addrs in listeners.seen.values()), "nor a training worker's rendezvous"
-        assert any("gcs_server" in cmd and not all(a.startswith("127.") for a in addrs)  # it sees wide sockets
-                   for cmd, addrs in listeners.seen.values())
+        assert any("gcs_server" in cmd and addrs for cmd, addrs in listeners.seen.values()), "nor Ray's GCS"
         assert listeners.beyond_loopback() == {}, listeners.beyond_loopback()
         print("\nexit codes", codes, "| champion v" + champion, "| outcomes",
               [(s["status"], s.get("stages", {}).get("register", {}).get("version")) for s in summaries])

@@ -1,6 +1,7 @@
 """`ray_session`: the pipeline's training stages share one local Ray cluster, started with
-the Ray Train settings for a single node, and shut down once at the end. Run in a fresh
-Python process: the test session's own cluster (tests/conftest.py) would be joined instead."""
+the Ray Train settings for a single node, listening on loopback only, and shut down once at the
+end. Run in a fresh Python process: the test session's own cluster (tests/conftest.py) would be
+joined instead."""
 from __future__ import annotations
 
 import json
@@ -11,13 +12,38 @@ import sys
 import pytest
 
 SCRIPT = """
-import json, os, ray
+import ipaddress, json, os, time, urllib.request
+import psutil, ray
 from rlhf_core.distributed.cluster import connect_ray, ray_session
+
+@ray.remote
+def worker_pid():
+    return os.getpid()
+
 seen = {}
 with ray_session():
     seen["up"] = ray.is_initialized()
     seen["stage_started_its_own"] = connect_ray()  # what each stage calls: joins the session's cluster
     seen["env"] = {k: os.environ.get(k) for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")}
+    seen["workers"] = len(set(ray.get([worker_pid.remote() for _ in range(4)])))
+    time.sleep(2)  # the autoscaler monitor opens its metrics server after it connects
+    me = psutil.Process()
+    listening = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            name = " ".join(proc.cmdline())[:120]
+            addrs = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+        for a in addrs:
+            listening[f"{a.ip}:{a.port}"] = name
+    seen["listening"] = len(listening)
+    seen["beyond_loopback"] = {k: v for k, v in listening.items()
+                               if not ipaddress.ip_address(k.rsplit(":", 1)[0].removeprefix("::ffff:")).is_loopback}
+    metrics = ray.experimental.internal_kv._internal_kv_get("AutoscalerMetricsAddress")
+    seen["monitor"] = metrics.decode() if metrics else None
+    if metrics:  # the one server that answers without Ray's token, on loopback
+        seen["monitor_answers"] = urllib.request.urlopen(f"http://{seen['monitor']}/metrics", timeout=5).status
 seen["up_after"] = ray.is_initialized()
 print(json.dumps(seen))
 """
@@ -32,6 +58,10 @@ def test_one_local_cluster_for_the_stages_with_single_node_train_settings_a_user
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["up"] and not seen["stage_started_its_own"] and not seen["up_after"]
     assert seen["env"] == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    # GCS, raylet (2), runtime-env agent, autoscaler monitor, the driver's and each worker's servers
+    assert seen["workers"] >= 1 and seen["listening"] >= 6, seen
+    assert seen["beyond_loopback"] == {}, seen
+    assert seen["monitor"].startswith("127.0.0.1:") and seen["monitor_answers"] == 200, seen
 
 
 def test_rays_token_is_kept_from_other_users(tmp_path):
