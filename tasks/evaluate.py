@@ -7,10 +7,11 @@ artifact `gate-decision`, and to `gate_report.json` in the run's output director
 policy also answers the regression suites (`gates.regression_suites`; the demo's generated
 into `<run>/data`); the report names each suite with the accuracies and the interval.
 
-`register_candidate` turns a passing candidate into a version of `policy` with its lineage
-and gate report, gives it the alias `challenger`, and promotes it to `champion` when
-`gates.auto_promote` is on. A rejected candidate is not registered: the pipeline ends with
-status `rejected` and the reasons (see `flows.pipeline`).
+`register_candidate` turns a passing candidate into a version of `policy` with its lineage,
+gate report and model card (`README.md` in its model directory, `rlhf_core.eval.model_card`),
+gives it the alias `challenger`, and promotes it to `champion` when `gates.auto_promote` is
+on. A rejected candidate is not registered: the pipeline ends with status `rejected` and the
+reasons (see `flows.pipeline`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from rlhf_core.data.pairs import split_by_prompt
 from rlhf_core.data.schema import read_table
 from rlhf_core.eval.evaluate import EvalResult, Policy, evaluate, scorers_for
 from rlhf_core.eval.gates import Decision, gate
+from rlhf_core.eval.model_card import base_model_of, render_model_card, training_settings
 from rlhf_core.eval.regression import RegressionSuite, load_suites, suite_report
 from rlhf_core.models.llama import load_policy
 from rlhf_core.tokenizer import load_tokenizer
@@ -200,6 +202,24 @@ class Registration:
                 "previous_champion": self.previous_champion}
 
 
+def _write_model_card(evaluation: Evaluation, cfg: PipelineConfig, run: PipelineRun) -> Path:
+    """The candidate's model card (`rlhf_core.eval.model_card`), written atomically to
+    `<run>/model_card/README.md`."""
+    lineage = evaluation.candidate.lineage
+    pretrained = cfg.model.pretrained
+    # the run's copy of a pretrained model (tasks.pretrained) links its README, a hub model's too
+    readme_dirs = [] if pretrained is None else [run.out_dir / "models" / "base", Path(pretrained)]
+    base = base_model_of(pretrained, cfg.sft.enabled, lineage["base_model.run_id"], readme_dirs)
+    report = json.loads(evaluation.report_path.read_text())
+    card = render_model_card(report, lineage, training_settings(cfg.policy), base, eval_run_id=evaluation.run_id)
+    path = run.out_dir / "model_card" / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("README.md.tmp")
+    tmp.write_text(card)
+    os.replace(tmp, path)
+    return path
+
+
 @task(name="register-candidate")
 def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: PipelineRun) -> Registration:
     """Register a passing candidate as `policy` (alias `challenger`); promote it if configured."""
@@ -210,6 +230,8 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     lineage = evaluation.candidate.lineage
     c = evaluation.result.candidate.figures
     client.log_artifact(lineage["policy.run_id"], str(evaluation.report_path), artifact_path="gate")
+    # model/README.md: the card travels with the files the version's source points at (a re-run overwrites it)
+    client.log_artifact(lineage["policy.run_id"], str(_write_model_card(evaluation, cfg, run)), artifact_path="model")
     tags = {
         **lineage, "eval.run_id": evaluation.run_id, "gate.passed": "true",
         "gate.report": f"runs:/{lineage['policy.run_id']}/gate/{evaluation.report_path.name}",
