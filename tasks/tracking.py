@@ -24,6 +24,7 @@ from rlhf_core.config import PipelineConfig, load_config
 from rlhf_core.process_owner import owner_gone, this_process
 from tasks.journal import Stages
 from tasks.prefect_runs import FLOW_RUN_TAG, DeadRun, crash_flow_runs, flow_run_tags
+from tasks.run_report import write_run_report
 
 DEFAULT_DB = "mlflow.db"
 
@@ -365,12 +366,20 @@ def end_run(run: PipelineRun, run_id: str, ok: bool, reason: str | None = None) 
     client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 
 
-@task(name="finish-pipeline-run", retries=2, retry_delay_seconds=2)
-def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
-    """Write summary.json atomically, attach it to the parent run and close the run."""
+def _write_summary(run: PipelineRun, summary: dict) -> None:
     tmp = run.summary_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")  # stage order kept
     os.replace(tmp, run.summary_path)
+
+
+@task(name="finish-pipeline-run", retries=2, retry_delay_seconds=2)
+def finish_pipeline_run(run: PipelineRun, summary: dict) -> Path:
+    """Write summary.json atomically, then the run report beside it (`tasks.run_report`; its
+    path, or why it is missing, goes into the summary as `report`), attach both to the parent
+    run and close the run."""
+    _write_summary(run, summary)  # first: the outcome is on disk whatever the report does
+    summary["report"] = write_run_report(run, summary)
+    _write_summary(run, summary)
     client = run.client
     client.log_artifact(run.run_id, str(run.summary_path))
     client.set_tag(run.run_id, "outcome", summary["status"])

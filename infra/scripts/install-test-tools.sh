@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The system programs the test suite starts for real, installed before pytest starts:
-# Prometheus (prometheus, promtool), Alertmanager (prometheus-alertmanager, amtool) and
-# PostgreSQL's server (initdb, pg_ctl, postgres). Each is checked by its own binary, so a
-# machine that has one package and not the other gets the missing one. Debian/Ubuntu only;
-# elsewhere (or without root) it names what is missing and exits 1.
+# Prometheus (prometheus, promtool), Alertmanager (prometheus-alertmanager, amtool),
+# PostgreSQL's server (initdb, pg_ctl, postgres) and Chromium (chromium: the run report's
+# headless-browser tests, driven by playwright without its own browser download). Each is
+# checked by its own binary, so a machine that has one package and not the other gets the
+# missing one. Debian/Ubuntu only; elsewhere (or without root) it names what is missing and
+# exits 1.
 set -euo pipefail
 
 declare -A PACKAGE_OF=(
   [prometheus]=prometheus [promtool]=prometheus
   [prometheus-alertmanager]=prometheus-alertmanager [amtool]=prometheus-alertmanager
   [initdb]=postgresql [pg_ctl]=postgresql [postgres]=postgresql
+  [chromium]=chromium
 )
 
 have() {  # PostgreSQL's server programs live outside PATH on Debian

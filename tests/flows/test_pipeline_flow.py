@@ -224,6 +224,50 @@ def test_gates_register_promote_and_deploy_the_candidate(full_run):
             server.complete(current.url, bad_key, "policy-v1", "12+34=")
 
 
+@pytest.mark.slow
+def test_the_registered_version_carries_its_model_card_and_loads_with_plain_transformers(full_run, tmp_path):
+    import mlflow
+
+    _, _, _, summary = full_run
+    uri, version = summary["mlflow_tracking_uri"], summary["stages"]["register"]["version"]
+    client = MlflowClient(uri, registry_uri=uri)
+    source = client.get_model_version_download_uri("policy", version)
+    model_dir = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp_path), tracking_uri=uri))
+
+    # the card: Hugging Face front matter, and the gate's figures as the report has them
+    card = (model_dir / "README.md").read_text()
+    head, body = card.removeprefix("---\n").split("\n---\n", 1)
+    meta = yaml.safe_load(head)
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation", card
+    assert meta["license"] == "other" and meta["tags"] == ["rlhf", "grpo"]  # the demo's model, from scratch
+    assert meta["datasets"] == [summary["stages"]["validate"]["dataset_fingerprint"]]
+    stages = child_runs(client, summary["mlflow_run_id"])
+    assert meta["rlhf"]["mlflow"]["policy_run_id"] == stages["policy"].info.run_id
+    assert meta["rlhf"]["mlflow"]["pipeline_run_id"] == summary["mlflow_run_id"]
+    report = json.loads(open(summary["stages"]["evaluate"]["report"]).read())
+    for check in report["decision"]["checks"]:
+        assert f"| {check['name']} |" in body, card
+    [wins] = [c for c in report["decision"]["checks"] if c["name"] == "win_rate_vs_reference"]
+    interval = "–" if wins["low"] is None else f"[{wins['low']:.4g}, {wins['high']:.4g}]"
+    assert f"| win_rate_vs_reference | {wins['observed']:.4g} | {interval} |" in body, card
+
+    # the directory is a plain transformers model: no custom code, loads without this project
+    assert "auto_map" not in json.loads((model_dir / "config.json").read_text())
+    code = (
+        "import sys\n"
+        "sys.modules['rlhf_core'] = sys.modules['tasks'] = sys.modules['flows'] = None\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"d = {str(model_dir)!r}\n"
+        "tokenizer, model = AutoTokenizer.from_pretrained(d), AutoModelForCausalLM.from_pretrained(d)\n"
+        "inputs = tokenizer('12+34=', return_tensors='pt')\n"
+        "out = model.generate(**inputs, max_new_tokens=4, do_sample=False)\n"
+        "print('generated', out.shape[1] - inputs['input_ids'].shape[1])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split("generated")[-1]) >= 1, done.stdout
+
+
 def test_validation_report_is_a_prefect_artifact(tiny_config, tmp_path, capsys):
     from rlhf_core.config import DemoDataConfig
     from rlhf_core.data.synthetic import generate_demo_data
@@ -461,3 +505,23 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     assert served(cfg, state_dir)[0] == [f"policy-v{version.version}"]
     parent = client.get_run(second["mlflow_run_id"])
     assert parent.data.tags["feedback.datasets"] == manifest["version"]
+
+
+@pytest.mark.slow
+def test_the_run_report_is_beside_the_summary_in_mlflow_and_opens_in_a_browser(full_run, tmp_path):
+    from rlhf_core.testing.browser import BrowserMissing, check_page
+
+    _, _, _, summary = full_run
+    report = Path(summary["summary_path"]).parent / "report.html"
+    assert summary["report"] == {"path": str(report)}, summary["report"]
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    assert "report.html" in {a.path for a in client.list_artifacts(summary["mlflow_run_id"])}
+    try:
+        shown = check_page(report, screenshot=tmp_path / "report.png")
+    except BrowserMissing as exc:
+        pytest.fail(str(exc))
+    print(f"run report screenshot: {tmp_path / 'report.png'}")
+    assert {"Reward-model and audit score", "KL to the reference"} <= {i["alt"] for i in shown.images}, shown.images
+    assert shown.broken_images == [] and shown.console_errors == [], (shown.images, shown.console_errors)
+    assert shown.outside_links == [] and shown.requests == []
+    assert "Labels asked: not plotted, no data" in report.read_text()  # the test's config has no preference rounds
