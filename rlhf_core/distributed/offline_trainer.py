@@ -51,13 +51,14 @@ from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, kill_if_due
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult
-from rlhf_core.distributed.stage import MetricsCallback, StageRuntime, record_attempt, run_stage, start_worker
+from rlhf_core.distributed.stage import StageRuntime, fit_stage, record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
+from rlhf_core.models.logits import logits_from
 from rlhf_core.models.lora import load_policy_for_training, merged_policy, reference_view
 from rlhf_core.tokenizer import load_tokenizer
-from rlhf_core.training.base_policy import StageFailed
+from rlhf_core.training.stage_types import MetricsCallback, StageFailed
 
 ENGINE_TAG = "actor"
 EVAL_BATCH = 256  # prompts per generate call at the end
@@ -142,7 +143,7 @@ def train_offline(
         return OfflineLoop(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(out_dir).resolve()), ray.put(train),
                            ray.put(evals), tuple(eval_prompts), tuple(eval_answers))
 
-    run = run_stage(
+    run = fit_stage(
         "policy", loop_for, _train_loop, on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers,
         use_gpu=cfg.use_gpu, placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures,
         storage_path=storage_path, run_name=run_name,
@@ -196,9 +197,10 @@ def pair_logprobs(model: torch.nn.Module, pairs: TokenizedPairs, indices: Sequen
     batch = collate_pairs(pairs, indices)
     device = next(model.parameters()).device
     ids = batch.input_ids.to(device)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
-    token_logprobs = logprobs_from_logits(logits[:, :-1].float(), ids[:, 1:])  # (2B, L-1)
-    mask = response_mask(pairs, indices, ids.shape[1]).to(device)
+    first = int(min(pairs.prompt_lengths[i] for i in indices)) - 1  # the first column that predicts a response token
+    logits, offset = logits_from(model, ids, batch.attention_mask.to(device), first)  # the head from `first` on
+    token_logprobs = logprobs_from_logits(logits[:, first - offset : -1].float(), ids[:, first + 1 :])  # (2B, L-1-first)
+    mask = response_mask(pairs, indices, ids.shape[1]).to(device)[:, first:]
     seq = sequence_logprobs(token_logprobs, mask, average)
     return seq[: batch.num_pairs], seq[batch.num_pairs :]
 

@@ -4,7 +4,7 @@ that follows the trainer's weights; resumable after a lost worker.
 Driver, `train_policy`: checks the input before anything starts (no prompts, eval prompts
 without answers, a reward weight with nothing to compute it, a head size vLLM's CPU backend
 cannot run, more workers than the Ray cluster has CPUs/GPUs), then runs the workers
-(`rlhf_core.distributed.stage.run_stage`) and reads their summary.
+(`rlhf_core.distributed.stage.fit_stage`) and reads their summary.
 
 The rest lives by job:
 
@@ -31,9 +31,9 @@ from rlhf_core.config import PolicyConfig, ValidationConfig
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_loop import PolicyLoop
 from rlhf_core.distributed.policy_worker import train_loop
-from rlhf_core.distributed.stage import MetricsCallback, StageRuntime, run_stage
+from rlhf_core.distributed.stage import StageRuntime, fit_stage
 from rlhf_core.models.pretrained import VLLM_CPU_HEAD_SIZES
-from rlhf_core.training.base_policy import StageFailed
+from rlhf_core.training.stage_types import MetricsCallback, StageFailed
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped, Trip
 from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
 
@@ -120,7 +120,7 @@ def train_policy(
             validation=validation or ValidationConfig(),
         )
 
-    run = run_stage(
+    run = fit_stage(
         "policy", loop_for, train_loop, on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers,
         use_gpu=cfg.use_gpu, placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures,
         storage_path=storage_path, run_name=run_name,

@@ -46,14 +46,13 @@ from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, kill_if_due
-from rlhf_core.distributed.stage import StageRuntime, record_attempt, run_stage, start_worker
+from rlhf_core.distributed.stage import StageRuntime, fit_stage, record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.models.reward import (
     AUDIT_DIR, member_mean, reward_model_from_base, reward_stats, save_reward_model, score_pairs_members,
 )
 from rlhf_core.tokenizer import load_tokenizer
-from rlhf_core.training.base_policy import StageFailed
-from rlhf_core.training.sft import MetricsCallback
+from rlhf_core.training.stage_types import MetricsCallback, StageFailed
 
 ENGINE_TAG = "engine"
 
@@ -129,7 +128,7 @@ def train_reward_model(
         )
 
     weights = bootstrap_weights(len(train), cfg.ensemble_size, cfg.seed)
-    run = run_stage(
+    run = fit_stage(
         "reward", partial(_loop, cfg=cfg, base_dir=base_dir, out_dir=out_dir, train=train, evals=evals,
                           weights=weights), _train_loop,
         on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,

@@ -1,6 +1,6 @@
 """The skeleton every Ray Train + DeepSpeed stage shares, on the driver and in the workers.
 
-Driver, `run_stage`: joins or starts a cluster, checks it can hold the workers, runs a
+Driver, `fit_stage`: joins or starts a cluster, checks it can hold the workers, runs a
 `TorchTrainer` whose workers restart from the last committed checkpoint up to `max_failures`
 times, and reads back rank 0's summary and the attempts the workers recorded. The worker
 function gets its settings as one typed, picklable object (bound with `functools.partial`),
@@ -46,9 +46,7 @@ from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
 from rlhf_core.models.memory import MachineMemory
 from rlhf_core.rng import seed_everything
-
-MetricsCallback = Callable[[int, dict[str, float]], None]
-
+from rlhf_core.training.stage_types import MetricsCallback
 
 @dataclass(frozen=True)
 class StageRuntime:
@@ -76,7 +74,7 @@ class StageRun:
     checkpoint_path: str | None  # the last committed Ray Train checkpoint
 
 
-def run_stage(
+def fit_stage(
     stage: str,
     loop_for: Callable[[StageRuntime], Any],
     train_loop: Callable[[Any], dict[str, Any] | None],
@@ -172,7 +170,7 @@ def start_worker(runtime: StageRuntime, seed: int, torch_threads: int | None = N
 
 
 def record_attempt(runtime: StageRuntime, rank: int, resumed_from: int | None) -> None:
-    """Rank 0: one line per attempt, read back by `run_stage`."""
+    """Rank 0: one line per attempt, read back by `fit_stage`."""
     if rank == 0:
         with open(runtime.attempts_file, "a") as f:
             f.write(json.dumps({"resumed_from_step": resumed_from, "unix_time": time.time()}) + "\n")

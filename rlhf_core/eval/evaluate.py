@@ -34,6 +34,7 @@ from rlhf_core.eval.confidence import Interval, bootstrap_interval, differences,
 from rlhf_core.eval.gates import EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
 from rlhf_core.eval.regression import RegressionSuite, correct
+from rlhf_core.models.logits import logits_from
 from rlhf_core.models.reward import RewardStats, audit_model_dir, load_reward_model, normalise, score
 from rlhf_core.rollout.hf_reference import right_padded
 
@@ -126,7 +127,7 @@ def _same_vocabulary(a: PreTrainedTokenizerFast, b: PreTrainedTokenizerFast) -> 
 
 
 @torch.no_grad()
-def sequence_kl(
+def exact_sequence_kl(
     policy: Policy, reference: Policy, prompts: Sequence[str], max_new_tokens: int, temperature: float,
     seed: int = 0, batch_size: int = 128,
 ) -> float:
@@ -162,16 +163,29 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def _summed_token_kl(policy, reference, prompt_ids, response_ids, temperature: float) -> torch.Tensor:
+KL_ROWS = 16  # rows per forward pass of the exact KL: two (16, L', V) fp32 tensors at a time
+
+
+def _summed_token_kl(policy, reference, prompt_ids, response_ids, temperature: float, rows: int = KL_ROWS
+                     ) -> torch.Tensor:
     """(B,) sum over response positions of the exact KL between the two next-token
-    distributions at `temperature`; positions after a response's end count 0."""
+    distributions at `temperature`; positions after a response's end count 0. Runs `rows`
+    sequences at a time, each model's head only from the columns that predict responses on."""
+    return torch.cat([_rows_token_kl(policy, reference, prompt_ids[i : i + rows], response_ids[i : i + rows],
+                                     temperature) for i in range(0, len(prompt_ids), rows)])
+
+
+def _rows_token_kl(policy, reference, prompt_ids, response_ids, temperature: float) -> torch.Tensor:
     input_ids, mask = right_padded(prompt_ids, response_ids)  # (B, L)
-    logp = torch.log_softmax(policy(input_ids=input_ids, attention_mask=mask).logits.float() / temperature, -1)
-    logq = torch.log_softmax(reference(input_ids=input_ids, attention_mask=mask).logits.float() / temperature, -1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, L): KL of the distribution predicting position t+1
+    first = min(len(p) for p in prompt_ids) - 1  # the first column that predicts a response token
+    logits_p, offset_p = logits_from(policy, input_ids, mask, first)
+    logits_q, offset_q = logits_from(reference, input_ids, mask, first)
+    logp = torch.log_softmax(logits_p[:, first - offset_p :].float() / temperature, -1)  # (B, L - first, V)
+    logq = torch.log_softmax(logits_q[:, first - offset_q :].float() / temperature, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, L - first): column t predicts position first + t + 1
     predicts_response = torch.zeros_like(kl)
     for row, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        predicts_response[row, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+        predicts_response[row, len(p) - 1 - first : len(p) - 1 - first + len(r)] = 1.0
     return (kl * predicts_response).sum(-1)
 
 
@@ -320,7 +334,7 @@ def evaluate(
 
     def kl_of(policy: Policy) -> float:  # NaN: another vocabulary, no token-level KL
         same = _same_vocabulary(policy.tokenizer, reference.tokenizer)
-        return sequence_kl(policy, reference, prompts, max_new_tokens, temperature, seed) if same else math.nan
+        return exact_sequence_kl(policy, reference, prompts, max_new_tokens, temperature, seed) if same else math.nan
 
     return EvalResult(
         candidate=report(candidate, kl_of(candidate)),

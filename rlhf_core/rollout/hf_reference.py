@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from rlhf_core.algos.losses import logprobs_from_logits
+from rlhf_core.models.logits import logits_from
 
 
 def right_padded(
@@ -57,10 +58,11 @@ def recompute_logprobs(
             prompts = prompt_ids_list[start : start + batch_size]
             responses = response_ids_list[start : start + batch_size]
             input_ids, mask = right_padded(prompts, responses)
-            logits = model(input_ids=input_ids, attention_mask=mask).logits  # (B, L, V)
-            logp = logprobs_from_logits(logits[:, :-1] / temperature, input_ids[:, 1:])  # (B, L-1)
-            for row, (p, r) in enumerate(zip(prompts, responses)):
-                out.append(logp[row, len(p) - 1 : len(p) - 1 + len(r)].float())
+            first = min(len(p) for p in prompts) - 1  # the first column that predicts a response token
+            logits, offset = logits_from(model, input_ids, mask, first)  # (B, L - offset, V)
+            logp = logprobs_from_logits(logits[:, first - offset : -1] / temperature, input_ids[:, first + 1 :])
+            for row, (p, r) in enumerate(zip(prompts, responses)):  # logp[:, t] predicts token first + t + 1
+                out.append(logp[row, len(p) - 1 - first : len(p) - 1 - first + len(r)].float())
     finally:
         model.train(was_training)
     return out

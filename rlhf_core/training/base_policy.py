@@ -13,11 +13,8 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.models.llama import build_policy, load_policy, num_parameters, save_pretrained_atomic
 from rlhf_core.tokenizer import load_tokenizer, train_tokenizer
-from rlhf_core.training.sft import MetricsCallback, train_sft
-
-
-class StageFailed(RuntimeError):
-    """A stage ran but its result is below the configured bar."""
+from rlhf_core.training.sft import train_sft
+from rlhf_core.training.stage_types import MetricsCallback, StageFailed
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rlhf_core.config import CircuitBreakerConfig
-from rlhf_core.training.base_policy import StageFailed
+from rlhf_core.training.stage_types import StageFailed
 
 PROXY = "policy/rm_score_mean"  # the score the policy is trained on
 AUDIT = "policy/audit_score_mean"  # a held-out reward model's score of the same rollouts

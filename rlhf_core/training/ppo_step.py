@@ -56,6 +56,7 @@ from rlhf_core.algos import (
     whiten,
 )
 from rlhf_core.config import PolicyConfig
+from rlhf_core.models.logits import logits_from
 
 # ----------------------------------------------------------------------------- algorithms
 
@@ -176,9 +177,11 @@ def build_batch(rollouts: Sequence[RolloutLike], pad_id: int) -> PolicyBatch:
 
 
 def _response_logits(model, batch: PolicyBatch, temperature: float) -> torch.Tensor:
-    """Logits / temperature at the positions that predict the response tokens. -> (B, T, V)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]  # (B, L-1, V)
-    index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])  # (B, T, V)
+    """Logits / temperature at the positions that predict the response tokens. -> (B, T, V).
+    The head runs from the first such column on (`rlhf_core.models.logits`): the prompts'
+    logits, and their gradients, are never made."""
+    logits, offset = logits_from(model, batch.input_ids, batch.attention_mask, int(batch.positions.min()))
+    index = (batch.positions - offset).unsqueeze(-1).expand(-1, -1, logits.shape[-1])  # (B, T, V)
     return logits.gather(1, index) / temperature
 
 
@@ -228,7 +231,7 @@ def _chunks(batch: PolicyBatch, size: int) -> Iterable[PolicyBatch]:
 # ----------------------------------------------------------------------------- rewards, advantages
 
 
-def sequence_kl(
+def k3_sequence_kl(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-sequence KL(pi || ref) estimate: sum over response tokens of k3 (unbiased, >= 0),
@@ -448,7 +451,7 @@ def rollout_metrics(batch: PolicyBatch) -> dict[str, float]:
     mask = batch.response_mask
     metrics = {
         "logprob_diff": masked_mean((batch.engine_logprobs - batch.old_logprobs).abs(), mask).item(),
-        "kl": sequence_kl(batch.old_logprobs, batch.ref_logprobs, mask, batch.is_weights).mean().item(),
+        "kl": k3_sequence_kl(batch.old_logprobs, batch.ref_logprobs, mask, batch.is_weights).mean().item(),
         "response_length": mask.sum(-1).float().mean().item(),
     }
     if batch.values is not None and batch.returns is not None:

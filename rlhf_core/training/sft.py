@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +17,9 @@ from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.chat import response_ids
 from rlhf_core.config import SFTConfig
+from rlhf_core.training.stage_types import MetricsCallback
 
 IGNORE_INDEX = -100
-MetricsCallback = Callable[[int, dict[str, float]], None]
 
 
 @dataclass

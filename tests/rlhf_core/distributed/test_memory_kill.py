@@ -1,10 +1,10 @@
-"""A real kill by Ray's memory monitor, through `run_stage`.
+"""A real kill by Ray's memory monitor, through `fit_stage`.
 
-A separate Python process starts its own local Ray cluster (`run_stage` starts it) whose raylet
+A separate Python process starts its own local Ray cluster (`fit_stage` starts it) whose raylet
 kills workers once the machine's used memory passes what it used at the start plus
 `MARGIN_GIB` (`RAY_memory_usage_threshold`, read by the raylet when it starts; the monitor looks
 every 50 ms). The stage's two workers allocate memory until they are killed, so the failure is
-whatever Ray 2.60 raises for a real kill, turned into the stage's error by `run_stage`. (On a
+whatever Ray 2.60 raises for a real kill, turned into the stage's error by `fit_stage`. (On a
 machine whose other processes grow meanwhile, the monitor may kill another process of the
 cluster first, the Train controller say: still a memory kill, told in the same block.)
 """
@@ -33,7 +33,7 @@ os.environ["RAY_memory_monitor_refresh_ms"] = "50"
 
 from rlhf_core.config import RewardConfig
 from rlhf_core.distributed.memory_failure import StageOutOfMemory
-from rlhf_core.distributed.stage import run_stage
+from rlhf_core.distributed.stage import fit_stage
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def hog(loop):
 
 cfg = RewardConfig(num_workers=2, micro_batch_size=8, max_length=16, max_failures=0)
 try:
-    run_stage("reward", lambda runtime: Loop(cfg), hog, on_metrics=None, kill_once=None, num_workers=2,
+    fit_stage("reward", lambda runtime: Loop(cfg), hog, on_metrics=None, kill_once=None, num_workers=2,
               use_gpu=False, placement_strategy="PACK", max_failures=0, storage_path=sys.argv[1], run_name="oom")
     print(json.dumps({{"error": None}}))
 except StageOutOfMemory as exc:

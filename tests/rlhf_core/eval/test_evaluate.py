@@ -9,7 +9,7 @@ import torch
 
 from rlhf_core.config import ModelConfig
 from rlhf_core.eval.accuracy import greedy_completions
-from rlhf_core.eval.evaluate import Policy, Scorer, _summed_token_kl, answer, evaluate, sequence_kl
+from rlhf_core.eval.evaluate import Policy, Scorer, _summed_token_kl, answer, evaluate, exact_sequence_kl
 from rlhf_core.models.llama import build_policy, save_pretrained_atomic
 from rlhf_core.models.reward import RewardStats, reward_model_from_base
 from rlhf_core.tokenizer import train_tokenizer
@@ -52,30 +52,33 @@ def loop_kl(policy, reference, prompt_ids, response_ids, temperature):
     return torch.tensor(out)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_summed_token_kl_matches_a_loop_reference(models, tok, temperature):
+@pytest.mark.parametrize(("temperature", "rows"), [(1.0, 16), (0.7, 16), (1.0, 2), (0.7, 1)])
+def test_summed_token_kl_matches_a_loop_reference(models, tok, temperature, rows):
+    """Prompts of several lengths, ragged responses (padding must count 0), in chunks of `rows`
+    sequences whose heads start at each chunk's shortest prompt."""
     a, b = models
-    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
-    responses = [[5, 9, 2], [7], [3, 3, 3, 3, tok.eos_token_id]]  # ragged: padding must count 0
-    got = _summed_token_kl(a, b, prompts, responses, temperature)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    assert len({len(p) for p in prompts}) > 1
+    responses = [[5, 9, 2], [7], [3, 3, 3, 3, tok.eos_token_id], [8, 8], [4], [6, 5, 4, 3]]
+    got = _summed_token_kl(a, b, prompts, responses, temperature, rows=rows)
     torch.testing.assert_close(got, loop_kl(a, b, prompts, responses, temperature), atol=1e-5, rtol=1e-5)
     assert (got > 0).all()
 
 
 def test_kl_of_a_policy_to_itself_is_zero_and_to_another_positive(models, tok):
     a, b = models
-    assert sequence_kl(Policy("a", a, tok), Policy("a2", copy.deepcopy(a), tok), PROMPTS, 4, 1.0) == pytest.approx(0, abs=1e-6)
-    assert sequence_kl(Policy("a", a, tok), Policy("b", b, tok), PROMPTS, 4, 1.0) > 0.01
+    assert exact_sequence_kl(Policy("a", a, tok), Policy("a2", copy.deepcopy(a), tok), PROMPTS, 4, 1.0) == pytest.approx(0, abs=1e-6)
+    assert exact_sequence_kl(Policy("a", a, tok), Policy("b", b, tok), PROMPTS, 4, 1.0) > 0.01
 
 
 def test_sequence_kl_is_reproducible_and_needs_one_vocabulary(models, tok):
     a, b = models
-    once = sequence_kl(Policy("a", a, tok), Policy("b", b, tok), PROMPTS, 4, 1.0, seed=5)
-    assert sequence_kl(Policy("a", a, tok), Policy("b", b, tok), PROMPTS, 4, 1.0, seed=5) == once
+    once = exact_sequence_kl(Policy("a", a, tok), Policy("b", b, tok), PROMPTS, 4, 1.0, seed=5)
+    assert exact_sequence_kl(Policy("a", a, tok), Policy("b", b, tok), PROMPTS, 4, 1.0, seed=5) == once
     other = train_tokenizer(["hello world, hello there"] * 50, vocab_size=300)
     assert other.get_vocab() != tok.get_vocab()
     with pytest.raises(ValueError, match="different vocabularies"):
-        sequence_kl(Policy("a", a, tok), Policy("c", a, other), PROMPTS, 4, 1.0)
+        exact_sequence_kl(Policy("a", a, tok), Policy("c", a, other), PROMPTS, 4, 1.0)
 
 
 def test_a_prompt_that_fails_to_generate_is_counted_and_the_rest_answered(models, tok):

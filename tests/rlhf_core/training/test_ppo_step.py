@@ -339,3 +339,51 @@ def test_step_outcome_reports_grad_norm_before_clipping(model):
     out = step(torch.zeros((), requires_grad=True) + 0 * x.sum(), boundary=True)
     assert out == StepOutcome(True, 5.0)
     torch.testing.assert_close(x.detach(), torch.tensor([3.0 - 0.6, 4.0 - 0.8]))
+
+
+def test_the_lm_head_runs_only_from_the_first_column_that_predicts_a_response_token(tok, model):
+    """Prompts of different lengths: the head's output starts at the shortest prompt's last
+    token, and the logprobs equal those of a forward that made every column's logits."""
+    from rlhf_core.models.logits import keeps_logits
+
+    rs = rollouts(tok, ["055", "42", "10"], [0, 1, 2])
+    batch = build_batch(rs, tok.pad_token_id)
+    shortest = min(len(r.prompt_token_ids) for r in rs)
+    widths = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, out: widths.append(out.shape[1]))
+    try:
+        with torch.no_grad():
+            got, _ = policy_logprobs(model.eval(), batch, temperature=0.7)
+    finally:
+        hook.remove()
+    assert keeps_logits(model) and widths == [batch.input_ids.shape[1] - (shortest - 1)]
+    assert widths[0] < batch.input_ids.shape[1]
+
+    class AllLogits(torch.nn.Module):  # a forward without `logits_to_keep`: every column
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+    wrapped = AllLogits(model)
+    assert not keeps_logits(wrapped)
+    with torch.no_grad():
+        full, _ = policy_logprobs(wrapped.eval(), batch, temperature=0.7)
+    torch.testing.assert_close(got, full)
+
+
+def test_keeps_logits_looks_through_lora_and_engine_wrappers(model):
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf_core.models.logits import keeps_logits
+
+    class Engine(torch.nn.Module):  # DeepSpeed's engine holds the model as `.module`
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    import copy
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert keeps_logits(Engine(lora))
