@@ -349,6 +349,26 @@ def policy_memory(results: Path) -> list[str]:
                             ("weight_sync_s", "weight sync, s", "")]), *notes]
 
 
+def response_logits(results: Path) -> list[str]:
+    if (r := load("response_logits", results)) is None:
+        return not_run("response_logits", "response_logits.py")
+    run = load("policy_logits_after", results), load("policy_logits_before", results)
+    notes = []
+    if all(run):
+        after, before = (x.get("variants", [x])[0] for x in run)  # one variant: the row itself
+        notes = ["", f"The whole GRPO stage at this size (`pretrained_scale.py --variants full --micro-batch 16`, "
+                 f"prompts of about 20 tokens): peak per trainer worker {before['trainer_peak_gib']} GiB before, "
+                 f"{after['trainer_peak_gib']} GiB after; update phase {before['phases_s']['timing/update']} s before, "
+                 f"{after['phases_s']['timing/update']} s after (`bench/results/policy_logits_{{before,after}}.json`)."]
+    return [measured_on(r, "response_logits") + f" Model: {r['model']}.", "",
+            md_table(r["rows"], [("prompt_tokens", "prompt tokens", ""), ("response_tokens", "response tokens", ""),
+                                 ("every_column_gib", "head over every column, GiB", ""),
+                                 ("response_columns_gib", "head over the response columns, GiB", ""),
+                                 ("memory_ratio", "ratio", ""), ("every_column_s", "s before", ""),
+                                 ("response_columns_s", "s after", ""),
+                                 ("max_abs_logprob_diff", "largest log-prob difference", "")]), *notes]
+
+
 def dpo_vs_grpo(results: Path) -> list[str]:
     if (r := load("dpo_vs_grpo", results)) is None:
         return not_run("dpo_vs_grpo", "dpo_vs_grpo.py")
@@ -394,6 +414,7 @@ SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
     "resume": resume, "dpo_vs_grpo": dpo_vs_grpo, "policy_memory": policy_memory,
+    "response_logits": response_logits,
 }
 
 
