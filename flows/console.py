@@ -79,6 +79,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"  {name:<10} {info.get('status', '?'):<10} {figures}")
     print(f"MLflow run:  {summary['mlflow_run_id']}  ({summary['mlflow_tracking_uri']})")
     print(f"Summary:     {summary['summary_path']}")
+    report = summary.get("report") or {}
+    if report.get("path") or report.get("error"):
+        print(f"Report:      {report.get('path') or 'not written: ' + report['error']}")
     uri, flow_run, prefect_ui = summary["mlflow_tracking_uri"], summary.get("prefect_flow_run_id"), prefect_ui_url()
     if prefect_ui and flow_run:
         print(f"Prefect run: {prefect_ui}/runs/flow-run/{flow_run}")

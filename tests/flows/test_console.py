@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from flows.console import log_file_path, print_failure, route_logs, unroute_logs
+from flows.console import log_file_path, print_failure, print_summary, route_logs, unroute_logs
 
 
 @pytest.fixture
@@ -89,3 +89,16 @@ def test_unrouting_closes_the_log_file_and_shows_errors_again(tmp_path, terminal
     logging.getLogger("rlhf.test").error("shown again")
     assert "shown again" in terminal.getvalue()
     assert handler not in logging.getLogger().handlers and handler.stream is None
+
+
+@pytest.mark.parametrize(("report", "line"), [({"path": "/runs/r/report.html"}, "Report:      /runs/r/report.html"),
+                                              ({"error": "OSError: disk full"}, "Report:      not written: OSError: disk full"),
+                                              (None, None)])
+def test_the_summary_names_the_run_report_or_why_there_is_none(capsys, report, line):
+    summary = {"pipeline": "rlhf-pipeline", "status": "completed", "stages": {}, "mlflow_run_id": "abc",
+               "mlflow_tracking_uri": "http://mlflow:5000", "summary_path": "/runs/r/summary.json"}
+    if report is not None:
+        summary["report"] = report
+    print_summary(summary)
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Report:")]
+    assert printed == ([line] if line else [])
