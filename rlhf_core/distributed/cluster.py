@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
@@ -88,16 +89,39 @@ def ray_session():
 
 
 def check_cluster(stage: str, num_workers: int, use_gpu: bool | None) -> bool:
-    """Whether to use GPUs (None: when the cluster has them); raises, naming the config key,
-    if the cluster cannot hold `num_workers` workers."""
+    """Whether to use GPUs (None: when the cluster has them and torch can drive them); raises,
+    naming the config key, if the cluster cannot hold `num_workers` workers or GPUs are asked
+    for where torch cannot use them."""
     resources = ray.cluster_resources()
     cpus, gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
-    gpu = gpus > 0 if use_gpu is None else use_gpu
+    why_not = cuda_unusable(local_only=len(ray.nodes()) == 1)
+    if use_gpu is None:
+        gpu = gpus > 0 and why_not is None
+        if gpus > 0 and why_not is not None:
+            print(f"{stage}: the Ray cluster has {gpus} GPUs but training runs on CPUs: {why_not} "
+                  f"(set {stage}.use_gpu: false to say so, or install a CUDA build of torch)", flush=True)
+    else:
+        gpu = use_gpu
+        if gpu and why_not is not None:
+            raise ValueError(f"{stage}.use_gpu is true but {why_not}")
     if gpu and num_workers > gpus:
         raise ValueError(f"{stage}.num_workers={num_workers} but the Ray cluster has {gpus} GPUs")
     if num_workers > cpus:
         raise ValueError(f"{stage}.num_workers={num_workers} but the Ray cluster has {cpus} CPUs")
     return gpu
+
+
+def cuda_unusable(local_only: bool) -> str | None:
+    """Why torch here cannot train on GPUs, or None. A CPU build of torch (`make setup` on a
+    machine without GPUs) cannot, whatever the hardware: Ray still counts the GPUs through
+    NVML and NCCL would fail on the first collective. On a one-node cluster (this machine) the
+    driver's torch must also see a device; the workers of a multi-node cluster are checked by
+    their own torch, not this process's."""
+    if not torch.backends.cuda.is_built():
+        return f"this torch ({torch.__version__}) is a CPU build"
+    if local_only and not torch.cuda.is_available():
+        return "torch.cuda.is_available() is false on this machine (driver, CUDA_VISIBLE_DEVICES?)"
+    return None
 
 
 def torch_trainer(

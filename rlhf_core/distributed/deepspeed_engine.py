@@ -25,7 +25,9 @@ def deepspeed_config(
 ) -> dict[str, Any]:
     """One optimizer step per `train_batch_size` sequences (all ranks and micro-batches
     together), ZeRO `cfg.zero_stage`, AdamW at `learning_rate`, clipping at `cfg.max_grad_norm`;
-    bf16 on GPU, fp32 on CPU with torch's AdamW (DeepSpeed's fused Adam is CUDA only)."""
+    bf16 on GPU, fp32 on CPU. The optimizer is torch's AdamW everywhere (`torch_adam`), fused on
+    GPU: DeepSpeed's FusedAdam is compiled on first use and needs `nvcc`, which a runtime image
+    of torch's CUDA wheels does not have; torch's fused kernel ships with the wheel."""
     return {
         "train_batch_size": train_batch_size,
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
@@ -35,7 +37,7 @@ def deepspeed_config(
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": learning_rate, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": weight_decay,
-                       "torch_adam": not use_gpu},
+                       "torch_adam": True, **({"fused": True} if use_gpu else {})},
         },
         "bf16": {"enabled": use_gpu},
         "steps_per_print": 1 << 30,

@@ -65,6 +65,12 @@ class PolicyWorker:
         return self.loop.cfg
 
     @property
+    def device(self) -> torch.device:
+        """Where this worker trains: the actor's device (cuda:<local rank> on GPU), and so where
+        its batches, reference, reward and audit models live."""
+        return self.actor.device
+
+    @property
     def max_length(self) -> int:
         """The longest sequence the reward model scores: the policy's context."""
         return self.actor.module.config.max_position_embeddings

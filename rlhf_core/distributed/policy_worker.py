@@ -48,6 +48,7 @@ from rlhf_core.distributed.stage import record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.lora import load_policy_for_training, merged_state_dict, reference_view
+from rlhf_core.models.placement import frozen_on
 from rlhf_core.models.reward import (
     AUDIT_DIR, audit_model_dir, load_reward_model, member_mean, member_stats, normalise, read_reward_meta, score,
     save_reward_model, score_members,
@@ -123,16 +124,19 @@ def _build_worker(loop: PolicyLoop) -> PolicyWorker:
         critic = _engine(worker.deepspeed, value_model_from(loop.sft_dir), cfg, cfg.ppo.critic_learning_rate,
                          loop.runtime.use_gpu)
     # with LoRA the reference is the actor with its adapters off (`reference_view`): no copy
-    reference = None if cfg.lora.enabled else load_policy(loop.sft_dir).eval().requires_grad_(False)
+    device = actor.device
+    reference = None if cfg.lora.enabled else frozen_on(load_policy(loop.sft_dir), device)
     reward_model = rm_stats = reward_tokenizer = audit = None
     members: tuple = ()
     if loop.reward_dir is not None:
         reward_model, reward_tokenizer, rm_stats = load_reward_model(loop.reward_dir)
-        reward_model.requires_grad_(False)
+        # fp32 with preference rounds, which train it further on rank 0; else frozen like the reference
+        reward_model = (reward_model.to(device).requires_grad_(False) if cfg.rounds.enabled
+                        else frozen_on(reward_model, device))
         members = member_stats(read_reward_meta(loop.reward_dir))
         if (audit_dir := audit_model_dir(loop.reward_dir)) is not None:
-            audit = load_reward_model(audit_dir)
-            audit[0].requires_grad_(False)
+            audit_model, audit_tokenizer, audit_stats = load_reward_model(audit_dir)
+            audit = (frozen_on(audit_model, device), audit_tokenizer, audit_stats)
     kl_controller = (
         FixedKLController(cfg.kl_coef)
         if cfg.adaptive_kl_target is None
@@ -207,7 +211,7 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
         dist.scatter_object_list(received, shards, src=0)
         samples: list[rollouts.Sample] = received[0]
 
-    batch = build_batch(samples, w.tokenizer.pad_token_id)
+    batch = build_batch(samples, w.tokenizer.pad_token_id).to(w.device)
     with w.meter.compute():  # this worker's own forward passes, no collectives: its throughput
         with _timed(timings, "score"):
             local = _score(w, samples, batch, state)
@@ -304,7 +308,7 @@ def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch, 
     out: dict[str, Any] = {"rm": [], "verifiable": [], "audit": []}
     if w.reward_model is not None:
         raw = score_members(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)  # (K, B)
-        lengths = batch.response_mask.sum(-1)  # (B,) response tokens
+        lengths = batch.response_mask.sum(-1).cpu()  # (B,) response tokens, beside the scores (CPU)
         if state.reference_score is None:  # the first step samples the SFT policy: the reference
             _measure_reference(w, state, raw, lengths, list(zip(prompts, responses)))
         rm_reward, shaping = proxy_reward(raw, [m.mean for m in w.member_stats], [m.std for m in w.member_stats],
@@ -318,7 +322,8 @@ def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch, 
     if w.verifiable is not None:
         verifiable = score_verifiable(w.verifiable, prompts, responses, dict(w.loop.answers))
         out["verifiable"] = verifiable.tolist()
-    batch.scores = mix_rewards(rm_reward, verifiable, cfg.reward_model_weight, cfg.verifiable_reward_weight)
+    batch.scores = mix_rewards(rm_reward, verifiable, cfg.reward_model_weight, cfg.verifiable_reward_weight
+                               ).to(batch.response_mask.device)
     out["scores"] = batch.scores.tolist()
     return out
 

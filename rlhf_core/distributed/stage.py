@@ -158,6 +158,10 @@ class Worker:
 def start_worker(runtime: StageRuntime, seed: int, torch_threads: int | None = None) -> Worker:
     """DeepSpeed on this worker's accelerator over Ray Train's process group, and the global
     RNGs seeded with `seed`. `torch_threads` caps torch's intra-op threads."""
+    if runtime.use_gpu:  # this worker's GPU (Ray Train assigns one per worker) is where DeepSpeed and NCCL work
+        import ray.train.torch  # noqa: PLC0415
+
+        torch.cuda.set_device(ray.train.torch.get_device())
     deepspeed = import_deepspeed(runtime.use_gpu)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if torch_threads is not None:

@@ -141,6 +141,12 @@ class PolicyBatch:
         """Rows `index` of every tensor (None stays None)."""
         return replace(self, **{f.name: _rows(getattr(self, f.name), index) for f in fields(self)})
 
+    def to(self, device: torch.device | str) -> "PolicyBatch":
+        """Every tensor on `device` (the actor's): built on the CPU from the rollouts, the batch
+        meets the models where they are."""
+        return replace(self, **{f.name: None if (t := getattr(self, f.name)) is None else t.to(device)
+                                for f in fields(self)})
+
 
 def _rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
     return None if t is None else t[index]

@@ -287,6 +287,7 @@ def train_reward_model_round(
     k = model.config.num_labels
     g = torch.Generator().manual_seed(seed)
     weights = torch.poisson(torch.ones(len(data), k), generator=g) if k > 1 else None
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW([p for p in model.parameters()], lr=cfg.learning_rate, weight_decay=0.0)
     model.train().requires_grad_(True)
     losses, accuracies = [], []
@@ -295,9 +296,10 @@ def train_reward_model_round(
         for start in range(0, len(order), cfg.batch_size):
             idx = order[start : start + cfg.batch_size]
             batch = collate_pairs(data, idx)
-            rewards = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()  # (2B, K)
+            rewards = model(input_ids=batch.input_ids.to(device),
+                            attention_mask=batch.attention_mask.to(device)).logits.float()  # (2B, K)
             loss, m = ensemble_bradley_terry_loss(rewards[: batch.num_pairs], rewards[batch.num_pairs :],
-                                                  None if weights is None else weights[idx])
+                                                  None if weights is None else weights[idx].to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

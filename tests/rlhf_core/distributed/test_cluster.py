@@ -136,3 +136,32 @@ def test_the_training_process_group_listens_on_loopback_only(ray_cluster, tmp_pa
     default = _fit(TorchConfig(), tmp_path, "default")
     assert any(r["open"] for r in default), default  # the control: the check sees an open store
     assert any(addr.endswith(f":{default[0]['store_port']}") for addr in default[0]["open"]), default
+
+
+@pytest.mark.parametrize(("built", "available", "nodes", "use_gpu", "expected"), [
+    (True, True, 1, None, True),  # a CUDA torch that sees the GPUs: use them
+    (False, False, 1, None, False),  # a CPU build on a GPU machine: CPUs, and say why
+    (True, False, 1, None, False),  # a CUDA build that sees no device here (CUDA_VISIBLE_DEVICES="")
+    (True, False, 2, None, True),  # a multi-node cluster: the workers' torch sees their GPUs, not the driver's
+    (True, True, 1, False, False),  # asked for CPUs
+    (False, False, 1, True, "use_gpu is true but this torch"),
+])
+def test_gpus_are_used_only_where_torch_can_drive_them(monkeypatch, capsys, built, available, nodes, use_gpu, expected):
+    import ray
+    import torch
+
+    from rlhf_core.distributed.cluster import check_cluster
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{}] * nodes)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: built)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            check_cluster("policy", 2, use_gpu)
+        return
+    assert check_cluster("policy", 2, use_gpu) is expected
+    said = capsys.readouterr().out
+    assert ("training runs on CPUs" in said) == (use_gpu is None and not expected), said
+    if not built and use_gpu is None:
+        assert "CPU build" in said and "policy.use_gpu: false" in said

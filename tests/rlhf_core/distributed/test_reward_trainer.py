@@ -80,6 +80,21 @@ def test_deepspeed_config_follows_reward_config():
     assert deepspeed_config(cfg, use_gpu=True)["bf16"] == {"enabled": True}
 
 
+def test_the_gpu_optimizer_is_torchs_fused_adamw_which_needs_no_compiler():
+    """DeepSpeed's FusedAdam would be compiled with nvcc on first use; torch's AdamW with
+    `fused` ships with the CUDA wheel. DeepSpeed hands the params, less `torch_adam`, to
+    torch.optim.AdamW: they must be its keyword arguments."""
+    params = deepspeed_config(CFG, use_gpu=True)["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True
+    assert "fused" not in deepspeed_config(CFG, use_gpu=False)["optimizer"]["params"]
+    kwargs = {k: v for k, v in params.items() if k != "torch_adam"}
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], **kwargs)  # fused AdamW also runs on CPU tensors
+    weight.grad = torch.ones(3)
+    optimizer.step()
+    assert optimizer.defaults["fused"] and (weight < 1).all()
+
+
 def test_empty_training_set_fails_before_training(pairs, tiny_base, tmp_path):
     with pytest.raises(ValueError, match=r"training set is empty \(0 preference pairs\)"):
         train_reward_model([], pairs[1], tiny_base, CFG, tmp_path / "m", tmp_path / "ray")

@@ -387,3 +387,29 @@ def test_keeps_logits_looks_through_lora_and_engine_wrappers(model):
     import copy
     lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
     assert keeps_logits(Engine(lora))
+
+
+def test_a_batch_moves_to_the_actors_device_whole(tok):
+    """The worker builds the batch on the CPU and hands the actor `batch.to(actor.device)`:
+    every tensor, the phases' later fields included, lands there (the meta device stands in
+    for a GPU)."""
+    batch = build_batch(rollouts(tok, ["055", "42"], [0, 1]), tok.pad_token_id)
+    batch.old_logprobs = torch.zeros_like(batch.engine_logprobs)
+    moved = batch.to("meta")
+    tensors = {f: getattr(moved, f) for f in moved.__dataclass_fields__ if getattr(moved, f) is not None}
+    assert len(tensors) == 8 and all(t.device.type == "meta" for t in tensors.values())
+    assert moved.ref_logprobs is None and batch.input_ids.device.type == "cpu"  # a copy; None stays None
+
+
+def test_frozen_models_sit_on_the_trainers_device_in_bf16_on_gpu_unchanged_on_cpu(model):
+    import copy
+
+    from rlhf_core.models.placement import frozen_dtype, frozen_on
+
+    assert frozen_dtype("cuda:1") is torch.bfloat16 and frozen_dtype("cpu") is None
+    on_cpu = frozen_on(copy.deepcopy(model).train(), "cpu")
+    assert not on_cpu.training and not any(p.requires_grad for p in on_cpu.parameters())
+    assert {p.dtype for p in on_cpu.parameters()} == {torch.float32}
+    torch.testing.assert_close(on_cpu.state_dict(), model.state_dict())
+    on_meta = frozen_on(copy.deepcopy(model), "meta")  # where a GPU would put it, without the cast
+    assert {p.device.type for p in on_meta.parameters()} == {"meta"}
