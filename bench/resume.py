@@ -8,7 +8,7 @@ uninterrupted run of the same config in a fresh store; `saved = scratch - resume
 uses the same Prefect server (one `prefect server start` for the benchmark), so Prefect's
 start-up is not counted.
 
-Short stages are killed from inside at their fault point (`tasks.tracking.fault_point`: the
+Short stages are killed from inside at their fault point (`rlhf_core.distributed.fault_injection.fault_point`: the
 stage's work done, its MLflow run or journal entry not yet closed); the training stages once
 Ray Train has committed a checkpoint, and the deploy in its health wait, from outside.
 

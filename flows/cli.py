@@ -147,7 +147,7 @@ def _state_dir(cfg) -> Path:
 
 def _run_flow(fn, log_path: Path, cfg=None, **kwargs) -> int:
     """Run a flow and print its summary; a failed run prints one block saying why."""
-    from tasks.tracking import PipelineFailed
+    from tasks.summary import PipelineFailed
 
     state = fn(**kwargs, return_state=True)
     try:
@@ -327,7 +327,8 @@ def _validate_here(args, cfg) -> int:
 def _check_resume(args, cfg):
     """Before any server starts: can `--resume` continue that run? Returns (its config, "") (the
     config it started with: `--config` only says where the MLflow store is), or (cfg, why not)."""
-    from tasks.tracking import ResumeRefused, recorded_config, resumable_run, tracking_client
+    from tasks.run_start import ResumeRefused, recorded_config, resumable_run
+    from tasks.tracking import tracking_client
 
     if args.overrides:
         return cfg, "--set cannot change a resumed run: it continues with the config it started with"

@@ -16,7 +16,8 @@ from rlhf_core.default_config import DEFAULT_CONFIG
 from tasks.data import prepare_data
 from tasks.evaluate import eval_set, evaluate_candidate, fetch_registered_candidate, record_gate_verdict
 from tasks.pretrained import prepare_pretrained
-from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
+from tasks.run_start import start_pipeline_run
+from tasks.summary import record_stage, recorded_outcome, summary_header
 
 
 @flow(name="evaluate", log_prints=True)
@@ -37,7 +38,7 @@ def evaluate_flow(
         registered = fetch_registered_candidate(candidate, run)
         pretrained = prepare_pretrained(cfg, run.out_dir) if cfg.model.pretrained is not None else None
         prompts, answers = eval_set(prepare_data(cfg, run.out_dir, pretrained), cfg)  # rendered as in training
-        evaluation = run_stage(stages, "evaluate", evaluate_candidate, registered.candidate, prompts, answers, cfg, run)
+        evaluation = record_stage(stages, "evaluate", evaluate_candidate, registered.candidate, prompts, answers, cfg, run)
         record_gate_verdict(registered.version, evaluation, run)
         summary["candidate_version"] = registered.version
         if not evaluation.passed:

@@ -30,7 +30,8 @@ from tasks.policy import optimise_policy
 from tasks.pretrained import prepare_pretrained
 from tasks.reward import train_reward_model_task
 from tasks.sft import train_base_policy, use_pretrained_base
-from tasks.tracking import recorded_config, recorded_outcome, run_stage, start_pipeline_run, summary_header
+from tasks.run_start import recorded_config, start_pipeline_run
+from tasks.summary import record_stage, recorded_outcome, summary_header
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
@@ -53,34 +54,34 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
     with recorded_outcome(run, summary) as stages:
         pretrained = None  # the demo builds its own model
         if cfg.model.pretrained is not None:
-            pretrained = run_stage(stages, "pretrained", prepare_pretrained, cfg, run.out_dir)
-        paths = run_stage(stages, "validate", prepare_data, cfg, run.out_dir, pretrained)  # format, rendering, lengths
-        data = run_stage(stages, "validate", validate_data, paths, cfg, run)  # the data contract
+            pretrained = record_stage(stages, "pretrained", prepare_pretrained, cfg, run.out_dir)
+        paths = record_stage(stages, "validate", prepare_data, cfg, run.out_dir, pretrained)  # format, rendering, lengths
+        data = record_stage(stages, "validate", validate_data, paths, cfg, run)  # the data contract
         if cfg.sft.enabled:
-            base = run_stage(stages, "sft", train_base_policy, data, cfg, run, pretrained)
+            base = record_stage(stages, "sft", train_base_policy, data, cfg, run, pretrained)
             if not base.path.is_dir():  # cached, but its files are gone: train it again
-                base = run_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg, run,
+                base = record_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg, run,
                                  pretrained)
             if base.pipeline_run_id != run.run_id:
                 stages["sft"]["status"] = "cached"
         else:
-            base = run_stage(stages, "sft", use_pretrained_base, pretrained, cfg, run)
+            base = record_stage(stages, "sft", use_pretrained_base, pretrained, cfg, run)
         backbone = pretrained.reward if pretrained is not None and cfg.reward.base_model else None
         with training_cluster():  # one Ray cluster for both training stages
-            reward = run_stage(stages, "reward", train_reward_model_task, data, base, cfg, run, backbone)
-            policy = run_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
+            reward = record_stage(stages, "reward", train_reward_model_task, data, base, cfg, run, backbone)
+            policy = record_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
         candidate = Candidate(policy.path, base.path, reward.path, {
             "dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
             "reward_model.version": reward.version, "policy.run_id": policy.run_id,
             "algorithm": policy.result.algorithm, "pipeline.run_id": run.run_id, **data.paths.lineage(),
         })
         prompts, answers = eval_set(data.paths, cfg)
-        evaluation = run_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)
+        evaluation = record_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)
         if not evaluation.passed:
             d = evaluation.decision
             summary.update(status=d.status, reasons=[*d.reasons, *d.undecided])
             return summary
-        registration = run_stage(stages, "register", register_candidate, evaluation, cfg, run)
+        registration = record_stage(stages, "register", register_candidate, evaluation, cfg, run)
         if registration.promoted and cfg.serving.enabled:
-            run_stage(stages, "deploy", deploy_champion, cfg)
+            record_stage(stages, "deploy", deploy_champion, cfg)
     return summary

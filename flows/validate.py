@@ -8,7 +8,8 @@ from prefect import flow
 from rlhf_core.config import load_config
 from rlhf_core.default_config import DEFAULT_CONFIG
 from tasks.data import prepare_files, validate_data
-from tasks.tracking import recorded_outcome, run_stage, start_pipeline_run, summary_header
+from tasks.run_start import start_pipeline_run
+from tasks.summary import record_stage, recorded_outcome, summary_header
 
 
 @flow(name="validate-data", log_prints=True)
@@ -25,5 +26,5 @@ def validate_data_flow(
     summary = summary_header(run, "validate-data", str(config_path))
     with recorded_outcome(run, summary) as stages:
         paths = prepare_files(cfg, preferences_path, eval_path, None, None, run.out_dir / "data", cfg.model.pretrained)
-        run_stage(stages, "validate", validate_data, paths, cfg, run)
+        record_stage(stages, "validate", validate_data, paths, cfg, run)
     return summary

@@ -4,7 +4,7 @@ flow run would stay RUNNING forever, beside the run that resumed it.
 Each pipeline run's MLflow parent run names the Prefect flow run holding it and the state that
 flow run was in when it took the run (`flow_run_tags`: set at the run's start and at each
 resume or retry). Whoever closes a dead run's MLflow run as KILLED
-(`tasks.tracking.close_abandoned_runs`: the next run on that host, or a resume) marks that flow
+(`tasks.run_start.close_abandoned_runs`: the next run on that host, or a resume) marks that flow
 run CRASHED here, with the reason as its state message, if nothing has moved it since.
 """
 from __future__ import annotations

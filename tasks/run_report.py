@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from rlhf_core.report import Curves, curve_keys, render_report
 
-if TYPE_CHECKING:  # tasks.tracking calls this module when it closes a run
+if TYPE_CHECKING:  # tasks.summary calls this module when it closes a run
     from tasks.tracking import PipelineRun
 
 REPORT_NAME = "report.html"

@@ -1,6 +1,7 @@
 """Faults the tests inject into a training run: a worker that dies once, a loss that turns NaN
-once. The trainers take them as keyword-only `_`-prefixed arguments; a production run passes
-None and none of this code acts."""
+once, a pipeline process killed at a named point. The trainers take theirs as keyword-only
+`_`-prefixed arguments; a production run passes None (and sets no $RLHF_FAULT_KILL_AT), and
+none of this code acts."""
 from __future__ import annotations
 
 import os
@@ -51,3 +52,14 @@ def nan_if_due(backward_and_step, nan_at: NanAtStep | None, rank: int, step: int
     if nan_at is not None and nan_at.rank == rank and nan_at.step == step:
         return NanOnce(backward_and_step)
     return backward_and_step
+
+
+FAULT_ENV = "RLHF_FAULT_KILL_AT"
+
+
+def fault_point(point: str) -> None:
+    """Fault injection for the resume tests: SIGKILL this process when $RLHF_FAULT_KILL_AT names
+    `point`. The points: `<stage>:end` (a stage's work done, its MLflow run not yet closed) and
+    `<stage>:returned` (its task returned, the journal not yet written)."""
+    if os.environ.get(FAULT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.pipeline import rlhf_pipeline
 from rlhf_core.config import load_config
-from tasks.tracking import PipelineFailed
+from tasks.summary import PipelineFailed
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from flows.cli import main as cli_main
 from flows.pipeline import rlhf_pipeline
 from rlhf_core.data.schema import read_table, write_jsonl
-from tasks.tracking import PipelineFailed
+from tasks.summary import PipelineFailed
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

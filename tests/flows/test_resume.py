@@ -3,7 +3,7 @@
 One run of the CLI, as a user starts it, on a test-sized config (gates loose, auto-promotion
 and serving on), then killed in validate, SFT, reward, policy, evaluate, register and deploy in
 turn; after each kill `rlhf run --resume RUN_ID` continues it. Short stages are killed from
-inside at a fault point (`tasks.tracking.fault_point`: after the stage's work, before its
+inside at a fault point (`rlhf_core.distributed.fault_injection.fault_point`: after the stage's work, before its
 MLflow run or journal entry is closed); the training stages and the deploy from outside, once a
 checkpoint or the deploy's intent file exists, as an operator's `kill -9` would.
 """

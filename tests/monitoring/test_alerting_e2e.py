@@ -219,7 +219,7 @@ def test_an_unstable_run_fires_an_alert_that_rolls_the_champion_back(
     from flows.pipeline import rlhf_pipeline
     from monitoring.receiver import PrefectRollbackTrigger
     from tasks.registry import CHAMPION, POLICY, by_alias
-    from tasks.tracking import PipelineFailed
+    from tasks.summary import PipelineFailed
 
     raw = tiny_config_factory(tmp_path)
     raw["policy"].update(learning_rate=50.0, steps=8, kl_bound=0.5, checkpoint_every=1, eval_every=8,

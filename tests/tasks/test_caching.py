@@ -13,7 +13,7 @@ from rlhf_core.config import load_config
 from rlhf_core.data.schema import fingerprint
 from tasks.data import prepare_data, validate_data
 from tasks.sft import train_base_policy
-from tasks.tracking import start_pipeline_run
+from tasks.run_start import start_pipeline_run
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

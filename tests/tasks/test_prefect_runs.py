@@ -76,7 +76,8 @@ def test_the_reaper_marks_a_killed_runs_flow_run_crashed_and_leaves_finished_one
     from prefect.client.orchestration import get_client
     from prefect.states import Pending
 
-    from tasks.tracking import OWNER_TAG, close_abandoned_runs
+    from tasks.run_start import close_abandoned_runs
+    from tasks.tracking import OWNER_TAG
 
     @flow(name="rlhf-pipeline-reaper-test")
     def pipeline():  # never run: its flow runs are made as a killed `rlhf run` leaves them
@@ -110,7 +111,8 @@ def test_the_reaper_marks_a_killed_runs_flow_run_crashed_and_leaves_finished_one
 def test_an_unreachable_prefect_server_costs_a_warning_not_the_run(store, free_ports, caplog):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.tracking import OWNER_TAG, close_abandoned_runs
+    from tasks.run_start import close_abandoned_runs
+    from tasks.tracking import OWNER_TAG
 
     client, exp = store
     owner, _ = dead_owner()

@@ -10,7 +10,8 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from tasks.run_report import policy_curves, write_run_report
-from tasks.tracking import PipelineRun, finish_pipeline_run
+from tasks.summary import finish_pipeline_run
+from tasks.tracking import PipelineRun
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tasks.data import DataValidationError
-from tasks.tracking import run_stage
+from tasks.summary import record_stage
 
 
 def test_a_failed_stage_records_its_error_and_the_report_that_explains_it(tmp_path):
@@ -19,7 +19,7 @@ def test_a_failed_stage_records_its_error_and_the_report_that_explains_it(tmp_pa
 
     stages: dict = {}
     with pytest.raises(DataValidationError):
-        run_stage(stages, "validate", failing)
+        record_stage(stages, "validate", failing)
     assert stages == {"validate": {"status": "failed", "error": "prefs.jsonl: 1 data check(s) failed\nrow_count: 3 rows",
                                    "report": str(report)}}
 
@@ -27,7 +27,7 @@ def test_a_failed_stage_records_its_error_and_the_report_that_explains_it(tmp_pa
 def test_a_failure_without_a_report_records_the_error_only():
     stages: dict = {}
     with pytest.raises(RuntimeError):
-        run_stage(stages, "sft", lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        record_stage(stages, "sft", lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
     assert stages == {"sft": {"status": "failed", "error": "out of memory"}}
 
 
@@ -46,7 +46,8 @@ def test_runs_left_running_by_a_dead_process_are_closed_as_killed_and_no_others(
     from mlflow.tracking import MlflowClient
 
     from rlhf_core.process_owner import this_process
-    from tasks.tracking import OWNER_TAG, close_abandoned_runs
+    from tasks.run_start import close_abandoned_runs
+    from tasks.tracking import OWNER_TAG
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
     exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
@@ -87,16 +88,16 @@ def test_a_journalled_stage_is_reused_not_run_again_while_its_files_exist(tmp_pa
         return _Result(model, figure)
 
     first = Stages(tmp_path / "stages")
-    assert run_stage(first, "sft", train, 1).figure == 1
+    assert record_stage(first, "sft", train, 1).figure == 1
     assert [p.name for p in (tmp_path / "stages").iterdir()] == ["train.pkl"]  # whole, no temporary left
 
     again = Stages(tmp_path / "stages")  # the rerun of the run
-    assert run_stage(again, "sft", train, 2).figure == 1 and calls == [1]
+    assert record_stage(again, "sft", train, 2).figure == 1 and calls == [1]
     assert again["sft"] == {"status": "completed", "figure": 1, "reused": True}
 
     model.rmdir()  # its files are gone: it runs again
     rerun = Stages(tmp_path / "stages")
-    assert run_stage(rerun, "sft", train, 3).figure == 3 and calls == [1, 3]
+    assert record_stage(rerun, "sft", train, 3).figure == 3 and calls == [1, 3]
     assert rerun["sft"] == {"status": "completed", "figure": 3}
 
 
@@ -105,7 +106,7 @@ def test_a_failed_stage_is_not_journalled(tmp_path):
 
     stages = Stages(tmp_path / "stages")
     with pytest.raises(RuntimeError):
-        run_stage(stages, "sft", lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        record_stage(stages, "sft", lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
     assert not (tmp_path / "stages").exists()
 
 
@@ -122,7 +123,8 @@ def test_resume_is_refused_with_the_reason_for_runs_it_cannot_continue(store):
     import sys
 
     from rlhf_core.process_owner import this_process
-    from tasks.tracking import OWNER_TAG, ResumeRefused, resumable_run
+    from tasks.run_start import ResumeRefused, resumable_run
+    from tasks.tracking import OWNER_TAG
 
     client, exp = store
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -150,7 +152,7 @@ def test_resume_is_refused_with_the_reason_for_runs_it_cannot_continue(store):
 
 
 def test_a_retried_prefect_flow_run_continues_the_run_it_opened_and_only_a_failed_one(store, tmp_path):
-    from tasks.tracking import FLOW_RUN_TAG, _reopen, _run_to_resume
+    from tasks.run_start import FLOW_RUN_TAG, _reopen, _run_to_resume
 
     client, exp = store
     failed = client.create_run(exp, tags={"pipeline": "rlhf-pipeline", FLOW_RUN_TAG: "flow-1",
@@ -177,12 +179,12 @@ def test_a_retried_prefect_flow_run_continues_the_run_it_opened_and_only_a_faile
 
 def test_one_process_at_a_time_holds_a_run(tmp_path):
     """Two resumes of one run started together: the second is refused until the first ends."""
-    from tasks.tracking import ResumeRefused, hold_run_dir, release_run_dir
+    from tasks.run_start import ResumeRefused, hold_run_dir, release_run_dir
 
     import subprocess
     import sys
 
-    hold = ("import sys; from pathlib import Path; from tasks.tracking import hold_run_dir; "
+    hold = ("import sys; from pathlib import Path; from tasks.run_start import hold_run_dir; "
             "hold_run_dir(Path(sys.argv[1]), 'r1')")
     hold_run_dir(tmp_path, "r1")
     hold_run_dir(tmp_path, "r1")  # this process already holds it: a retried start goes on
