@@ -578,7 +578,7 @@ def test_the_alertmanager_webhook_reaches_the_receiver_with_its_token():
     assert service["spec"]["selector"].items() <= labels.items()
     assert _resolve_port(receiver, receiver["readinessProbe"]["httpGet"]["port"]) == url.port
     # every flag is one the receiver takes
-    source = (REPO / "monitoring" / "receiver.py").read_text()
+    source = (REPO / "monitoring" / "receiver" / "cli.py").read_text()
     for flag in (a for a in argv[3:] if a.startswith("--")):
         assert f'add_argument("{flag}"' in source, f"python -m monitoring.receiver has no {flag}"
     # the same token on both sides, as files of the same Secret key

@@ -1,4 +1,4 @@
-"""monitoring/receiver.py through its real HTTP server on 127.0.0.1 (port 0), with a
+"""monitoring/receiver/ through its real HTTP server on 127.0.0.1 (port 0), with a
 recording trigger; the Prefect trigger against the session's temporary Prefect server."""
 from __future__ import annotations
 
