@@ -6,6 +6,8 @@ links the weights and completes the tokenizer and config (`rlhf_core.models.pret
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,13 @@ def _materialise(source: str, out_dir: Path, template: str | None, where: str) -
     return materialise(source, out_dir, template)
 
 
+def trains_on_this_machine(cfg: PipelineConfig, environ: Mapping[str, str]) -> bool:
+    """Whether the training stages hold their models in this machine's memory: a local cluster
+    (no $RAY_ADDRESS) training on CPUs. Stages told to use GPUs hold them in GPU memory, and
+    those of another cluster in its nodes' memory."""
+    return not environ.get("RAY_ADDRESS") and not (cfg.policy.use_gpu and cfg.reward.use_gpu)
+
+
 @task(name="prepare-pretrained")
 def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | None:
     """The run's pretrained base (None: the demo builds its own); raises `PretrainedError` naming
@@ -55,12 +64,16 @@ def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | N
         reward = _materialise(cfg.reward.base_model, out_dir / "models" / "reward-base", template, "reward.base_model")
     workers = max(cfg.policy.num_workers, cfg.reward.num_workers)
     memory = psutil.virtual_memory()  # what other processes hold is not ours to use
+    here = trains_on_this_machine(cfg, os.environ)
+    if not here:
+        get_run_logger().info("the training stages run on GPUs or another cluster: this machine's memory is not "
+                              "checked against them (per-GPU arithmetic: docs/gpu.md)")
     problems = preflight(
         info, max_total_tokens=cfg.reward.max_length,
         supported_head_sizes=None if cfg.policy.use_gpu else VLLM_CPU_HEAD_SIZES,
         needs_chat_template=False,  # the data stage knows whether the data is conversational
         workers=workers, with_critic=cfg.policy.algorithm == "ppo",
-        memory_bytes=memory.total, available_bytes=memory.available, reward=cfg.reward,
+        memory_bytes=memory.total, available_bytes=memory.available, reward=cfg.reward, trains_here=here,
     )
     if problems:
         raise PretrainedError("\n".join(problems))

@@ -147,13 +147,16 @@ def preflight(
     available_bytes: int | None = None,
     reward: RewardConfig | None = None,
     where: str = "model.pretrained",
+    trains_here: bool = True,
 ) -> list[str]:
     """Every reason the run cannot use this model, each with the fix; empty when it can.
 
     `memory_bytes` is the machine's total memory; with `available_bytes` (what is available now,
     other processes' memory not in it) the policy stage's estimate, and the reward stage's when
     `reward` is given, are compared with what a stage can use (`MachineMemory.usable`); without
-    it, the policy stage's with 80% of the total."""
+    it, the policy stage's with 80% of the total. The estimates are of training on this
+    machine's CPUs: with `trains_here` false (the stages run on GPUs, or on another cluster)
+    they are not compared with this machine's memory."""
     problems = []
     if info.context_length is not None and max_total_tokens > info.context_length:
         problems.append(f"{where}: prompts and responses take up to {max_total_tokens} tokens but the model's context is "
@@ -166,6 +169,8 @@ def preflight(
                         "`model.chat_template` or add chat_template.jinja to the directory")
     need = training_bytes(info.num_parameters, workers=workers, with_critic=with_critic,
                           reward_parameters=info.num_parameters)
+    if not trains_here:
+        return problems
     if available_bytes is not None:
         problems += memory_problems(info, need, workers, MachineMemory(memory_bytes, available_bytes), reward, where)
     elif need > 0.8 * memory_bytes:

@@ -46,3 +46,16 @@ def test_a_head_size_vllm_cannot_run_is_refused_before_training(tmp_path, make_p
     cfg.save_pretrained(src)
     with pytest.raises(PretrainedError, match="head size 48 is not one that vLLM's attention here supports"):
         prepare_pretrained.fn(config(tmp_path, pretrained=str(src)), tmp_path / "out")
+
+
+@pytest.mark.parametrize(("settings", "environ", "here"), [
+    ({}, {}, True),  # the local cluster on CPUs (use_gpu: null resolves to CPUs here)
+    ({"policy": {"use_gpu": True}, "reward": {"use_gpu": True}}, {}, False),  # both stages on GPUs
+    ({"policy": {"use_gpu": True}}, {}, True),  # the reward stage still trains in this machine's memory
+    ({}, {"RAY_ADDRESS": "ray://head:10001"}, False),  # another cluster's nodes
+])
+def test_this_machines_memory_is_checked_only_when_the_stages_train_in_it(tmp_path, settings, environ, here):
+    from tasks.pretrained import trains_on_this_machine
+
+    cfg = parse_config({"output_dir": str(tmp_path / "runs"), **settings})
+    assert trains_on_this_machine(cfg, environ) is here

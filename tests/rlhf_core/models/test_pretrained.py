@@ -116,3 +116,7 @@ def test_preflight_compares_the_estimates_with_the_available_memory(tmp_path, ma
     assert "policy.lora.enabled" in policy[1] and "policy.gradient_checkpointing" in policy[1]
     assert rm[0].startswith("model.pretrained: the reward stage (") and "64 sequences of up to 64 tokens" in rm[0]
     assert "reward.num_workers=2" in rm[1] and "reward.micro_batch_size=32" in rm[1] and "reward.max_length=64" in rm[1]
+    # training on GPUs or another cluster: this machine's memory is not what the stages use
+    assert preflight(info, **ok, available_bytes=2 * 2**30, trains_here=False) == []
+    assert preflight(info, **{**ok, "memory_bytes": 2**20}, trains_here=False) == []
+    assert preflight(info, **{**ok, "max_total_tokens": 10**6}, trains_here=False)  # the other checks still hold
