@@ -271,25 +271,37 @@ class PolicyConfig(_Strict):
         return self.minibatch_size // (self.num_workers * self.micro_batch_size)
 
     @model_validator(mode="after")
-    def _batches_divide(self) -> "PolicyConfig":
-        n, mb, w = self.rollouts_per_step, self.minibatch_size, self.num_workers
+    def _lora_fits_the_zero_stage(self) -> "PolicyConfig":
         if self.lora.enabled and self.zero_stage == 3:
             raise ValueError("policy.lora with zero_stage 3 is not supported (the stage does not gather the "
                              "sharded frozen base for the merge); use zero_stage 1 or 2: the adapters' optimizer "
                              "state is what ZeRO would shard, and it is small")
-        if self.offline is not None:  # no rollouts: only the method's own batches must divide
-            d, name = self.offline, self.algorithm
-            if self.precision == "bf16":
-                raise ValueError(f"policy.precision bf16 is for ppo and grpo; {name} computes in fp32: set "
-                                 "policy.precision=fp32 (or auto)")
-            if self.rounds.enabled:
-                raise ValueError(f"policy.rounds label the policy's own answers between RL steps; {name} trains on "
-                                 "the labels it is given: set policy.rounds.enabled=false or use ppo or grpo")
-            if d.batch_size % (w * d.micro_batch_size):
-                raise ValueError(
-                    f"{name}.batch_size ({d.batch_size}) must be a multiple of num_workers x {name}.micro_batch_size "
-                    f"({w} x {d.micro_batch_size})")
+        return self
+
+    @model_validator(mode="after")
+    def _offline_settings_agree(self) -> "PolicyConfig":
+        """DPO/KTO: no rollouts, so only the method's own batches must divide."""
+        if self.offline is None:
             return self
+        d, name, w = self.offline, self.algorithm, self.num_workers
+        if self.precision == "bf16":
+            raise ValueError(f"policy.precision bf16 is for ppo and grpo; {name} computes in fp32: set "
+                             "policy.precision=fp32 (or auto)")
+        if self.rounds.enabled:
+            raise ValueError(f"policy.rounds label the policy's own answers between RL steps; {name} trains on "
+                             "the labels it is given: set policy.rounds.enabled=false or use ppo or grpo")
+        if d.batch_size % (w * d.micro_batch_size):
+            raise ValueError(
+                f"{name}.batch_size ({d.batch_size}) must be a multiple of num_workers x {name}.micro_batch_size "
+                f"({w} x {d.micro_batch_size})")
+        return self
+
+    @model_validator(mode="after")
+    def _rl_batches_divide(self) -> "PolicyConfig":
+        """PPO/GRPO: prompts over workers, rollouts into minibatches, minibatches into micro-batches."""
+        if self.offline is not None:
+            return self
+        n, mb, w = self.rollouts_per_step, self.minibatch_size, self.num_workers
         if self.prompts_per_step % w:
             raise ValueError(
                 f"prompts_per_step ({self.prompts_per_step}) must be divisible by num_workers ({w}): "
@@ -305,6 +317,13 @@ class PolicyConfig(_Strict):
                 f"minibatch_size ({mb}) must be divisible by num_workers x micro_batch_size "
                 f"({w} x {self.micro_batch_size})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _rl_settings_agree(self) -> "PolicyConfig":
+        """PPO/GRPO: the KL controller, the reward weights and the pipelined sampler."""
+        if self.offline is not None:
+            return self
         if (self.adaptive_kl_target is None) != (self.adaptive_kl_horizon is None):
             raise ValueError("adaptive_kl_target and adaptive_kl_horizon must be set together (or neither)")
         if self.reward_model_weight == 0 and self.verifiable_reward_weight == 0:

@@ -34,7 +34,8 @@ from rlhf_core.algos.losses import (
     truncated_is_weights,
     value_loss,
 )
-from rlhf_core.algos.masked import Registry, masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf_core.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf_core.algos.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -19,8 +19,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from rlhf_core.algos.masked import Registry, masked_sum
+from rlhf_core.algos.masked import masked_sum
 from rlhf_core.algos.masked import masked_whiten as whiten
+from rlhf_core.algos.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

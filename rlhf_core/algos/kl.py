@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from rlhf_core.algos.masked import Registry, masked_mean, masked_sum
+from rlhf_core.algos.masked import masked_mean, masked_sum
+from rlhf_core.algos.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator")
 

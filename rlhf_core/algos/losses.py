@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.algos.kl import KL_ESTIMATORS
-from rlhf_core.algos.masked import Registry, masked_mean, masked_sum, masked_var
+from rlhf_core.algos.masked import masked_mean, masked_sum, masked_var
+from rlhf_core.algos.registry import Registry
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 

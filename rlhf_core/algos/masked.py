@@ -6,19 +6,12 @@ inf in padding (e.g. the log-probability of a pad token) cannot leak into a resu
 gradient.
 An empty selection reduces to 0 rather than NaN.
 
-Also here: `Registry`, the name -> function table behind ADVANTAGE_ESTIMATORS,
-KL_ESTIMATORS and POLICY_LOSSES, whose unknown-name error lists the valid names.
-
 Source: verl `verl/utils/torch_functional.py` (masked_mean / masked_var / masked_whiten).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
-
 import torch
 
-F = TypeVar("F", bound=Callable)
 
 
 def _select(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -94,25 +87,3 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return _select(whitened, mask)
-
-
-class Registry(dict):
-    """A name -> function table; looking up an unknown name raises KeyError listing valid ones."""
-
-    def __init__(self, kind: str):
-        super().__init__()
-        self.kind = kind
-
-    def __missing__(self, name: str):
-        raise KeyError(f"unknown {self.kind} {name!r}; valid names: {', '.join(sorted(self))}")
-
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator adding a function under `name`; registering a name twice is an error."""
-
-        def add(fn: F) -> F:
-            if name in self:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self[name] = fn
-            return fn
-
-        return add

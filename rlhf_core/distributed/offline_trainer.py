@@ -86,7 +86,7 @@ class Rows:
 
 
 @dataclass(frozen=True)
-class OfflineLoop:
+class OfflineWorkerInputs:
     """What every worker of an offline run is given (it crosses the Ray boundary: it pickles)."""
 
     runtime: StageRuntime
@@ -139,8 +139,8 @@ def train_offline(
         raise ValueError(f"{name}: {len(train)} training rows are fewer than one batch of "
                          f"{cfg.algorithm}.batch_size={batch}")
 
-    def loop_for(runtime: StageRuntime) -> OfflineLoop:
-        return OfflineLoop(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(out_dir).resolve()), ray.put(train),
+    def loop_for(runtime: StageRuntime) -> OfflineWorkerInputs:
+        return OfflineWorkerInputs(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(out_dir).resolve()), ray.put(train),
                            ray.put(evals), tuple(eval_prompts), tuple(eval_answers))
 
     run = fit_stage(
@@ -205,7 +205,7 @@ def pair_logprobs(model: torch.nn.Module, pairs: TokenizedPairs, indices: Sequen
     return seq[: batch.num_pairs], seq[batch.num_pairs :]
 
 
-def _train_loop(loop: OfflineLoop) -> dict[str, Any] | None:
+def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
     cfg, d, runtime = loop.cfg, loop.cfg.offline, loop.runtime
     worker = start_worker(runtime, cfg.seed)
     rank, world = worker.rank, worker.world
@@ -335,7 +335,7 @@ def _step_metrics(gathered: list[Any], engine, figures: tuple[str, ...], batch_s
 
 
 @torch.no_grad()
-def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: OfflineLoop, pos: DataPosition
+def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: OfflineWorkerInputs, pos: DataPosition
                        ) -> dict[str, Any]:
     """Rank 0: held-out accuracy of the reference and the trained policy, the loss's figures on
     the held-out rows, the KL to the reference of sampled answers; the HF save. -> the summary."""

@@ -1,4 +1,4 @@
-"""What a policy-optimisation worker is given (`PolicyLoop`, built by the driver, crosses the
+"""What a policy-optimisation worker is given (`PolicyWorkerInputs`, built by the driver, crosses the
 Ray boundary) and what one attempt of it holds for the whole run (`PolicyWorker`)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rlhf_core.distributed.worker_meter import WorkerMeter
 
 
 @dataclass(frozen=True)
-class PolicyLoop:
+class PolicyWorkerInputs:
     """The settings and inputs of every worker of a policy run; it pickles."""
 
     runtime: StageRuntime
@@ -38,7 +38,7 @@ class PolicyLoop:
 class PolicyWorker:
     """What one attempt of one worker holds for the whole run."""
 
-    loop: PolicyLoop
+    loop: PolicyWorkerInputs
     spec: Any  # rlhf_core.training.ppo_step.AlgorithmSpec
     tokenizer: Any
     actor: Any  # DeepSpeed engine

@@ -11,7 +11,7 @@ The rest lives by job:
     policy_worker    every rank's loop: engines, one RL step phase by phase, the circuit breaker
     policy_rollouts  rank 0: the vLLM engine's rollouts (synchronous or pipelined) and evaluations
     policy_state     where the run stands, and its checkpoint
-    policy_loop      what a worker is given (`PolicyLoop`) and holds (`PolicyWorker`)
+    policy_loop      what a worker is given (`PolicyWorkerInputs`) and holds (`PolicyWorker`)
     policy_metrics   the flat metrics of one step
 
 Held-out exact-match accuracy (greedy, through the engine) and the mean normalised reward-model
@@ -29,7 +29,7 @@ from typing import Any
 
 from rlhf_core.config import PolicyConfig, ValidationConfig
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
-from rlhf_core.distributed.policy_loop import PolicyLoop
+from rlhf_core.distributed.policy_loop import PolicyWorkerInputs
 from rlhf_core.distributed.policy_worker import train_loop
 from rlhf_core.distributed.stage import StageRuntime, fit_stage
 from rlhf_core.models.pretrained import VLLM_CPU_HEAD_SIZES
@@ -108,8 +108,8 @@ def train_policy(
     answers = dict(answers or {})
     score_verifiable = _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg, answers)
 
-    def loop_for(runtime: StageRuntime) -> PolicyLoop:
-        return PolicyLoop(
+    def loop_for(runtime: StageRuntime) -> PolicyWorkerInputs:
+        return PolicyWorkerInputs(
             runtime, cfg, sft_dir=str(Path(sft_dir).resolve()),
             reward_dir=str(Path(reward_dir).resolve()) if reward_dir is not None else None,
             out_dir=str(Path(out_dir).resolve()), prompts=tuple(prompts), eval_prompts=tuple(eval_prompts),

@@ -41,7 +41,7 @@ from rlhf_core.distributed import policy_rollouts as rollouts
 from rlhf_core.distributed import policy_rounds
 from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, gathered_module_state
 from rlhf_core.distributed.fault_injection import kill_if_due, nan_if_due
-from rlhf_core.distributed.policy_loop import PolicyLoop, PolicyWorker
+from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
 from rlhf_core.distributed.policy_metrics import step_metrics
 from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
 from rlhf_core.distributed.stage import record_attempt, start_worker
@@ -76,7 +76,7 @@ from rlhf_core.training.rewards import mix_rewards
 from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
 
 
-def train_loop(loop: PolicyLoop) -> dict[str, Any] | None:
+def train_loop(loop: PolicyWorkerInputs) -> dict[str, Any] | None:
     """The worker function of a policy run; rank 0 returns the run summary."""
     w = _build_worker(loop)
     saved = resume(w)
@@ -110,7 +110,7 @@ def train_loop(loop: PolicyLoop) -> dict[str, Any] | None:
                 w.engine.close()
 
 
-def _build_worker(loop: PolicyLoop) -> PolicyWorker:
+def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
     """Every rank: DeepSpeed engines for the actor (and critic), the frozen reference and
     reward model, the KL controller."""
     cfg = loop.cfg

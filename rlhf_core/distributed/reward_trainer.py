@@ -215,7 +215,7 @@ def _tokenize(which: str, rows, tokenizer, cfg: RewardConfig) -> TokenizedPairs:
 
 
 @dataclass(frozen=True)
-class RewardLoop:
+class RewardWorkerInputs:
     """What every worker of a reward run is given (it crosses the Ray boundary: it pickles)."""
 
     runtime: StageRuntime
@@ -227,9 +227,9 @@ class RewardLoop:
     weights: torch.Tensor | None = None  # (N, K) bootstrap weights of the ensemble's members; None: one model
 
 
-def _loop(runtime: StageRuntime, *, cfg, base_dir, out_dir, train, evals, weights) -> RewardLoop:
+def _loop(runtime: StageRuntime, *, cfg, base_dir, out_dir, train, evals, weights) -> RewardWorkerInputs:
     """Called once the cluster is joined: the pairs go to its object store."""
-    return RewardLoop(runtime, cfg, str(Path(base_dir).resolve()), str(Path(out_dir).resolve()),
+    return RewardWorkerInputs(runtime, cfg, str(Path(base_dir).resolve()), str(Path(out_dir).resolve()),
                       ray.put(train), ray.put(evals), weights)
 
 
@@ -245,7 +245,7 @@ def bootstrap_weights(num_pairs: int, members: int, seed: int) -> torch.Tensor |
 # ----------------------------------------------------------------------------- worker
 
 
-def _train_loop(loop: RewardLoop) -> dict[str, Any] | None:
+def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
     cfg, runtime = loop.cfg, loop.runtime
     worker = start_worker(runtime, cfg.seed)
     rank, world = worker.rank, worker.world
@@ -346,7 +346,7 @@ def _step_metrics(gathered: list[Any], engine, cfg: RewardConfig, truncated: int
 
 
 def _evaluate_and_save(
-    state_dict: dict[str, torch.Tensor], model_config, loop: RewardLoop, pos: DataPosition
+    state_dict: dict[str, torch.Tensor], model_config, loop: RewardWorkerInputs, pos: DataPosition
 ) -> dict[str, Any]:
     """Rank 0: held-out accuracy and loss, normalisation stats, HF save. -> the run summary."""
     model = AutoModelForSequenceClassification.from_config(model_config, dtype=torch.float32)

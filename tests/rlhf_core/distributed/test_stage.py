@@ -11,22 +11,22 @@ import ray.cloudpickle
 from rlhf_core.config import PolicyConfig, RewardConfig
 from rlhf_core.distributed.checkpoint import STATE_FILE, _load
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep, NanOnce, kill_if_due, nan_if_due
-from rlhf_core.distributed.policy_loop import PolicyLoop
-from rlhf_core.distributed.reward_trainer import RewardLoop
+from rlhf_core.distributed.policy_loop import PolicyWorkerInputs
+from rlhf_core.distributed.reward_trainer import RewardWorkerInputs
 from rlhf_core.distributed.stage import StageRuntime
 
 
 def test_the_worker_settings_pickle_as_typed_objects(tmp_path):
     runtime = StageRuntime("policy", False, str(tmp_path / "a.jsonl"), on_metrics=None,
                            kill_once=KillWorkerOnce(1, 3, tmp_path / "killed"))
-    loop = PolicyLoop(runtime, PolicyConfig(verifiable_reward=None, verifiable_reward_weight=0.0), "sft", None, "out",
+    loop = PolicyWorkerInputs(runtime, PolicyConfig(verifiable_reward=None, verifiable_reward_weight=0.0), "sft", None, "out",
                       ("01+02=",), ("03+04=",), ("007",), score_verifiable=False, nan_at=NanAtStep(0, 2))
     for dumps, loads in ((pickle.dumps, pickle.loads), (ray.cloudpickle.dumps, ray.cloudpickle.loads)):
         back = loads(dumps(loop))
         assert back == loop and isinstance(back.cfg, PolicyConfig) and back.cfg.verifiable_reward is None
     with pytest.raises(AttributeError):
         loop.prompts = ()  # frozen: a worker cannot change what the others were given
-    reward = RewardLoop(runtime, RewardConfig(), "base", "out", train=None, evals=None)
+    reward = RewardWorkerInputs(runtime, RewardConfig(), "base", "out", train=None, evals=None)
     assert pickle.loads(pickle.dumps(reward)) == reward
 
 
