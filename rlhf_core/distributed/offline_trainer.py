@@ -43,16 +43,16 @@ from rlhf_core.algos.losses import logprobs_from_logits
 from rlhf_core.algos.preference import dpo_loss, kto_loss, kto_reference_point, sequence_logprobs
 from rlhf_core.config import PolicyConfig
 from rlhf_core.data.pairs import (
-    DataPosition, TokenizedPairs, collate_pairs, rank_step_indices, response_mask, steps_per_epoch,
+    DataPosition, TokenizedPairs, collate_pairs, response_mask, steps_per_epoch,
     tokenize_policy_pairs, unpaired_examples, with_mismatched,
 )
 from rlhf_core.distributed import deepspeed_engine
-from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
-from rlhf_core.distributed.fault_injection import KillWorkerOnce, kill_if_due
+from rlhf_core.distributed.epochs import run_epochs
+from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult
-from rlhf_core.distributed.stage import StageRuntime, fit_stage, record_attempt, start_worker
-from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
+from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
+from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.eval.accuracy import exact_match, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.logits import logits_from
@@ -225,28 +225,14 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
             learning_rate=d.learning_rate, weight_decay=0.0, use_gpu=runtime.use_gpu),
         lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=d.warmup_steps),
     )
-    saved = resume_latest("policy", {ENGINE_TAG: engine}, rank, world)
-    pos = DataPosition(**saved) if saved is not None else DataPosition()
-    record_attempt(runtime, rank, pos.global_step if saved is not None else None)
-
-    plan, plan_epoch = [], None
-    meter = WorkerMeter(runtime.use_gpu)
     figures = FIGURES[cfg.algorithm]
-    while pos.global_step < total_steps:
-        if plan_epoch != pos.epoch:
-            plan, plan_epoch = rank_step_indices(len(train), cfg.seed, pos.epoch, rank, world, per_rank_batch), pos.epoch
-        indices = plan[pos.step_in_epoch]
-        meter.start()
-        local, step_time = _optimizer_step(engine, reference, train, indices, cfg, meter, world)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (step_time, indices, local, meter.figures(len(indices))))
-        metrics = _step_metrics(gathered, engine, figures, d.batch_size, train.pairs.truncated)
-        pos.advance(steps_epoch, [i for _, idx, _, _ in gathered for i in idx], metrics)
-        if rank == 0:
-            runtime.emit(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
-        kill_if_due(runtime.kill_once, rank, pos.global_step)
-        if pos.global_step % cfg.checkpoint_every == 0 or pos.global_step == total_steps:
-            report_checkpoint("policy", {ENGINE_TAG: engine}, asdict(pos), metrics, rank, world)
+    pos = run_epochs(
+        engine, stage="policy", engine_tag=ENGINE_TAG, runtime=runtime, rank=rank, world=world, seed=cfg.seed,
+        num_rows=len(train), per_rank_batch=per_rank_batch, steps_epoch=steps_epoch, total_steps=total_steps,
+        checkpoint_every=cfg.checkpoint_every,
+        step_fn=lambda indices, meter: _optimizer_step(engine, reference, train, indices, cfg, meter, world),
+        metrics_fn=lambda gathered: _step_metrics(gathered, engine, figures, d.batch_size, train.pairs.truncated),
+    )
 
     state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,20 +34,19 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.algos.losses import bradley_terry_loss, ensemble_bradley_terry_loss
 from rlhf_core.config import RewardConfig
 from rlhf_core.data.pairs import (
-    DataPosition, TokenizedPairs, collate_pairs, rank_step_indices, split_by_prompt, steps_per_epoch, tokenize_pairs,
+    DataPosition, TokenizedPairs, collate_pairs, split_by_prompt, steps_per_epoch, tokenize_pairs,
 )
 from rlhf_core.distributed import deepspeed_engine
-from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
-from rlhf_core.distributed.fault_injection import KillWorkerOnce, kill_if_due
-from rlhf_core.distributed.stage import StageRuntime, fit_stage, record_attempt, start_worker
-from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
+from rlhf_core.distributed.epochs import run_epochs
+from rlhf_core.distributed.fault_injection import KillWorkerOnce
+from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
+from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.models.reward import (
     AUDIT_DIR, member_mean, reward_model_from_base, reward_stats, save_reward_model, score_pairs_members,
 )
@@ -262,28 +261,13 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
         lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=cfg.warmup_steps),
     )
 
-    saved = resume_latest("reward", {ENGINE_TAG: engine}, rank, world)
-    pos = DataPosition(**saved) if saved is not None else DataPosition()
-    record_attempt(runtime, rank, pos.global_step if saved is not None else None)
-
-    plan, plan_epoch = [], None
-    meter = WorkerMeter(runtime.use_gpu)
-    while pos.global_step < total_steps:
-        if plan_epoch != pos.epoch:
-            plan, plan_epoch = rank_step_indices(len(train), cfg.seed, pos.epoch, rank, world, per_rank_batch), pos.epoch
-        indices = plan[pos.step_in_epoch]
-        meter.start()
-        local, step_time = _optimizer_step(engine, train, indices, cfg, meter, loop.weights)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (step_time, indices, local, meter.figures(len(indices))))
-        metrics = _step_metrics(gathered, engine, cfg, train.truncated)
-        pos.advance(steps_epoch, [i for _, idx, _, _ in gathered for i in idx], metrics)
-        if rank == 0:
-            runtime.emit(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
-        kill_if_due(runtime.kill_once, rank, pos.global_step)
-        if pos.global_step % cfg.checkpoint_every == 0 or pos.global_step == total_steps:
-            # the only ray.train.report: see rlhf_core.distributed.stage
-            report_checkpoint("reward", {ENGINE_TAG: engine}, asdict(pos), metrics, rank, world)
+    pos = run_epochs(
+        engine, stage="reward", engine_tag=ENGINE_TAG, runtime=runtime, rank=rank, world=world, seed=cfg.seed,
+        num_rows=len(train), per_rank_batch=per_rank_batch, steps_epoch=steps_epoch, total_steps=total_steps,
+        checkpoint_every=cfg.checkpoint_every,
+        step_fn=lambda indices, meter: _optimizer_step(engine, train, indices, cfg, meter, loop.weights),
+        metrics_fn=lambda gathered: _step_metrics(gathered, engine, cfg, train.truncated),
+    )
 
     state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:

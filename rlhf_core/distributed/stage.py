@@ -159,9 +159,9 @@ def start_worker(runtime: StageRuntime, seed: int, torch_threads: int | None = N
     """DeepSpeed on this worker's accelerator over Ray Train's process group, and the global
     RNGs seeded with `seed`. `torch_threads` caps torch's intra-op threads."""
     if runtime.use_gpu:  # this worker's GPU (Ray Train assigns one per worker) is where DeepSpeed and NCCL work
-        import ray.train.torch  # noqa: PLC0415
+        from ray.train.torch import get_device  # noqa: PLC0415 - an import of `ray` here would shadow the module's
 
-        torch.cuda.set_device(ray.train.torch.get_device())
+        torch.cuda.set_device(get_device())
     deepspeed = import_deepspeed(runtime.use_gpu)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if torch_threads is not None:
