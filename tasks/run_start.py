@@ -17,7 +17,10 @@ from prefect import get_run_logger, task
 from rlhf_core.config import PipelineConfig, load_config
 from rlhf_core.process_owner import owner_gone, this_process
 from tasks.prefect_runs import FLOW_RUN_TAG, DeadRun, crash_flow_runs, flow_run_tags
-from tasks.tracking import OWNER_TAG, PipelineRun, _experiment_id, flatten, git_commit, resolve_tracking_uri, tracking_client
+from tasks.tracking import (
+    OWNER_TAG, PipelineRun, TrackingStoreError, _experiment_id, artifact_refused, check_tracking_server, flatten,
+    git_commit, mlflow_fails_fast, resolve_tracking_uri, tracking_client,
+)
 
 
 def close_abandoned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
@@ -44,10 +47,11 @@ class ResumeRefused(ValueError):
 
 
 def _retry_unless_refused(task, task_run, state) -> bool:
-    """Retry a failed start (a busy tracking store), not a refused resume: that will not change."""
+    """Retry a failed start (a busy tracking store), not a refused resume or a tracking server
+    that is not there or refuses artifacts: those will not change in 2 s."""
     try:
         state.result()
-    except ResumeRefused:
+    except (ResumeRefused, TrackingStoreError):
         return False
     except Exception:  # noqa: BLE001 - any other failure is worth the retry
         return True
@@ -66,6 +70,7 @@ def start_pipeline_run(cfg: PipelineConfig, config_source: str, flow_name: str =
     from prefect.runtime import flow_run
 
     uri = resolve_tracking_uri(cfg)
+    check_tracking_server(uri)  # before MLflow's client, which retries a dead server for minutes
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
     exp_id = _experiment_id(client, cfg.tracking.experiment)
@@ -85,9 +90,23 @@ def start_pipeline_run(cfg: PipelineConfig, config_source: str, flow_name: str =
     )
     resolved = cfg.model_dump(mode="json")
     client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, v[:6000]) for k, v in flatten(resolved).items()])
-    client.log_text(run.info.run_id, yaml.safe_dump(resolved, sort_keys=False), "config.yaml")
+    _first_artifact(client, uri, run, out_dir, yaml.safe_dump(resolved, sort_keys=False))
     client.set_tag(run.info.run_id, "output_dir", str(out_dir))
     return PipelineRun(uri, exp_id, run.info.run_id, out_dir)
+
+
+def _first_artifact(client: MlflowClient, uri: str, run, out_dir: Path, config_yaml: str) -> None:
+    """Log `config.yaml`, the run's first artifact: an artifact store that refuses it fails the
+    start here, with one message naming the server, before any stage trains."""
+    try:
+        with mlflow_fails_fast():
+            client.log_text(run.info.run_id, config_yaml, "config.yaml")
+    except Exception as exc:  # noqa: BLE001 - whatever the store answered, it is the cause to name
+        error = artifact_refused(uri, run.info.artifact_uri, exc)
+        client.set_tag(run.info.run_id, "failure_reason", str(error)[:5000])
+        client.set_terminated(run.info.run_id, "FAILED")
+        release_run_dir(out_dir)
+        raise error from exc
 
 
 def _new_out_dir(parent: Path, name: str) -> Path:
@@ -187,6 +206,7 @@ def recorded_config(cfg: PipelineConfig, run_id: str) -> PipelineConfig:
     """The config run `run_id` (in `cfg`'s tracking store) started with: a resumed run keeps it."""
     import tempfile
 
+    check_tracking_server(resolve_tracking_uri(cfg))
     client = tracking_client(cfg)
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -7,6 +7,7 @@ resuming a pipeline run: `tasks.run_start`; its summary and outcome: `tasks.summ
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +32,74 @@ def resolve_tracking_uri(cfg: PipelineConfig) -> str:
 def tracking_client(cfg: PipelineConfig) -> MlflowClient:
     """A client of the run's tracking store (and its model registry)."""
     return MlflowClient(resolve_tracking_uri(cfg))
+
+
+class TrackingStoreError(RuntimeError):
+    """The tracking server cannot be reached, or its artifact store refuses writes: a setting to
+    fix (the URI, the server's flags or credentials), not a blip that a retry would get past."""
+
+
+PREFLIGHT_TIMEOUT_S = 5  # MLflow's own client retries a dead server for minutes
+
+
+def check_tracking_server(uri: str) -> None:
+    """Raise `TrackingStoreError` naming `uri` unless its `/health` answers 200 within
+    PREFLIGHT_TIMEOUT_S. Only http(s) URIs are checked: a `sqlite:` or `file:` store is local."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    fix = "start it or fix tracking.tracking_uri (or MLFLOW_TRACKING_URI)"
+    try:
+        response = requests.get(f"{uri.rstrip('/')}/health", timeout=PREFLIGHT_TIMEOUT_S)
+    except requests.Timeout:
+        raise TrackingStoreError(f"tracking server {uri} did not answer within {PREFLIGHT_TIMEOUT_S} s: {fix}") from None
+    except requests.RequestException as exc:
+        raise TrackingStoreError(f"tracking server {uri} is not reachable ({_connection_failure(exc)}): {fix}") from None
+    if response.status_code != 200:
+        raise TrackingStoreError(f"tracking server {uri} is not healthy (/health answered {response.status_code}): "
+                                 "see the server's log")
+
+
+def _connection_failure(exc: Exception) -> str:
+    text = str(exc)
+    for needle, reason in (("Connection refused", "connection refused"), ("Name or service not known", "unknown host"),
+                           ("Failed to resolve", "unknown host"), ("No route to host", "no route to host")):
+        if needle in text:
+            return reason
+    return type(exc).__name__
+
+
+@contextmanager
+def mlflow_fails_fast(timeout_s: int = 30):
+    """MLflow's HTTP calls inside the block are not retried: an artifact store that refuses a
+    write answers 500, which MLflow's client otherwise retries with backoff for minutes."""
+    names = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout_s)})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def artifact_refused(uri: str, artifact_uri: str, exc: Exception) -> TrackingStoreError:
+    """The error for a first artifact write that failed: the server, where it tried to write, why."""
+    text = getattr(exc, "message", None) or str(exc)
+    status = re.search(r"too many (\d{3}) error responses|status code (\d{3})", text)
+    if status:  # a proxying server answers 500 without the store's reason: its log has it
+        cause = f"it answered HTTP {status.group(1) or status.group(2)}; the server's log says why"
+    else:
+        cause = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    if uri.startswith(("http://", "https://")):
+        return TrackingStoreError(
+            f"the tracking server {uri} could not store an artifact ({cause}; run artifacts at {artifact_uri}): "
+            "check the server's --artifacts-destination and its credentials")
+    return TrackingStoreError(f"the tracking store {uri} could not store an artifact at {artifact_uri} ({cause})")
 
 
 def git_commit() -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,137 @@ def postgres_server():
         admin.dispose()
         subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+# --- a team's MLflow: a tracking server on PostgreSQL with its artifacts in S3 (moto) ------
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# Clients (not the server) decide whether a file goes in parts and how big the parts are: small
+# here, so that a tiny model's weights take several. Real S3 wants parts of at least 5 MiB; moto
+# is told to take small ones (S3_UPLOAD_PART_MIN_SIZE).
+MULTIPART_ENV = {"MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD": "true",
+                 "MLFLOW_MULTIPART_UPLOAD_MINIMUM_FILE_SIZE": str(64 * 1024),
+                 "MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE": str(32 * 1024)}
+
+
+def _stop_group(proc) -> None:
+    """SIGTERM to the process group `proc` leads (started with start_new_session), then SIGKILL."""
+    import signal
+    import subprocess
+
+    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _wait_for_http(url: str, proc, log: Path, timeout_s: float) -> None:
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    _stop_group(proc)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint: str
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                            region_name=S3_ENV["AWS_DEFAULT_REGION"])
+
+
+@dataclass(frozen=True)
+class TrackingServer:
+    url: str
+    artifacts_destination: str  # s3://bucket/prefix
+    backend_store_uri: str
+    log: Path
+    client_env: dict  # what a client process sets (MULTIPART_ENV); no S3 credentials
+
+
+    @property
+    def bucket(self) -> str:
+        return self.artifacts_destination.removeprefix("s3://").split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        return self.artifacts_destination.removeprefix("s3://").split("/", 1)[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """An S3-compatible server (moto, in its own process) on a loopback port, for the session."""
+    import subprocess
+    import sys
+
+    port = free_ports_(1)[0]
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    env = {**os.environ, **S3_ENV, "S3_UPLOAD_PART_MIN_SIZE": "1024"}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_http(f"http://127.0.0.1:{port}/moto-api/", proc, log, 60)
+        yield S3Server(f"http://127.0.0.1:{port}")
+    finally:
+        _stop_group(proc)
+
+
+@pytest.fixture(scope="session")
+def start_mlflow_server(postgres_server, s3_server, tmp_path_factory):
+    """`start(artifacts_destination)`: an `mlflow server` on loopback with a new PostgreSQL
+    database as its backend store and `artifacts_destination` (s3://bucket/prefix on
+    `s3_server`) as its artifact store, proxied (`--serve-artifacts`: clients need no S3
+    credentials); ready once /health answers. Every server started is stopped at the end."""
+    import subprocess
+    import sys
+
+    started = []
+
+    def start(artifacts_destination: str) -> TrackingServer:
+        port = free_ports_(1)[0]
+        log = tmp_path_factory.mktemp("mlflow-server") / "server.log"
+        backend = postgres_server()
+        env = {**os.environ, **S3_ENV, **MULTIPART_ENV, "MLFLOW_S3_ENDPOINT_URL": s3_server.endpoint}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", backend, "--artifacts-destination", artifacts_destination, "--serve-artifacts"],
+            env=env, cwd=log.parent, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(proc)
+        _wait_for_http(f"http://127.0.0.1:{port}/health", proc, log, 180)
+        return TrackingServer(f"http://127.0.0.1:{port}", artifacts_destination, backend, log, dict(MULTIPART_ENV))
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            _stop_group(proc)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(start_mlflow_server, s3_server) -> TrackingServer:
+    """The session's shared tracking server: PostgreSQL, artifacts in s3://rlhf-mlflow/mlflow."""
+    s3_server.client().create_bucket(Bucket="rlhf-mlflow")
+    return start_mlflow_server("s3://rlhf-mlflow/mlflow")

@@ -331,6 +331,7 @@ def test_every_secret_used_is_documented_with_its_key():
             used.setdefault(name, set()).add(key)
     assert used == {name: set(keys) for name, keys in documented.items()}
     assert used == {"rlhf-serving": {"api-key"}, "rlhf-receiver-token": {"receiver-token"},
+                    "rlhf-mlflow": {"backend-store-uri", "aws-access-key-id", "aws-secret-access-key"},
                     "rlhf-feedback": {"store-url", "user-salt"},
                     "rlhf-gateway-auth": {"user-signing-secret", "admin-key"}}
 
