@@ -113,10 +113,14 @@ def median(xs: list[float]) -> float:
 
 
 def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    return write_json(RESULTS / f"{name}.json", {"machine": machine(), **payload})
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    """`payload` as indented JSON at `path`, written atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import platform
@@ -50,26 +49,19 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from bench.common import write_json  # noqa: E402 - torch only: the machine's vLLM is asked for in save(), not here
+
 try:
     from rlhf_core.config import PolicyConfig
     from rlhf_core.models.placement import frozen_on
     from rlhf_core.training.ppo_step import (
-        PolicyBatch,
-        TorchBackwardAndStep,
-        algorithm_spec,
-        batched_logprobs,
-        build_batch,
-        compute_advantages,
-        old_logprobs_from_update,
-        rollout_metrics,
-        token_rewards,
-        update_minibatches,
+        PolicyBatch, TorchBackwardAndStep, algorithm_spec, batched_logprobs, build_batch, compute_advantages,
+        old_logprobs_from_update, rollout_metrics, token_rewards, update_minibatches,
     )
     from rlhf_core.training.precision import computing_in, resolve_precision
 except ModuleNotFoundError as missing:  # a GPU machine has no pydantic unless it is carried along
-    print(f"gpu_check: the module {missing.name!r} is missing. rlhf_core's configs need pydantic: carry the wheels "
-          "of pydantic, pydantic-core, annotated-types, typing-inspection and typing-extensions "
-          "(docs/performance-notes.md)",
+    print(f"gpu_check: the module {missing.name!r} is missing. rlhf_core's configs need pydantic: carry the wheels of "
+          "pydantic, pydantic-core, annotated-types, typing-inspection and typing-extensions (docs/performance-notes.md)",
           file=sys.stderr)
     sys.exit(2)
 
@@ -342,13 +334,6 @@ def machine(device: torch.device) -> dict:
         props = torch.cuda.get_device_properties(device)
         info |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda}
     return info
-
-
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def main() -> int:
