@@ -74,6 +74,9 @@ def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | N
         needs_chat_template=False,  # the data stage knows whether the data is conversational
         workers=workers, with_critic=cfg.policy.algorithm == "ppo",
         memory_bytes=memory.total, available_bytes=memory.available, reward=cfg.reward, trains_here=here,
+        # the engine's context is the longest prompt plus a response; the reward model's max_length bounds it
+        engine_sequences=cfg.policy.rollouts_per_step,
+        engine_tokens=min(info.context_length or cfg.reward.max_length, cfg.reward.max_length + cfg.policy.max_new_tokens),
     )
     if problems:
         raise PretrainedError("\n".join(problems))

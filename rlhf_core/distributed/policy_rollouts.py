@@ -36,13 +36,24 @@ class Sample:
     logprobs: list[float]
 
 
-def start_engine(w: PolicyWorker, max_model_len: int):
-    """Rank 0: the vLLM engine, started from the SFT policy."""
+def start_engine(w: PolicyWorker):
+    """Rank 0: the vLLM engine, started from the SFT policy, its context (and so, on CPU, its
+    KV cache) sized for the longest prompt it will be given plus a response."""
     from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415  (rank 0 only)
 
     cfg = w.cfg
+    context = engine_context([len(ids) for ids in w.tokenizer([*w.loop.prompts, *w.loop.eval_prompts])["input_ids"]],
+                             cfg.max_new_tokens, w.actor.module.config.max_position_embeddings)
     return RolloutEngine(w.loop.sft_dir, dtype="float32", seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step,
-                         max_model_len=max_model_len)
+                         max_model_len=context)
+
+
+def engine_context(prompt_tokens: list[int], max_new_tokens: int, model_context: int) -> int:
+    """The engine's `max_model_len`: the longest of the prompts it generates from (training,
+    rounds and held-out prompts, `prompt_tokens` of each as the engine tokenises it) plus
+    `max_new_tokens`, never more than the model's own context. A model's context (8,192 tokens
+    for SmolLM2) would size a CPU KV cache for sequences 50-100 times longer than a run's."""
+    return min(model_context, max(prompt_tokens, default=0) + max_new_tokens)
 
 
 def generate(w: PolicyWorker, indices: list[int], step: int) -> list[list[Sample]]:

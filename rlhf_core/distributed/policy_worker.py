@@ -87,7 +87,7 @@ def train_loop(loop: PolicyWorkerInputs) -> dict[str, Any] | None:
         state_dict = policy_weights(w)
     try:
         if w.rank == 0:
-            w.engine = rollouts.start_engine(w, w.actor.module.config.max_position_embeddings)
+            w.engine = rollouts.start_engine(w)
             if saved is not None:
                 w.engine.sync_weights(state_dict)
             if not state.evaluations:

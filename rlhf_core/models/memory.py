@@ -48,6 +48,20 @@ class MachineMemory:
                 f"({gib(self.total - self.available)} GiB already in use)")
 
 
+KV_BLOCK_TOKENS = 128  # vLLM's CPU block size: a sequence's cache is whole blocks
+
+
+def kv_cache_blocks(sequences: int, tokens: int) -> int:
+    """Blocks of KV_BLOCK_TOKENS that hold `sequences` sequences of `tokens` tokens, plus the one
+    block vLLM keeps back."""
+    return sequences * -(-tokens // KV_BLOCK_TOKENS) + 1
+
+
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 4) -> int:
+    """One KV-cache block: keys and values of KV_BLOCK_TOKENS tokens in every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * KV_BLOCK_TOKENS
+
+
 def activation_bytes(tokens: int, num_layers: int, hidden_size: int) -> int:
     """Activations one forward pass over `tokens` tokens keeps for its backward pass (fp32)."""
     return tokens * num_layers * hidden_size * ACTIVATION_BYTES

@@ -26,6 +26,8 @@ from rlhf_core.models.memory import (
     ENGINE_OVERHEAD,
     WORKER_OVERHEAD,
     MachineMemory,
+    kv_block_bytes,
+    kv_cache_blocks,
     memory_refusal,
     reward_stage_bytes,
     ways_to_use_less,
@@ -121,17 +123,18 @@ def count_parameters(path: Path, where: str = "model.pretrained") -> int:
     return total
 
 
-def training_bytes(num_parameters: int, *, workers: int, with_critic: bool, reward_parameters: int) -> int:
+def training_bytes(num_parameters: int, *, workers: int, with_critic: bool, reward_parameters: int,
+                   kv_cache: int = 0) -> int:
     """An estimate of the policy stage's resident bytes, fp32 with AdamW, ZeRO stage 1-2.
 
     Each worker holds the actor's weights, gradients and ZeRO's gradient buffers (12 bytes a
     parameter), a frozen reference (4) and its shard of the optimizer's two moments (8 / workers);
     the critic, when there is one, costs the same as the actor again; each worker also holds
     the reward model (4 a parameter), plus `WORKER_OVERHEAD`. The rollout engine holds one more
-    copy of the actor (4) plus `ENGINE_OVERHEAD`."""
+    copy of the actor (4), its KV cache (`kv_cache` bytes) and `ENGINE_OVERHEAD`."""
     actor = num_parameters * (16 * workers + 8)
     critic = num_parameters * (12 * workers + 8) if with_critic else 0
-    engine = num_parameters * 4 + ENGINE_OVERHEAD
+    engine = num_parameters * 4 + kv_cache + ENGINE_OVERHEAD
     return actor + critic + reward_parameters * 4 * workers + workers * WORKER_OVERHEAD + engine
 
 
@@ -148,6 +151,8 @@ def preflight(
     reward: RewardConfig | None = None,
     where: str = "model.pretrained",
     trains_here: bool = True,
+    engine_sequences: int = 0,
+    engine_tokens: int = 0,
 ) -> list[str]:
     """Every reason the run cannot use this model, each with the fix; empty when it can.
 
@@ -156,7 +161,8 @@ def preflight(
     `reward` is given, are compared with what a stage can use (`MachineMemory.usable`); without
     it, the policy stage's with 80% of the total. The estimates are of training on this
     machine's CPUs: with `trains_here` false (the stages run on GPUs, or on another cluster)
-    they are not compared with this machine's memory."""
+    they are not compared with this machine's memory. The rollout engine's KV cache holds
+    `engine_sequences` sequences of `engine_tokens` tokens (vLLM's CPU sizing)."""
     problems = []
     if info.context_length is not None and max_total_tokens > info.context_length:
         problems.append(f"{where}: prompts and responses take up to {max_total_tokens} tokens but the model's context is "
@@ -167,8 +173,11 @@ def preflight(
     if needs_chat_template and not info.has_chat_template:
         problems.append(f"{where}: the data is conversational but {info.path} has no chat template; set "
                         "`model.chat_template` or add chat_template.jinja to the directory")
+    kv_cache = (kv_cache_blocks(engine_sequences, engine_tokens) * kv_block_bytes(info.num_layers, info.num_kv_heads,
+                                                                                  info.head_dim)
+                if engine_sequences else 0)
     need = training_bytes(info.num_parameters, workers=workers, with_critic=with_critic,
-                          reward_parameters=info.num_parameters)
+                          reward_parameters=info.num_parameters, kv_cache=kv_cache)
     if not trains_here:
         return problems
     if available_bytes is not None:

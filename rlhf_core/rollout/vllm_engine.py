@@ -61,7 +61,6 @@ engine must do so under `if __name__ == "__main__":`. Always `close()` the engin
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -75,12 +74,13 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.platforms import current_platform
 
+from rlhf_core.models.memory import KV_BLOCK_TOKENS, kv_block_bytes, kv_cache_blocks
 from rlhf_core.rng import rng_state, set_rng_state
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransport
 
 EXTENSION = "rlhf_core.rollout.weight_sync.WeightSyncExtension"
 GiB = 1 << 30
-CPU_BLOCK_SIZE = 128  # vLLM's CPU default, stated so the block count below uses the same size
+CPU_BLOCK_SIZE = KV_BLOCK_TOKENS  # vLLM's CPU default, stated so the block count uses the same size
 CPU_PREFILL_TOKENS = 4096  # vLLM's CPU default token budget of a scheduler step
 
 
@@ -147,11 +147,10 @@ def cpu_kv_cache(model_dir: Path, max_num_seqs: int, max_model_len: int | None) 
     CPU_BLOCK_SIZE tokens. The block count is what vLLM allocates; the byte size only marks
     the cache as sized, which skips vLLM's warm-up pass in eager mode."""
     config = json.loads((model_dir / "config.json").read_text())
-    tokens = context_length(model_dir, max_model_len)
-    blocks = max_num_seqs * math.ceil(tokens / CPU_BLOCK_SIZE) + 1  # + the block vLLM keeps back
+    blocks = kv_cache_blocks(max_num_seqs, context_length(model_dir, max_model_len))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    block_bytes = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4 * CPU_BLOCK_SIZE  # K and V
+    block_bytes = kv_block_bytes(config["num_hidden_layers"], kv_heads, head_dim)
     return {"block_size": CPU_BLOCK_SIZE, "num_gpu_blocks_override": blocks, "kv_cache_memory_bytes": blocks * block_bytes}
 
 

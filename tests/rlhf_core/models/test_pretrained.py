@@ -120,3 +120,22 @@ def test_preflight_compares_the_estimates_with_the_available_memory(tmp_path, ma
     assert preflight(info, **ok, available_bytes=2 * 2**30, trains_here=False) == []
     assert preflight(info, **{**ok, "memory_bytes": 2**20}, trains_here=False) == []
     assert preflight(info, **{**ok, "max_total_tokens": 10**6}, trains_here=False)  # the other checks still hold
+
+
+def test_the_preflight_counts_the_engines_kv_cache(tmp_path, make_pretrained):
+    """The engine's KV cache is in the policy stage's estimate: sized for the model's context a
+    cache can be what refuses a run that fits at the run's own lengths."""
+    from rlhf_core.models.memory import kv_block_bytes, kv_cache_blocks
+
+    path, _ = make_pretrained(tmp_path, "llama")
+    info = inspect_pretrained(path)
+    ok = dict(max_total_tokens=64, supported_head_sizes=None, needs_chat_template=False, workers=2,
+              with_critic=False, memory_bytes=24 * 2**30)
+    base = training_bytes(info.num_parameters, workers=2, with_critic=False, reward_parameters=info.num_parameters)
+    kv = kv_cache_blocks(64, 128) * kv_block_bytes(info.num_layers, info.num_kv_heads, info.head_dim)
+    assert training_bytes(info.num_parameters, workers=2, with_critic=False, reward_parameters=info.num_parameters,
+                          kv_cache=kv) == base + kv
+    machine = dict(available_bytes=base + kv + 2 * 2**30)  # room for the estimate, and Ray's 5% of 24 GiB
+    assert preflight(info, **ok, **machine, engine_sequences=64, engine_tokens=128) == []
+    huge = preflight(info, **ok, **machine, engine_sequences=64 * 1024, engine_tokens=128)
+    assert len(huge) == 1 and "the policy stage" in huge[0]

@@ -33,3 +33,21 @@ def test_one_block_count_per_sequence_of_max_model_len(model_dir, seqs, tokens, 
 def test_grouped_query_attention_counts_kv_heads_only(model_dir):
     (model_dir / "config.json").write_text(json.dumps({**LLAMA_25M, "num_key_value_heads": 2, "head_dim": 32}))
     assert cpu_kv_cache(model_dir, 1, 80)["kv_cache_memory_bytes"] == 2 * (2 * 8 * 2 * 32 * 4 * 128)
+
+
+def test_the_policy_engine_holds_the_runs_sequences_not_the_models_context():
+    """The rollout engine's context is the longest prompt plus a response, capped by the model's:
+    at SmolLM2-135M's shape (30 layers, 3 KV heads of 64) and 64 sequences its KV cache is 366 MiB
+    instead of the 22.5 GiB its 8,192-token context would size."""
+    from rlhf_core.distributed.policy_rollouts import engine_context
+    from rlhf_core.models.memory import kv_block_bytes, kv_cache_blocks
+
+    assert engine_context([12, 40, 7], max_new_tokens=64, model_context=8192) == 104
+    assert engine_context([12, 40, 7], max_new_tokens=64, model_context=96) == 96
+    assert engine_context([], max_new_tokens=8, model_context=80) == 8
+    smollm2 = kv_block_bytes(num_layers=30, num_kv_heads=3, head_dim=64)
+    assert smollm2 == 2 * 30 * 3 * 64 * 4 * 128
+    run = kv_cache_blocks(64, engine_context([40], 64, 8192)) * smollm2
+    model = kv_cache_blocks(64, 8192) * smollm2
+    assert run == 65 * smollm2 and run / 2**20 == pytest.approx(365.625)
+    assert model == (64 * 64 + 1) * smollm2 and model / 2**30 == pytest.approx(22.5, rel=1e-3)
