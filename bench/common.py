@@ -70,7 +70,8 @@ def defences_off(cfg, answer_key: bool = False):
     policy = cfg.policy.model_copy(update={
         "kl_coef": 0.02, "shaping": RewardShapingConfig(), "rounds": RoundsConfig(),
         "grpo": cfg.policy.grpo.model_copy(update={"scale_by_std": True}),
-        **({"reward_model_weight": 0.25, "verifiable_reward_weight": 1.0} if answer_key else {})})
+        **({"reward_model_weight": 0.25, "verifiable_reward_weight": 1.0,
+            "verifiable_reward": "addition_exact_match"} if answer_key else {})})
     return cfg.model_copy(update={"reward": reward, "policy": policy})
 
 

@@ -58,6 +58,7 @@ def ours(model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path
         grpo={"group_size": GROUP},
         max_new_tokens=tokens, epochs_per_step=1, minibatch_size=PROMPTS_PER_STEP * GROUP, micro_batch_size=64,
         learning_rate=LR, kl_coef=KL, reward_model_weight=0.0, verifiable_reward_weight=1.0,
+        verifiable_reward="addition_exact_match",
         eval_every=steps, checkpoint_every=steps, kl_bound=1e6,
     )
     eval_prompts = prompts[:8]

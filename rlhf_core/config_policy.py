@@ -216,18 +216,18 @@ class PolicyConfig(_Strict):
     entropy_coef: float = Field(0.0, ge=0, description='Weight of the entropy bonus.')
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description='How token losses are averaged into the batch loss.')
-    # On the demo the reward model alone is exploited: its score rises while exact match falls.
-    # The verifiable reward carries the gain; the RM term stays, small, as the RLHF signal a
-    # real task would weight up.
-    reward_model_weight: float = Field(0.25, ge=0, description="Weight of the reward model's score in the reward.")
-    verifiable_reward_weight: float = Field(1.0, ge=0,
+    # By default the reward is the reward model alone, which is what RLHF on preference data
+    # means; a task with checkable answers can add (or use only) a verifiable reward.
+    reward_model_weight: float = Field(1.0, ge=0, description="Weight of the reward model's score in the reward.")
+    verifiable_reward_weight: float = Field(0.0, ge=0,
         description='Weight of the verifiable reward (exact answer); needs prompts the verifier can parse.')
     verifiable_reward: str | None = Field(
-        "addition_exact_match",
-        description="The verifiable reward: a name registered in rlhf_core.training.verifiable."
-        "VERIFIABLE_REWARDS (the demo's is addition_exact_match) or module:function, a function "
-        "(prompts, responses) -> tensor of 0/1 per response; null for none (then "
-        "verifiable_reward_weight must be 0).",
+        None,
+        description="The task's answer checker: a name registered in rlhf_core.training.verifiable."
+        "VERIFIABLE_REWARDS (the demo's is addition_exact_match; answer_exact_match checks an "
+        "`answer` column) or module:function, a function (prompts, responses) -> tensor of 0/1 per "
+        "response. It is in the reward with verifiable_reward_weight > 0; at weight 0 it only "
+        "measures, and labels for rounds.annotator simulated. null: none (the weight must be 0).",
     )
     eval_every: int = Field(10, ge=1, description='RL steps between held-out evaluations.')
     checkpoint_every: int = Field(10, ge=1, description='RL steps between checkpoints.')

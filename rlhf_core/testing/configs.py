@@ -25,6 +25,7 @@ def tiny_config_dict(tmp: Path) -> dict:
                    "max_new_tokens": 4,
                    "minibatch_size": 32, "micro_batch_size": 32, "eval_every": 2, "checkpoint_every": 2,
                    "min_accuracy_gain": 0.0, "reward_model_weight": 0.25, "verifiable_reward_weight": 1.0,
+                   "verifiable_reward": "addition_exact_match",
                    "kl_coef": 0.02, "shaping": {"aggregate": "mean", "bounded": False, "length_penalty": 0.0},
                    "rounds": {"enabled": False, "every": 10, "prompts": 64, "learning_rate": 1e-4},
                    "grpo": {"group_size": 4, "scale_by_std": True}},

@@ -83,11 +83,10 @@ def test_simulated_rounds_need_an_answer_key_and_a_judge_needs_its_endpoint():
     from rlhf_core.config import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match="answer key"):
-        parse_config({"policy": {"verifiable_reward": None, "verifiable_reward_weight": 0,
-                                 "rounds": {"enabled": True}}})
+        parse_config({"policy": {"rounds": {"enabled": True}}})  # the defaults name no answer key
     with pytest.raises(ConfigError, match="judge.base_url"):
         parse_config({"policy": {"rounds": {"enabled": True, "annotator": "llm_judge"}}})
     with pytest.raises(ConfigError, match=r"\{prompt\}"):
         parse_config({"policy": {"rounds": {"judge": {"template": "no fields"}}}})
-    ok = parse_config({"policy": {"verifiable_reward_weight": 0, "rounds": {"enabled": True}}})
+    ok = parse_config({"policy": {"verifiable_reward": "addition_exact_match", "rounds": {"enabled": True}}})
     assert ok.policy.rounds.annotator == "simulated" and ok.policy.verifiable_reward == "addition_exact_match"

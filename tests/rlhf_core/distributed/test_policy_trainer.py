@@ -44,6 +44,7 @@ CFG = PolicyConfig(
     learning_rate=3e-4,
     reward_model_weight=0.5,
     verifiable_reward_weight=1.0,
+    verifiable_reward="addition_exact_match",
     eval_every=2,
     checkpoint_every=2,
     max_failures=1,

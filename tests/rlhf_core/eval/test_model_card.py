@@ -164,7 +164,8 @@ def test_a_first_version_without_champion_intervals_or_suites_renders():
 
 
 def test_the_settings_a_reviewer_needs_are_listed_by_their_config_path():
-    _, body = split(card(policy=PolicyConfig(algorithm="grpo", learning_rate=1e-4, steps=30, kl_coef=0.02)))
+    _, body = split(card(policy=PolicyConfig(algorithm="grpo", learning_rate=1e-4, steps=30, kl_coef=0.02,
+                                            verifiable_reward="addition_exact_match")))
     for path, value in [("policy.algorithm", "grpo"), ("policy.learning_rate", "0.0001"), ("policy.steps", "30"),
                         ("policy.kl_coef", "0.02"), ("policy.grpo.group_size", "8"),
                         ("policy.verifiable_reward", "addition_exact_match")]:

@@ -64,8 +64,15 @@ def _policy_config_problems(policy: dict) -> list[str]:
     return exc.value.problems
 
 
+def test_the_default_reward_is_the_reward_model_alone():
+    """The defaults describe no task: a user's run learns from its reward model and no answer
+    checker of the demo's is switched on behind its back."""
+    cfg = PolicyConfig()
+    assert (cfg.reward_model_weight, cfg.verifiable_reward_weight, cfg.verifiable_reward) == (1.0, 0.0, None)
+
+
 def test_policy_config_names_its_verifiable_reward():
-    assert PolicyConfig().verifiable_reward == "addition_exact_match"  # the demo's
+    assert PolicyConfig(verifiable_reward="addition_exact_match").verifiable_reward == "addition_exact_match"
     assert PolicyConfig(verifiable_reward="rlhf_core.data.demo_task:addition_exact_match").verifiable_reward
     assert PolicyConfig(verifiable_reward=None, verifiable_reward_weight=0.0).verifiable_reward is None
     [problem] = _policy_config_problems({"verifiable_reward": "regex"})
@@ -73,7 +80,7 @@ def test_policy_config_names_its_verifiable_reward():
                               "addition_exact_match"), problem
     [problem] = _policy_config_problems({"verifiable_reward": "no_such_module_xyz:f"})
     assert problem.startswith("policy.verifiable_reward: verifiable reward 'no_such_module_xyz:f' cannot be imported")
-    [problem] = _policy_config_problems({"verifiable_reward": None})  # the default weight is 1.0
+    [problem] = _policy_config_problems({"verifiable_reward": None, "verifiable_reward_weight": 1.0})
     assert problem.startswith("policy: verifiable_reward is null but verifiable_reward_weight is 1.0"), problem
 
 
