@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rlhf_core.training.verifiable import check_verifiable_reward
 
 
 class _Strict(BaseModel):
@@ -60,7 +62,17 @@ class DataConfig(_Strict):
         "reject", description="A prompt of prompts_path or eval_path whose rendered tokens plus "
         "policy.max_new_tokens exceed the model's context: fail naming the rows (reject) or leave it out (drop). "
         "Pairs longer than reward.max_length follow reward.on_overlength.")
+    answer_checker: str | None = Field(
+        None, description="How held-out accuracy judges an answer against the eval set's `answer`: null, the "
+        "exact text (white space stripped); or a checker registered in rlhf_core.training.verifiable."
+        "VERIFIABLE_REWARDS (last_number_match: the last number in a sentence) or module:function.")
     demo: DemoDataConfig = DemoDataConfig()
+
+    @field_validator("answer_checker")
+    @classmethod
+    def _checker_resolves(cls, name: str | None) -> str | None:
+        check_verifiable_reward(name)  # raises ValueError naming the registered ones
+        return name
 
     @model_validator(mode="after")
     def _eval_needs_preferences(self) -> "DataConfig":
@@ -116,6 +128,12 @@ class ModelConfig(_Strict):
         "Std of the initial weights (Hugging Face's initializer_range). At 0.02 a tiny model's attention "
         "starts near uniform and escapes that saddle at a step that moves with the seed and the CPU; a "
         "larger scale escapes it early."))
+
+    @field_validator("pretrained")
+    @classmethod
+    def _home_expanded(cls, source: str | None) -> str | None:
+        """`~/models/x` is the user's directory, as a shell would read it; a hub id is kept as written."""
+        return str(Path(source).expanduser()) if source is not None and source.startswith("~") else source
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":

@@ -128,6 +128,7 @@ def optimise_policy(
                         answers=prompt_answers(data),
                         replay_pairs=read_table(data.paths.preferences).to_dict("records"),
                         validation=cfg.validation,
+                        answer_checker=cfg.data.answer_checker,
                     )
         except CircuitBreakerTripped as exc:
             for key, value in {"circuit_breaker.reason": exc.trip.reason, "circuit_breaker.step": exc.trip.step,
@@ -177,4 +178,4 @@ def _train_offline(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, r
             exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
         return train_offline(train, held_out, prompts, answers or [], base.path, cfg.policy,
                              out_dir=run.out_dir / "models" / "policy", storage_path=run.out_dir / "ray",
-                             on_metrics=on_metrics, run_name="policy")
+                             on_metrics=on_metrics, run_name="policy", answer_checker=cfg.data.answer_checker)

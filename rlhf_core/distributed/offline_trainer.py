@@ -53,7 +53,7 @@ from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult
 from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter
-from rlhf_core.eval.accuracy import exact_match, greedy_completions
+from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.logits import logits_from
 from rlhf_core.models.lora import load_policy_for_training, merged_policy, reference_view
@@ -97,6 +97,7 @@ class OfflineWorkerInputs:
     evals: ray.ObjectRef  # the held-out Rows, or None
     eval_prompts: tuple[str, ...]
     eval_answers: tuple[str, ...]
+    answer_checker: str | None = None  # data.answer_checker: how accuracy judges an answer (None: exact text)
 
 
 def train_offline(
@@ -111,11 +112,13 @@ def train_offline(
     on_metrics: MetricsCallback | None = None,
     run_name: str = "policy",
     *,
+    answer_checker: str | None = None,
     _kill_once: KillWorkerOnce | None = None,
 ) -> PolicyTrainResult:
     """Train the SFT policy in `sft_dir` with `cfg.algorithm` (dpo, kto) on `train_rows`, report
     the loss's figures on `eval_rows` and held-out accuracy on `eval_prompts` / `eval_answers`
-    (no answers: none measured), and save the policy to `out_dir`.
+    (no answers: none measured; judged by `answer_checker`, None: the exact text), and save the
+    policy to `out_dir`.
 
     Rows are preference pairs (`prompt`, `chosen`, `rejected`, optional `id`); for KTO they may
     instead be labelled answers (`prompt`, `completion`, `desirable`), and pairs are unpaired
@@ -141,7 +144,7 @@ def train_offline(
 
     def loop_for(runtime: StageRuntime) -> OfflineWorkerInputs:
         return OfflineWorkerInputs(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(out_dir).resolve()), ray.put(train),
-                           ray.put(evals), tuple(eval_prompts), tuple(eval_answers))
+                           ray.put(evals), tuple(eval_prompts), tuple(eval_answers), answer_checker)
 
     run = fit_stage(
         "policy", loop_for, _train_loop, on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers,
@@ -333,8 +336,8 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: Off
     before = after = None
     if loop.eval_answers:
         prompts, answers = list(loop.eval_prompts), list(loop.eval_answers)
-        before = exact_match(greedy_completions(reference, tokenizer, prompts, cfg.max_new_tokens, EVAL_BATCH), answers)
-        after = exact_match(greedy_completions(model, tokenizer, prompts, cfg.max_new_tokens, EVAL_BATCH), answers)
+        before, after = (answer_accuracy(prompts, greedy_completions(m, tokenizer, prompts, cfg.max_new_tokens, EVAL_BATCH),
+                                         answers, loop.answer_checker) for m in (reference, model))
     held_out: dict[str, float] = {}
     evals: Rows | None = ray.get(loop.evals)
     if evals is not None:

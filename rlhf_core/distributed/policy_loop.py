@@ -32,6 +32,7 @@ class PolicyWorkerInputs:
     validation: ValidationConfig = ValidationConfig()  # the data contract new pairs pass
     nan_at: NanAtStep | None = None  # fault injection (tests)
     check_sync: bool = False  # compare the engine's greedy answers with the trainer's (tests)
+    answer_checker: str | None = None  # data.answer_checker: how accuracy judges an answer (None: exact text)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from rlhf_core.distributed.policy_loop import PolicyWorker
-from rlhf_core.eval.accuracy import exact_match, greedy_completions
+from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import normalise, score
 from rlhf_core.rng import derive_seed
@@ -146,7 +146,7 @@ def evaluate(w: PolicyWorker, step: int) -> dict[str, float]:
     responses = [r.response_text for r in w.engine.generate(prompts, n=1, temperature=0.0, max_tokens=w.cfg.max_new_tokens)]
     out: dict[str, float] = {"step": step}
     if answers:
-        out["eval/accuracy"] = exact_match(responses, answers)
+        out["eval/accuracy"] = answer_accuracy(prompts, responses, answers, w.loop.answer_checker)
     if w.reward_model is not None:
         raw = score(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)
         out["eval/rm_score"] = normalise(raw, w.rm_stats).mean().item()

@@ -87,6 +87,7 @@ def train_policy(
     replay_pairs: Sequence[Mapping[str, str]] = (),
     queue_dir: Path | None = None,
     validation: ValidationConfig | None = None,
+    answer_checker: str | None = None,
     _kill_once: KillWorkerOnce | None = None,
     _nan_at: NanAtStep | None = None,
     _check_sync: bool = False,
@@ -97,7 +98,8 @@ def train_policy(
     reward that checks against them (`rlhf_core.training.verifiable.answer_exact_match`).
     With `cfg.rounds` on, preference rounds replay `replay_pairs` (the reward model's training
     pairs), pass new pairs through the `validation` contract and, for the queue annotator,
-    use `queue_dir` (default: `out_dir`'s sibling `labelling-queue`).
+    use `queue_dir` (default: `out_dir`'s sibling `labelling-queue`). Held-out accuracy judges
+    `eval_answers` with `answer_checker` (`data.answer_checker`; None: the exact text).
 
     Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
     already holds a run is resumed. `on_metrics(step, {"policy/...": v})` runs on rank 0 and
@@ -117,7 +119,7 @@ def train_policy(
             answers=tuple(answers.items()),
             replay_pairs=tuple({k: r[k] for k in ("prompt", "chosen", "rejected")} for r in replay_pairs),
             queue_dir=str(Path(queue_dir or cfg.rounds.queue_dir or Path(out_dir).parent / "labelling-queue").resolve()),
-            validation=validation or ValidationConfig(),
+            validation=validation or ValidationConfig(), answer_checker=answer_checker,
         )
 
     run = fit_stage(

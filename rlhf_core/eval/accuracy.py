@@ -1,10 +1,13 @@
-"""Held-out exact-match accuracy for tasks with a verifiable answer."""
+"""Held-out accuracy for tasks with a verifiable answer: the exact answer text, or a checker
+(`data.answer_checker`) that finds the answer in a sentence."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedTokenizerFast
+
+from rlhf_core.training.verifiable import check_answers
 
 
 @torch.no_grad()
@@ -32,10 +35,10 @@ def greedy_completions(
     return out
 
 
-def exact_match(predictions: Sequence[str], answers: Sequence[str]) -> float:
-    """Share of predictions equal to the answer after stripping surrounding white space."""
-    if len(predictions) != len(answers):
-        raise ValueError(f"{len(predictions)} predictions for {len(answers)} answers")
+def answer_accuracy(prompts: Sequence[str], predictions: Sequence[str], answers: Sequence[str],
+                    checker: str | None = None) -> float:
+    """Share of rows `rlhf_core.training.verifiable.check_answers` accepts."""
     if not answers:
         raise ValueError("no answers to score")
-    return sum(p.strip() == a.strip() for p, a in zip(predictions, answers)) / len(answers)
+    right = check_answers(prompts, predictions, answers, checker)
+    return sum(right) / len(right)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from rlhf_core.eval.accuracy import exact_match, greedy_completions
+from rlhf_core.eval.accuracy import greedy_completions
 from rlhf_core.eval.confidence import Interval, bootstrap_interval, differences, proxy_audit_gaps, win_outcomes
 from rlhf_core.eval.gates import EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
@@ -37,6 +37,7 @@ from rlhf_core.eval.regression import RegressionSuite, correct
 from rlhf_core.models.logits import logits_from
 from rlhf_core.models.reward import RewardStats, audit_model_dir, load_reward_model, normalise, score
 from rlhf_core.rollout.hf_reference import right_padded
+from rlhf_core.training.verifiable import check_answers
 
 
 @dataclass(frozen=True)
@@ -280,10 +281,12 @@ def evaluate(
     confidence: float | None = None,
     bootstrap_samples: int = 2000,
     suites: Sequence[RegressionSuite] = (),
+    checker: str | None = None,
 ) -> EvalResult:
     """Answer `prompts` with every policy and compute each one's `EvalFigures`.
 
-    `answers` (one per prompt) enable accuracy; without them accuracy is None. The
+    `answers` (one per prompt) enable accuracy, judged by `checker` (`data.answer_checker`:
+    None is the exact text); without them accuracy is None. The
     reference's win rate against itself is 0.5 and its KL 0 by definition. The champion's
     KL is NaN when its vocabulary differs from the reference's (it is not gated). `audit`, a
     reward model the policy never trained against, scores the same answers for the audit
@@ -302,9 +305,9 @@ def evaluate(
     outputs = {p.name: answer(p, prompts, max_new_tokens) for p in policies}
     scores = _scored(scorer, prompts, outputs)
     audit_scores = _scored(audit, prompts, outputs) if audit is not None else None
-    paired = _Paired(scores, audit_scores, None if answers is None else {
-        name: [p.strip() == a.strip() for p, a in zip(out.texts, answers)] for name, out in outputs.items()},
-        reference.name, confidence, bootstrap_samples, seed)
+    right = None if answers is None else {
+        name: check_answers(prompts, out.texts, answers, checker) for name, out in outputs.items()}
+    paired = _Paired(scores, audit_scores, right, reference.name, confidence, bootstrap_samples, seed)
     regression = suite_figures(policies, reference, champion, suites, max_new_tokens, paired.interval)
     ref_length = response_length_stats(outputs[reference.name].texts)["mean"]
 
@@ -315,7 +318,7 @@ def evaluate(
             **paired.versus(policy.name, reference.name, "reference"),
             **paired.audit(policy.name),
             **({} if champion is None else paired.versus(policy.name, champion.name, "champion")),
-            accuracy=None if answers is None else exact_match(out.texts, answers),
+            accuracy=None if right is None else sum(right[policy.name]) / len(prompts),
             rm_score_mean=sum(scores[policy.name]) / len(prompts),
             win_rate_vs_reference=win_rate(scores[policy.name], scores[reference.name]),
             win_rate_vs_champion=None if champion is None else win_rate(scores[policy.name], scores[champion.name]),

@@ -1,6 +1,6 @@
 """Held-out evaluation metrics: plain functions over responses and scores, no engines.
 
-`exact_match` (verifiable accuracy) lives in `rlhf_core.eval.accuracy`; these are the
+`answer_accuracy` (verifiable accuracy) lives in `rlhf_core.eval.accuracy`; these are the
 figures the promotion gates need besides it: response length, degeneration and the
 pairwise win rate of two policies under one scorer.
 """

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.eval.accuracy import exact_match, greedy_completions
+from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import build_policy, load_policy, num_parameters, save_pretrained_atomic
 from rlhf_core.tokenizer import load_tokenizer, train_tokenizer
 from rlhf_core.training.sft import train_sft
@@ -50,7 +50,7 @@ def make_base_policy(
     accuracy = None
     if eval_prompts:
         predictions = greedy_completions(model, tokenizer, eval_prompts, cfg.sft.max_new_tokens)
-        accuracy = exact_match(predictions, eval_answers)
+        accuracy = answer_accuracy(eval_prompts, predictions, eval_answers, cfg.data.answer_checker)
     path = save_pretrained_atomic(model, tokenizer, out_dir, extra={"stage": "sft", "eval_accuracy": accuracy})
     result = BasePolicyResult(
         path, num_parameters(model), len(tokenizer), sft.steps, sft.final_loss, sft.seconds, accuracy

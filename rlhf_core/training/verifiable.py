@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ VerifiableReward = Callable[[Sequence[str], Sequence[str]], Any]
 VERIFIABLE_REWARDS: dict[str, str] = {
     "addition_exact_match": "rlhf_core.data.demo_task:addition_exact_match",
     "answer_exact_match": "rlhf_core.training.verifiable:answer_exact_match",
+    "last_number_match": "rlhf_core.training.verifiable:last_number_match",
+    "answer_in_response": "rlhf_core.training.verifiable:answer_in_response",
 }
 
 
@@ -40,6 +43,51 @@ def answer_exact_match(prompts: Sequence[str], responses: Sequence[str], answers
     if missing:
         raise ValueError(f"answer_exact_match: {len(missing)} prompts have no answer, e.g. {missing[0]!r}")
     return torch.tensor([float(r.strip() == a.strip()) for r, a in zip(responses, answers)], dtype=torch.float32)
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` (thousands separators dropped), as written; None if none."""
+    found = NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
+    return found[-1] if found else None
+
+
+def last_number_match(prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None]) -> Any:
+    """1.0 where the last number of the response is the answer's number: a sentence such as
+    "12 + 34 = 46." or "The answer is 46." answers 46; "46, or maybe 47" does not. -> (B,)."""
+    import torch  # noqa: PLC0415 - configs are checked where torch is not loaded
+
+    if not len(prompts) == len(responses) == len(answers):
+        raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses, {len(answers)} answers")
+    missing = [p for p, a in zip(prompts, answers) if a is None or last_number(a) is None]
+    if missing:
+        raise ValueError(f"last_number_match: {len(missing)} prompts have no numeric answer, e.g. {missing[0]!r}")
+    return torch.tensor([float(_same_number(last_number(r), last_number(a))) for r, a in zip(responses, answers)],
+                        dtype=torch.float32)
+
+
+def answer_in_response(prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None]) -> Any:
+    """1.0 where the answer appears in the response as whole words, case and white space
+    aside: "The capital of France is Paris." answers "Paris"; "Parisian" does not. -> (B,)."""
+    import torch  # noqa: PLC0415 - configs are checked where torch is not loaded
+
+    if not len(prompts) == len(responses) == len(answers):
+        raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses, {len(answers)} answers")
+    missing = [p for p, a in zip(prompts, answers) if a is None or not a.strip()]
+    if missing:
+        raise ValueError(f"answer_in_response: {len(missing)} prompts have no answer, e.g. {missing[0]!r}")
+
+    def said(response: str, answer: str) -> bool:
+        words = r"\s+".join(re.escape(w) for w in answer.split())
+        return re.search(rf"(?<!\w){words}(?!\w)", response, flags=re.IGNORECASE) is not None
+
+    return torch.tensor([float(said(r, a)) for r, a in zip(responses, answers)], dtype=torch.float32)
+
+
+def _same_number(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and float(a) == float(b)
 
 
 def check_verifiable_reward(name: str | None) -> None:
@@ -79,3 +127,22 @@ def score_verifiable(fn: Any, prompts: Sequence[str], responses: Sequence[str],
     if takes_answers(fn):
         return fn(prompts, responses, answers=[(answers or {}).get(p) for p in prompts])
     return fn(prompts, responses)
+
+
+def check_answers(prompts: Sequence[str], predictions: Sequence[str], answers: Sequence[str],
+                  checker: str | None = None, where: str = "data.answer_checker") -> list[bool]:
+    """Per row, whether the prediction answers its prompt right: without `checker`, it equals the
+    answer after stripping white space; with one (a name in `VERIFIABLE_REWARDS`, or
+    module:function, scoring 0 or 1 per row), the checker says so."""
+    if not len(prompts) == len(predictions) == len(answers):
+        raise ValueError(f"{len(prompts)} prompts, {len(predictions)} predictions, {len(answers)} answers")
+    if checker is None:
+        return [p.strip() == a.strip() for p, a in zip(predictions, answers)]
+    fn = resolve_verifiable_reward(checker)
+    scores = fn(prompts, predictions, answers=list(answers)) if takes_answers(fn) else fn(prompts, predictions)
+    values = [float(v) for v in scores]
+    if len(values) != len(predictions) or any(v not in (0.0, 1.0) for v in values):
+        raise ValueError(f"{where}: checker {checker} must score each of the {len(predictions)} rows 0 or 1, "
+                         f"got {values[:5]}...")
+    return [v == 1.0 for v in values]
+

@@ -90,3 +90,11 @@ def test_simulated_rounds_need_an_answer_key_and_a_judge_needs_its_endpoint():
         parse_config({"policy": {"rounds": {"judge": {"template": "no fields"}}}})
     ok = parse_config({"policy": {"verifiable_reward": "addition_exact_match", "rounds": {"enabled": True}}})
     assert ok.policy.rounds.annotator == "simulated" and ok.policy.verifiable_reward == "addition_exact_match"
+
+
+def test_a_pretrained_path_under_home_is_expanded_and_a_hub_id_kept(monkeypatch, tmp_path):
+    from rlhf_core.config import parse_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse_config({"model": {"pretrained": "~/models/m"}}).model.pretrained == str(tmp_path / "models/m")
+    assert parse_config({"model": {"pretrained": "org/name"}}).model.pretrained == "org/name"
