@@ -29,7 +29,7 @@ from rlhf_core.data.schema import read_table
 from rlhf_core.eval.evaluate import EvalResult, Policy, evaluate, scorers_for
 from rlhf_core.eval.gates import Decision, gate
 from rlhf_core.eval.model_card import base_model_of, render_model_card, training_settings
-from rlhf_core.eval.regression import RegressionSuite, load_suites, suite_report
+from rlhf_core.eval.regression import RegressionSuite, load_suites, rendered, suite_report
 from rlhf_core.models.llama import load_policy
 from rlhf_core.tokenizer import load_tokenizer
 from tasks.registry import (
@@ -86,10 +86,16 @@ class Evaluation:
                               "diff_vs_reference": row["diff_vs_reference"]} for row in rows}
 
 
-def regression_suites(cfg: PipelineConfig, out_dir: Path, eval_prompts: list[str]) -> list[RegressionSuite]:
+def regression_suites(cfg: PipelineConfig, out_dir: Path, eval_prompts: list[str],
+                      tokenizer_dir: Path | None = None) -> list[RegressionSuite]:
     """The configured regression suites, read and checked (`SuiteFormatError` naming file and line);
-    the demo's are generated into `out_dir/data`, without the eval prompts."""
-    return load_suites(cfg.gates.regression_suites, out_dir / "data", cfg.data.demo, exclude=eval_prompts)
+    the demo's are generated into `out_dir/data`, without the eval prompts. With `tokenizer_dir`
+    (the reference policy's) conversational prompts are rendered by its chat template."""
+    suites = load_suites(cfg.gates.regression_suites, out_dir / "data", cfg.data.demo, exclude=eval_prompts)
+    if tokenizer_dir is None or not suites:
+        return suites
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return [rendered(s, tokenizer) for s in suites]
 
 
 @task(name="eval-set")
@@ -159,14 +165,14 @@ def evaluate_candidate(
         champion_policy = None
         if champion is not None:
             champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion"))
-        suites = regression_suites(cfg, run.out_dir, prompts)
+        suites = regression_suites(cfg, run.out_dir, prompts, tokenizer_dir=candidate.reference_dir)
         n = min(cfg.gates.eval_prompts, len(prompts))
         result = evaluate(
             _policy("candidate", candidate.model_dir), _policy("reference", candidate.reference_dir), champion_policy,
             scorer, prompts[:n], None if answers is None else answers[:n],
             max_new_tokens=cfg.policy.max_new_tokens, temperature=cfg.policy.temperature, seed=cfg.policy.seed,
             audit=audit, confidence=cfg.gates.confidence, bootstrap_samples=cfg.gates.bootstrap_samples,
-            suites=suites,
+            suites=suites, checker=cfg.data.answer_checker,
         )
         decision = gate(
             result.candidate.figures, result.reference.figures,

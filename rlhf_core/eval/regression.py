@@ -17,14 +17,15 @@ from __future__ import annotations
 import codecs
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from rlhf_core.chat import render_prompt
 from rlhf_core.config import DemoDataConfig, RegressionSuiteConfig
 from rlhf_core.data.schema import DataFormatError, write_jsonl
 from rlhf_core.data.synthetic import DEMO_SUITES
 from rlhf_core.eval.gates import EvalFigures
-from rlhf_core.training.verifiable import resolve_verifiable_reward, takes_answers
+from rlhf_core.training.verifiable import check_answers
 
 DEMO_PREFIX = "demo:"
 SHOWN_PROBLEMS = 5  # bad rows named per suite; the message counts the rest
@@ -42,7 +43,7 @@ class RegressionSuite:
     path: Path
     checker: str
     margin: float
-    prompts: list[str]
+    prompts: list[str]  # conversational ones (lists of messages) until `rendered`
     answers: list[str]
 
 
@@ -88,11 +89,34 @@ def _parse_row(raw: bytes) -> tuple[dict | None, str | None]:
     for key in ("prompt", "answer"):
         if key not in row:
             return None, f"{key} is missing"
+        if key == "prompt" and isinstance(row[key], list):
+            problem = _messages_problem(row[key])
+            if problem is not None:
+                return None, problem
+            continue
         if not isinstance(row[key], str):
             return None, f"{key} must be text, got {type(row[key]).__name__}"
         if not row[key].strip():
             return None, f"{key} is empty"
     return row, None
+
+
+def _messages_problem(messages: list) -> str | None:
+    """What is wrong with a conversational prompt (a list of {role, content} turns), or None."""
+    if not messages:
+        return "prompt is an empty list of messages"
+    for i, turn in enumerate(messages):
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
+            return f"prompt message {i} must be an object with text role and content"
+    if messages[-1]["role"] != "user":
+        return f"prompt's last message is from {messages[-1]['role']!r}, not the user"
+    return None
+
+
+def rendered(suite: RegressionSuite, tokenizer) -> RegressionSuite:
+    """`suite` with its conversational prompts rendered by `tokenizer`'s chat template, as the
+    policy is asked in training and in serving (text prompts stay as they are)."""
+    return replace(suite, prompts=[render_prompt(tokenizer, p) for p in suite.prompts])
 
 
 def suite_file(path: str, data_dir: Path, demo: DemoDataConfig, exclude: Collection[str] = ()) -> Path:
@@ -130,16 +154,7 @@ def correct(suite: RegressionSuite, responses: Sequence[str]) -> list[bool]:
     """Per row, whether the suite's checker accepts the response. A checker scores 0 or 1."""
     if len(responses) != len(suite.prompts):
         raise ValueError(f"regression suite {suite.name}: {len(responses)} responses for {len(suite.prompts)} rows")
-    fn = resolve_verifiable_reward(suite.checker)
-    if takes_answers(fn):
-        scores = fn(suite.prompts, responses, answers=suite.answers)
-    else:
-        scores = fn(suite.prompts, responses)
-    values = [float(v) for v in scores]
-    if len(values) != len(responses) or any(v not in (0.0, 1.0) for v in values):
-        raise ValueError(f"regression suite {suite.name}: checker {suite.checker} must score each of the "
-                         f"{len(responses)} rows 0 or 1, got {values[:5]}...")
-    return [v == 1.0 for v in values]
+    return check_answers(suite.prompts, responses, suite.answers, suite.checker, where=f"regression suite {suite.name}")
 
 
 def suite_report(suites: Sequence[RegressionSuite], candidate: EvalFigures, reference: EvalFigures,

@@ -51,6 +51,10 @@ def test_a_good_suite_is_read_in_order_skipping_blank_lines_and_a_byte_order_mar
     ('{"prompt": "01+02=", "answer": ""}', "answer is empty"),
     ('{"prompt": "01+02=", "answer": 3}', "answer must be text, got int"),
     (b'{"prompt": "\xff", "answer": "003"}', "not valid UTF-8"),
+    ('{"prompt": [], "answer": "Paris"}', "prompt is an empty list of messages"),
+    ('{"prompt": [{"role": "user"}], "answer": "Paris"}', "prompt message 0 must be an object with text role and content"),
+    ('{"prompt": [{"role": "assistant", "content": "Hi"}], "answer": "Paris"}',
+     "prompt's last message is from 'assistant', not the user"),
 ])
 def test_a_bad_row_is_named_by_file_and_line(tmp_path, line, problem):
     path = write(tmp_path / "s.jsonl", ROW, line, ROW)
@@ -223,3 +227,25 @@ def test_a_policy_that_answers_the_suite_as_the_reference_does_passes_it(policie
     assert cand.accuracy == 1.0 and (cand.diff_vs_reference.low, cand.diff_vs_reference.high) == (0.0, 0.0)
     assert not [r for r in decision.reasons if r.startswith("regression")]
     assert all(c.passed for c in decision.checks if c.name.startswith("regression_vs_reference"))
+
+
+def test_a_conversational_suite_is_asked_through_the_chat_template(tmp_path):
+    """Messages in a suite are rendered by the reference's template, as the policy is asked in
+    training and serving; text prompts stay as they are."""
+    from types import SimpleNamespace
+
+    from rlhf_core.eval.regression import rendered
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    path = write(tmp_path / "s.jsonl", json.dumps({"prompt": chat, "answer": "Paris"}), ROW)
+    prompts, answers = read_suite(path)
+    assert prompts == [chat, "01+02="] and answers == ["Paris", "003"]
+
+    class Template(SimpleNamespace):
+        bos_token, chat_template = None, "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    suite = rendered(suite_of(prompts, answers), Template())
+    assert suite.prompts == ["<user>What is the capital of France?<assistant>", "01+02="]
