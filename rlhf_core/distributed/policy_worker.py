@@ -114,7 +114,9 @@ def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
     """Every rank: DeepSpeed engines for the actor (and critic), the frozen reference and
     reward model, the KL controller."""
     cfg = loop.cfg
-    worker = start_worker(loop.runtime, cfg.seed, torch_threads=1)  # the cores are shared with the engine's processes
+    # pipelined, the engine's processes generate on the same cores while the ranks train; in step,
+    # the engine waits while they train and the ranks share the cores
+    worker = start_worker(loop.runtime, cfg.seed, torch_threads=1 if cfg.pipeline.max_lag > 0 else None)
     spec = algorithm_spec(cfg)
     tokenizer = load_tokenizer(loop.sft_dir)
     actor = _engine(worker.deepspeed, load_policy_for_training(loop.sft_dir, cfg.lora, cfg.gradient_checkpointing),

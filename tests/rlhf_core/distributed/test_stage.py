@@ -52,3 +52,13 @@ def test_fault_hooks_fire_only_where_they_are_aimed(tmp_path):
     assert isinstance(poisoned, NanOnce)
     first, second = poisoned(1.0, True), poisoned(1.0, True)
     assert first != first and second == 1.0  # NaN once, then the loss as given
+
+
+def test_a_cpu_worker_gets_its_share_of_the_nodes_cores():
+    from rlhf_core.distributed.stage import cpu_threads
+
+    assert cpu_threads(1, cores=2) == 2  # one worker: the whole machine, not Ray's one CPU
+    assert cpu_threads(2, cores=2) == 1
+    assert cpu_threads(3, cores=16) == 5
+    assert cpu_threads(4, cores=2) == 1  # never below one
+    assert cpu_threads(1) >= 1
