@@ -5,10 +5,12 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import psutil
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,3 +145,50 @@ def mean_sd(values: list[float], digits: int = 3, sign: bool = False) -> str:
     """`mean ± sd` of the values (sd 0 for one value), to `digits` decimals; `sign`: +/- on the mean."""
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.fmean(values):{'+' if sign else ''}.{digits}f} ± {sd:.{digits}f}"
+
+
+class PeakMemory:
+    """Peak RSS of this process and every descendant, by role (`ROLES`, plus `driver`: the
+    marker of the driver's command line), sampled in a thread."""
+
+    def __init__(self, every: float = 0.5, driver: str = "pretrained_scale"):
+        self.every, self.peaks, self.roles, self._stop = every, {}, {}, threading.Event()
+        self.markers = {**ROLES, driver: "driver"}
+        self.first_seen: dict[int, float] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    rss, label = proc.memory_info().rss, role(proc, self.markers)
+                except psutil.Error:
+                    continue
+                self.peaks[proc.pid] = max(self.peaks.get(proc.pid, 0), rss)
+                self.first_seen.setdefault(proc.pid, time.monotonic())
+                if label in self.markers.values() or proc.pid not in self.roles:  # Ray workers start as ray::IDLE
+                    self.roles[proc.pid] = label
+            self._stop.wait(self.every)
+
+    def by_role(self) -> list[dict]:
+        rows = [{"process": f"{self.roles[pid]} (pid {pid})", "peak_rss_gib": round(v / 2**30, 2)}
+                for pid, v in self.peaks.items() if v > 200 * 2**20]
+        return sorted(rows, key=lambda r: -r["peak_rss_gib"])
+
+
+ROLES = {"RayTrainWorker": "Ray Train worker", "EngineCore": "vLLM engine core", "VLLM::Worker": "vLLM worker",
+         "TrainController": "Ray Train controller", "raylet": "raylet", "gcs_server": "Ray GCS"}
+
+
+def role(proc: psutil.Process, markers: dict[str, str] = ROLES) -> str:
+    name = " ".join(proc.cmdline())[:200]
+    return next((label for marker, label in markers.items() if marker in name or marker in proc.name()), proc.name())

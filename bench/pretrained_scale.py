@@ -34,62 +34,15 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import save, table  # noqa: E402
+from bench.common import PeakMemory, save, table  # noqa: E402
 from rlhf_core.testing.sinks import JsonlSink  # noqa: E402
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-class PeakMemory:
-    """Peak RSS of this process and every descendant, by role, sampled in a thread."""
-
-    def __init__(self, every: float = 0.5):
-        self.every, self.peaks, self.roles, self._stop = every, {}, {}, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        me = psutil.Process()
-        while not self._stop.is_set():
-            for proc in [me, *me.children(recursive=True)]:
-                try:
-                    rss, label = proc.memory_info().rss, role(proc)
-                except psutil.Error:
-                    continue
-                self.peaks[proc.pid] = max(self.peaks.get(proc.pid, 0), rss)
-                if label in ROLES.values() or proc.pid not in self.roles:  # Ray workers start as ray::IDLE
-                    self.roles[proc.pid] = label
-            self._stop.wait(self.every)
-
-    def by_role(self) -> list[dict]:
-        rows = [{"process": f"{self.roles[pid]} (pid {pid})", "peak_rss_gib": round(v / 2**30, 2)}
-                for pid, v in self.peaks.items() if v > 200 * 2**20]
-        return sorted(rows, key=lambda r: -r["peak_rss_gib"])
-
-
-ROLES = {"RayTrainWorker": "Ray Train worker", "EngineCore": "vLLM engine core", "VLLM::Worker": "vLLM worker",
-         "TrainController": "Ray Train controller", "raylet": "raylet", "gcs_server": "Ray GCS",
-         "pretrained_scale": "driver"}
-
-
-def role(proc: psutil.Process) -> str:
-    name = " ".join(proc.cmdline())[:200]
-    return next((label for marker, label in ROLES.items() if marker in name or marker in proc.name()), proc.name())
 
 
 def make_model(out: Path, layers: int, hidden: int, vocab: int) -> Path:

@@ -1,0 +1,128 @@
+"""A real pretrained chat model on its learned reward alone: SmolLM2-135M-Instruct on the chat task
+(configs/chat.yaml, rlhf_core/data/chat_task.py), over seeds, GRPO and DPO on the same pairs.
+
+Each seed generates its own data and runs `rlhf run` as `make demo-chat` does (serving off):
+the policy trains on the reward model alone and the task's answer key only measures. Per run
+it records held-out gold accuracy before -> after (the policy stage's, judged by
+`last_number_match`), the gates' verdict with their accuracy and regression figures, each
+stage's seconds, the peak resident memory of every process of the run by role, and the
+preflight's estimate of the policy and reward stages beside them.
+
+    .venv/bin/python bench/chat_gain.py                       # seeds 0 1 2, grpo and dpo
+    .venv/bin/python bench/chat_gain.py --seeds 0 --algorithms grpo
+
+Needs the converted model (`make chat-model`). Writes bench/results/chat_gain.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import REPO, PeakMemory, save, table  # noqa: E402
+from rlhf_core.data.chat_task import generate_chat_task  # noqa: E402
+
+MODEL = Path("~/.cache/rlhf/models/smollm2-135m-instruct").expanduser()
+GAIN_BAR = {"mean": 0.15, "each": 0.10}  # the targets: +15 points on average, +10 on every seed
+
+
+def estimates(config: Path) -> dict[str, float]:
+    """The preflight's estimates (GiB) of the policy and reward stages for this config."""
+    from rlhf_core.config import load_config  # noqa: PLC0415
+    from rlhf_core.models.memory import kv_block_bytes, kv_cache_blocks, reward_stage_bytes  # noqa: PLC0415
+    from rlhf_core.models.pretrained import inspect_pretrained, training_bytes  # noqa: PLC0415
+
+    cfg = load_config(config)
+    info = inspect_pretrained(cfg.model.pretrained)
+    tokens = min(info.context_length or cfg.reward.max_length, cfg.reward.max_length + cfg.policy.max_new_tokens)
+    kv = kv_cache_blocks(cfg.policy.rollouts_per_step, tokens) * kv_block_bytes(info.num_layers, info.num_kv_heads,
+                                                                               info.head_dim)
+    policy = training_bytes(info.num_parameters, workers=cfg.policy.num_workers,
+                            with_critic=cfg.policy.algorithm == "ppo", reward_parameters=info.num_parameters, kv_cache=kv)
+    reward = reward_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, workers=cfg.reward.num_workers,
+                                micro_batch_size=cfg.reward.micro_batch_size, max_length=cfg.reward.max_length)
+    return {"policy_stage_gib": round(policy / 2**30, 2), "reward_stage_gib": round(reward / 2**30, 2)}
+
+
+def run(seed: int, algorithm: str, work: Path, model: Path) -> dict:
+    data = generate_chat_task(work / f"data-s{seed}", seed=seed)
+    raw = yaml.safe_load((REPO / "configs" / "chat.yaml").read_text())
+    name = f"chat-{algorithm}-s{seed}"
+    raw.update(name=name, output_dir=str(work / "runs"))
+    raw["model"] = {"pretrained": str(model)}
+    raw["data"].update(preferences_path=str(data.preferences), prompts_path=str(data.prompts), eval_path=str(data.eval))
+    raw["reward"]["seed"] = seed
+    raw["policy"].update(seed=seed, algorithm=algorithm)
+    raw["serving"] = {"enabled": False}
+    raw["tracking"] = {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}", "experiment": "chat-gain"}
+    config = work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    start = time.perf_counter()
+    with PeakMemory(every=1.0, driver="rlhf run") as memory:
+        done = subprocess.run([str(Path(sys.executable).parent / "rlhf"), "run", "--config", str(config)], cwd=work,
+                              capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    found = sorted((work / "runs").glob(f"{name}-*/summary.json"))
+    if not found:
+        return {"seed": seed, "algorithm": algorithm, "status": "no summary", "exit": done.returncode,
+                "error": (done.stdout + done.stderr)[-600:]}
+    summary = json.loads(found[-1].read_text())
+    stages = summary["stages"]
+    policy, reward, gates = stages.get("policy", {}), stages.get("reward", {}), stages.get("evaluate", {})
+    row = {"seed": seed, "algorithm": algorithm, "status": summary["status"], "exit": done.returncode,
+           "reward_accuracy": reward.get("eval_accuracy"),
+           "accuracy_before": policy.get("accuracy_before"), "accuracy_after": policy.get("accuracy_after"),
+           "gates": gates.get("status"), "gate_accuracy": gates.get("accuracy"),
+           "gate_reference_accuracy": gates.get("reference_accuracy"),
+           "win_rate_vs_reference": gates.get("win_rate_vs_reference"), "kl_to_reference": gates.get("kl_to_reference"),
+           "regression": gates.get("regression"), "wall_s": round(wall, 1),
+           "stage_seconds": {k: v.get("seconds") for k, v in stages.items() if isinstance(v, dict) and "seconds" in v},
+           "peak_rss": memory.by_role(), "preflight": estimates(config)}
+    if row["accuracy_before"] is not None and row["accuracy_after"] is not None:
+        row["gain"] = round(row["accuracy_after"] - row["accuracy_before"], 3)
+    if summary["status"] != "completed":
+        row["error"] = str(summary.get("error", ""))[:400]
+    return row
+
+
+def verdict(rows: list[dict], algorithm: str) -> dict | None:
+    gains = [r["gain"] for r in rows if r["algorithm"] == algorithm and r.get("gain") is not None]
+    if not gains:
+        return None
+    return {"n": len(gains), "mean": round(statistics.mean(gains), 3), "min": min(gains), "max": max(gains),
+            "sd": round(statistics.stdev(gains), 3) if len(gains) > 1 else None,
+            "meets_bar": statistics.mean(gains) >= GAIN_BAR["mean"] and min(gains) >= GAIN_BAR["each"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--algorithms", nargs="+", default=["grpo", "dpo"], choices=["grpo", "dpo", "ppo", "kto"])
+    parser.add_argument("--model", type=Path, default=MODEL, help="the converted SmolLM2 directory (make chat-model)")
+    args = parser.parse_args()
+    if not (args.model / "config.json").is_file():
+        raise SystemExit(f"{args.model} holds no converted model: run `make chat-model`")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="chat-gain-") as tmp:
+        for seed in args.seeds:
+            for algorithm in args.algorithms:
+                rows.append(run(seed, algorithm, Path(tmp), args.model.resolve()))
+                print(json.dumps(rows[-1]), flush=True)
+    print(table(rows, ["seed", "algorithm", "status", "reward_accuracy", "accuracy_before", "accuracy_after", "gain",
+                       "gates", "wall_s"]))
+    result = {"model": str(args.model), "bar": GAIN_BAR, "rows": rows,
+              "summary": {a: verdict(rows, a) for a in args.algorithms}}
+    print("gain by algorithm:", result["summary"])
+    print("written:", save("chat_gain", result))
+
+
+if __name__ == "__main__":
+    main()
