@@ -88,7 +88,7 @@ gpu-check:
 
 # docs/configuration.md is generated from the config models (rlhf_core/config.py)
 docs: setup
-	$(PY) -m rlhf_core.config_doc
+	$(PY) -m rlhf_core.config.doc
 
 lock: setup
 	{ head -n 2 constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^rlhf-pipeline'; } > constraints.txt.new

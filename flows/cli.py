@@ -50,7 +50,7 @@ from flows.console import (
 from flows.config_view import print_config
 from flows.prefect_setup import quiet_telemetry, start_prefect_server_early
 from flows.show import print_environment, print_rows
-from rlhf_core.default_config import DEFAULT_CONFIG
+from rlhf_core.config.default import DEFAULT_CONFIG
 
 
 def _parser() -> argparse.ArgumentParser:

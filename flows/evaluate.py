@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from rlhf_core.config import load_config
-from rlhf_core.default_config import DEFAULT_CONFIG
+from rlhf_core.config.default import DEFAULT_CONFIG
 from tasks.data import prepare_data
 from tasks.evaluate import eval_set, evaluate_candidate, fetch_registered_candidate, record_gate_verdict
 from tasks.pretrained import prepare_pretrained

@@ -14,7 +14,7 @@ from typing import Any
 from prefect import flow
 
 from rlhf_core.config import load_config
-from rlhf_core.default_config import DEFAULT_CONFIG
+from rlhf_core.config.default import DEFAULT_CONFIG
 from tasks.deploy import deploy_champion, move_champion_back, record_rollback
 
 

@@ -6,7 +6,7 @@ from typing import Any
 from prefect import flow
 
 from rlhf_core.config import load_config
-from rlhf_core.default_config import DEFAULT_CONFIG
+from rlhf_core.config.default import DEFAULT_CONFIG
 from tasks.data import prepare_files, validate_data
 from tasks.run_start import start_pipeline_run
 from tasks.summary import record_stage, recorded_outcome, summary_header

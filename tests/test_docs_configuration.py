@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhf_core import config_doc
+from rlhf_core.config import doc as config_doc
 from rlhf_core.config import PipelineConfig, _Strict
 
 

@@ -20,7 +20,7 @@ FORBIDDEN_IN_CORE = {"prefect", "mlflow", "tasks", "flows", "monitoring"}
 ENGINE_MODULES = {"deepspeed", "vllm", "ray"}
 COMPUTE_LIBRARIES = {"torch", "transformers", "deepspeed", "vllm", "ray", "mlflow", "great_expectations", "numpy",
                      "pandas"}
-CORE_MODULES_FOR_FLOWS = {"rlhf_core.config", "rlhf_core.default_config"}
+CORE_MODULES_FOR_FLOWS = {"rlhf_core.config", "rlhf_core.config.default"}
 CORE_MODULES_FOR_THE_CLI = CORE_MODULES_FOR_FLOWS | {"rlhf_core.serving.server", "rlhf_core.serving",
                                                      "rlhf_core.data.synthetic"}
 

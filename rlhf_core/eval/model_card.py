@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from rlhf_core.config_policy import PolicyConfig
+from rlhf_core.config import PolicyConfig
 from rlhf_core.eval.checks import Check, Decision, fmt
 
 PROJECT = "rlhf-pipeline"

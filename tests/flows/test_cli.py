@@ -12,7 +12,7 @@ import yaml
 
 from flows import cli
 from flows.cli import _parser, main
-from rlhf_core.default_config import DEFAULT_CONFIG
+from rlhf_core.config.default import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import torch
 from flows.cli import main
 from rlhf_core.config import load_config
 from rlhf_core.data.schema import read_table, write_jsonl
-from rlhf_core.default_config import DEFAULT_CONFIG
+from rlhf_core.config.default import DEFAULT_CONFIG
 from tasks import environment
 from tasks.inspect_data import show_rows
 

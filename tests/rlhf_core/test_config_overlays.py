@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from rlhf_core.config import ConfigError, config_origins, load_config
-from rlhf_core.config_loading import restated_keys
+from rlhf_core.config.loading import restated_keys
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

@@ -225,7 +225,7 @@ def test_a_deploy_that_finds_the_champion_moved_during_its_turn_serves_the_new_o
     from prefect.logging import disable_run_logger
 
     from rlhf_core.config import load_config
-    from rlhf_core.default_config import DEFAULT_CONFIG
+    from rlhf_core.config.default import DEFAULT_CONFIG
     from tasks import deploy
 
     cfg = load_config(DEFAULT_CONFIG, [f"tracking.tracking_uri={registry.tracking_uri}", f"output_dir={tmp_path}"])

@@ -1,6 +1,6 @@
 """The configs of policy optimisation: `policy` and its sections (PPO, GRPO, reward shaping,
 the circuit breaker, pipelined rollouts, preference rounds and their judge; the offline
-methods' sections are in `rlhf_core.config_offline`), re-exported by `rlhf_core.config`."""
+methods' sections are in `rlhf_core.config.offline`), re-exported by `rlhf_core.config`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core.config_inputs import _Strict
-from rlhf_core.config_offline import DPOConfig, KTOConfig, LoRAConfig, OfflineTrainingConfig
+from rlhf_core.config.inputs import _Strict
+from rlhf_core.config.offline import DPOConfig, KTOConfig, LoRAConfig, OfflineTrainingConfig
 from rlhf_core.training.verifiable import check_verifiable_reward
 
 

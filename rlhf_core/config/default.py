@@ -8,4 +8,4 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml")
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")

@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-if TYPE_CHECKING:
-    from rlhf_core.config import PipelineConfig
+from rlhf_core.config.default import DEFAULT_CONFIG
+from rlhf_core.config.pipeline import PipelineConfig
 
 BASE_KEY = "base"
 PACKAGED = "packaged:"  # `base: packaged:NAME` is configs/NAME of the installed package
@@ -72,7 +72,6 @@ def parse_config(raw: dict[str, Any] | None, source: str = "config",
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError([f"<root>: must be a mapping, got {type(raw).__name__}"], source)
-    from rlhf_core.config import PipelineConfig  # here, not above: rlhf_core.config re-exports this module
 
     try:
         return PipelineConfig.model_validate(raw)
@@ -110,8 +109,6 @@ def _base_path(base: Any, of: Path) -> Path:
     if not isinstance(base, str) or not base.strip():
         raise ConfigError([f"{BASE_KEY}: must be the path of a config file, got {base!r}"], str(of))
     if base.startswith(PACKAGED):
-        from rlhf_core.default_config import DEFAULT_CONFIG
-
         return Path(DEFAULT_CONFIG).parent / base.removeprefix(PACKAGED)
     path = Path(base).expanduser()
     return path if path.is_absolute() else Path(os.path.normpath(of.parent / path))

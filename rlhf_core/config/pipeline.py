@@ -1,7 +1,6 @@
-"""Typed pipeline configuration.
+"""The pipeline's configuration: one validated config per stage, composed by `PipelineConfig`.
 
-One validated config per stage; `PipelineConfig` composes them and is loaded from one YAML
-file (`configs/demo.yaml` is the embedded default). Unknown keys, wrong types and
+`PipelineConfig` is loaded from one YAML file (`configs/demo.yaml` is the embedded default). Unknown keys, wrong types and
 out-of-range values are rejected before anything runs, with the key path in the message:
 
     policy.ppo.clip_range: must be > 0, got -1
@@ -13,13 +12,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core.config_inputs import (  # noqa: F401 - re-exported: callers import every config from here
+from rlhf_core.config.inputs import (  # noqa: F401 - re-exported by the package
     DataConfig, DemoDataConfig, ModelConfig, TokenizerConfig, ValidationConfig, _Strict,
 )
-from rlhf_core.config_offline import (  # noqa: F401 - re-exported: callers import every config from here
+from rlhf_core.config.offline import (  # noqa: F401 - re-exported by the package
     DPOConfig, KTOConfig, LoRAConfig, OfflineTrainingConfig,
 )
-from rlhf_core.config_policy import (  # noqa: F401 - re-exported: callers import every config from here
+from rlhf_core.config.policy import (  # noqa: F401 - re-exported by the package
     CircuitBreakerConfig, GRPOConfig, JudgeConfig, PolicyConfig, PPOConfig, RewardShapingConfig,
     RolloutPipelineConfig, RoundsConfig,
 )
@@ -316,14 +315,3 @@ class PipelineConfig(_Strict):
         if not self.sft.enabled and self.model.pretrained is None:
             raise ValueError("sft.enabled is false but model.pretrained is not set: there is no base policy")
         return self
-
-
-# Loading YAML into a PipelineConfig (and its error) lives in its own module, re-exported here:
-# callers use `rlhf_core.config` for both.
-from rlhf_core.config_loading import (  # noqa: E402
-    ConfigError, apply_overrides, config_origins, load_config, parse_config,
-)
-
-__all__ = [name for name in dir() if name.endswith("Config")] + [
-    "ConfigError", "apply_overrides", "config_origins", "load_config", "parse_config",
-]

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_core.config_inputs import _Strict
+from rlhf_core.config.inputs import _Strict
 
 
 class LoRAConfig(_Strict):

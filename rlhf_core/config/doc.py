@@ -1,7 +1,7 @@
 """docs/configuration.md, generated from the config models in `rlhf_core.config`.
 
-    python -m rlhf_core.config_doc [PATH]     write the page (default docs/configuration.md)
-    python -m rlhf_core.config_doc --check    exit 1 when the committed page is out of date
+    python -m rlhf_core.config.doc [PATH]     write the page (default docs/configuration.md)
+    python -m rlhf_core.config.doc --check    exit 1 when the committed page is out of date
 
 Every key is listed as a dotted path with its type (and bounds), default and meaning, grouped
 by section under the section model's docstring. The meaning is the field's `description`, so
@@ -20,9 +20,9 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config.pipeline import PipelineConfig
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 INTRO = """# Configuration
 
 Every run reads one YAML file (`configs/demo.yaml` is the packaged default) and the bases it
@@ -31,7 +31,7 @@ Unknown keys, wrong types and out-of-range values are rejected before anything r
 key. Override any key on the command line with `--set key.path=value` (the value is read as
 YAML), e.g. `rlhf run --set sft.epochs=2`.
 
-This page is generated from `rlhf_core/config.py` by `make docs`; do not edit it by hand.
+This page is generated from the models in `rlhf_core/config/` by `make docs`; do not edit it by hand.
 
 ## Overlays
 
