@@ -26,6 +26,10 @@ from rlhf_core.config.policy import (
     RolloutPipelineConfig, RoundsConfig,
 )
 
-__all__ = [name for name in dir() if name.endswith("Config")] + [
-    "ConfigError", "_Strict", "apply_overrides", "config_origins", "load_config", "parse_config",
+__all__ = [
+    "CircuitBreakerConfig", "ConfigError", "DPOConfig", "DataConfig", "DemoDataConfig", "FeedbackConfig", "GRPOConfig",
+    "GateConfig", "JudgeConfig", "KTOConfig", "LoRAConfig", "ModelConfig", "MonitoringConfig", "OfflineTrainingConfig",
+    "PPOConfig", "PipelineConfig", "PolicyConfig", "RegressionSuiteConfig", "RewardConfig", "RewardShapingConfig",
+    "RolloutPipelineConfig", "RoundsConfig", "SFTConfig", "ServingConfig", "TokenizerConfig", "TrackingConfig",
+    "ValidationConfig", "_Strict", "apply_overrides", "config_origins", "load_config", "parse_config",
 ]

@@ -98,6 +98,8 @@ def _type(field: FieldInfo) -> str:
 
 def _type_name(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a type with its validators: the type is what a reader needs
+        return _type_name(args[0])
     if origin is Literal:
         return " \\| ".join(f'"{a}"' if isinstance(a, str) else str(a) for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -7,11 +7,21 @@ Llama built from `model`'s sizes) or the user's own: preference data in any of t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlhf_core.training.verifiable import check_verifiable_reward
+
+
+def _resolves(name: str | None) -> str | None:
+    check_verifiable_reward(name)  # raises ValueError naming the registered ones
+    return name
+
+
+# An answer checker's name (rlhf_core.training.verifiable.VERIFIABLE_REWARDS, or module:function),
+# checked when the config is: a typo fails before any stage starts.
+Checker = Annotated[str, AfterValidator(_resolves)]
 
 
 class _Strict(BaseModel):
@@ -62,17 +72,11 @@ class DataConfig(_Strict):
         "reject", description="A prompt of prompts_path or eval_path whose rendered tokens plus "
         "policy.max_new_tokens exceed the model's context: fail naming the rows (reject) or leave it out (drop). "
         "Pairs longer than reward.max_length follow reward.on_overlength.")
-    answer_checker: str | None = Field(
+    answer_checker: Checker | None = Field(
         None, description="How held-out accuracy judges an answer against the eval set's `answer`: null, the "
         "exact text (white space stripped); or a checker registered in rlhf_core.training.verifiable."
         "VERIFIABLE_REWARDS (last_number_match: the last number in a sentence) or module:function.")
     demo: DemoDataConfig = DemoDataConfig()
-
-    @field_validator("answer_checker")
-    @classmethod
-    def _checker_resolves(cls, name: str | None) -> str | None:
-        check_verifiable_reward(name)  # raises ValueError naming the registered ones
-        return name
 
     @model_validator(mode="after")
     def _eval_needs_preferences(self) -> "DataConfig":

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.config.inputs import (  # noqa: F401 - re-exported by the package
-    DataConfig, DemoDataConfig, ModelConfig, TokenizerConfig, ValidationConfig, _Strict,
+    Checker, DataConfig, DemoDataConfig, ModelConfig, TokenizerConfig, ValidationConfig, _Strict,
 )
 from rlhf_core.config.offline import (  # noqa: F401 - re-exported by the package
     DPOConfig, KTOConfig, LoRAConfig, OfflineTrainingConfig,
@@ -22,7 +22,6 @@ from rlhf_core.config.policy import (  # noqa: F401 - re-exported by the package
     CircuitBreakerConfig, GRPOConfig, JudgeConfig, PolicyConfig, PPOConfig, RewardShapingConfig,
     RolloutPipelineConfig, RoundsConfig,
 )
-from rlhf_core.training.verifiable import check_verifiable_reward
 
 
 class SFTConfig(_Strict):
@@ -100,15 +99,9 @@ class RegressionSuiteConfig(_Strict):
         "(regression:<name>) and in the metrics.")
     path: str = Field(description='JSONL file of {"prompt": ..., "answer": ...} rows; or demo:<suite>, a suite '
         "the demo generates into the run's data directory (demo:no_carry, rlhf_core.data.synthetic.no_carry_suite).")
-    checker: str = Field("answer_exact_match", description="Decides whether an answer is right: a verifiable reward "
+    checker: Checker = Field("answer_exact_match", description="Decides whether an answer is right: a verifiable reward "
         "registered in rlhf_core.training.verifiable.VERIFIABLE_REWARDS, or module:function.")
     margin: float = Field(0.05, ge=0, le=1, description="Largest allowed drop in accuracy on the suite.")
-
-    @field_validator("checker")
-    @classmethod
-    def _checker_resolves(cls, name: str) -> str:
-        check_verifiable_reward(name)  # raises ValueError naming the registered ones
-        return name
 
 
 class GateConfig(_Strict):

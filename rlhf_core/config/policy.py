@@ -8,9 +8,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core.config.inputs import _Strict
+from rlhf_core.config.inputs import Checker, _Strict
 from rlhf_core.config.offline import DPOConfig, KTOConfig, LoRAConfig, OfflineTrainingConfig
-from rlhf_core.training.verifiable import check_verifiable_reward
 
 
 class PPOConfig(_Strict):
@@ -221,7 +220,7 @@ class PolicyConfig(_Strict):
     reward_model_weight: float = Field(1.0, ge=0, description="Weight of the reward model's score in the reward.")
     verifiable_reward_weight: float = Field(0.0, ge=0,
         description='Weight of the verifiable reward (exact answer); needs prompts the verifier can parse.')
-    verifiable_reward: str | None = Field(
+    verifiable_reward: Checker | None = Field(
         None,
         description="The task's answer checker: a name registered in rlhf_core.training.verifiable."
         "VERIFIABLE_REWARDS (the demo's is addition_exact_match; answer_exact_match checks an "
@@ -339,12 +338,6 @@ class PolicyConfig(_Strict):
                 "sampler's probability of each token, which top-p renormalises over the nucleus"
             )
         return self
-
-    @field_validator("verifiable_reward")
-    @classmethod
-    def _verifiable_reward_resolves(cls, name: str | None) -> str | None:
-        check_verifiable_reward(name)  # raises ValueError naming the registered ones
-        return name
 
     @model_validator(mode="after")
     def _verifiable_weight_has_a_reward(self) -> "PolicyConfig":
