@@ -111,9 +111,13 @@ def print_deployment(stage: dict[str, Any], cfg, state_dir: Path) -> None:
     print(f"Serving:     policy v{stage['version']} at {stage['endpoint']}/v1  (model {stage['served_model_name']!r})")
     print(f"Sample:      {stage['sample']}")
     print(f"API key:     ${cfg.serving.api_key_env}, else the file {state_dir}/api_key")
-    print(f"Try it:      curl -s {stage['endpoint']}/v1/completions -H \"Authorization: Bearer $(cat {state_dir}/api_key)\" \\")
+    chat = stage.get("chat", False)  # a chat model is asked through its template, as in the sample
+    asked = (f'"messages": [{{"role": "user", "content": "{cfg.serving.smoke_prompt}"}}], "max_tokens": 32'
+             if chat else f'"prompt": "{cfg.serving.smoke_prompt}", "max_tokens": 8')
+    print(f"Try it:      curl -s {stage['endpoint']}/v1/{'chat/' if chat else ''}completions "
+          f"-H \"Authorization: Bearer $(cat {state_dir}/api_key)\" \\")
     print(f"               -H 'Content-Type: application/json' -d '{{\"model\": \"{stage['served_model_name']}\", "
-          f"\"prompt\": \"{cfg.serving.smoke_prompt}\", \"max_tokens\": 8, \"temperature\": 0}}'")
+          f"{asked}, \"temperature\": 0}}'")
     print("Stop it:     rlhf serving stop")
 
 

@@ -34,11 +34,12 @@ class Deployment:
     changed: bool  # False when the champion was already serving
     seconds: float
     api_key_env: str
+    chat: bool = False  # the model has a chat template: the sample was asked through /v1/chat/completions
 
     def summary(self) -> dict:
         return {"status": "serving", "version": self.version, "endpoint": self.url,
                 "served_model_name": self.served_model_name, "changed": self.changed,
-                "previous_version": self.previous_version,
+                "previous_version": self.previous_version, "chat": self.chat,
                 "sample": f"{self.sample_prompt!r} -> {self.sample_completion!r}", "seconds": round(self.seconds, 1)}
 
 
@@ -121,11 +122,11 @@ def _serve(client: MlflowClient, champion, cfg: PipelineConfig, log) -> Deployme
     key = server.resolve_api_key(cfg.serving, state_dir)
     current = server.current_endpoint(state_dir)
     if current is not None and current.version == version and server.health(current.url):
-        text = server.complete(current.url, key, current.served_model_name, cfg.serving.smoke_prompt,
-                               cfg.serving.smoke_max_tokens)
+        text = server.smoke(current, key, cfg.serving)
         log.info("policy v%s already serves at %s", version, current.url)
         d = Deployment(version, current.url, current.served_model_name, cfg.serving.smoke_prompt, text,
-                       current.version, changed=False, seconds=0.0, api_key_env=cfg.serving.api_key_env)
+                       current.version, changed=False, seconds=0.0, api_key_env=cfg.serving.api_key_env,
+                       chat=server.has_chat_template(current.model_dir))
         _publish(d, state_dir)
         return d
     if current is not None and not champion.tags.get("previous_champion") and current.version != version:
@@ -137,7 +138,8 @@ def _serve(client: MlflowClient, champion, cfg: PipelineConfig, log) -> Deployme
     client.set_model_version_tag(POLICY, version, "serving.deployed_at", now_iso())
     d = Deployment(version, result.endpoint.url, result.endpoint.served_model_name, cfg.serving.smoke_prompt,
                    result.smoke_completion, None if result.previous is None else result.previous.version,
-                   changed=True, seconds=result.seconds, api_key_env=cfg.serving.api_key_env)
+                   changed=True, seconds=result.seconds, api_key_env=cfg.serving.api_key_env,
+                   chat=server.has_chat_template(result.endpoint.model_dir))
     _publish(d, state_dir)
     log.info("policy v%s serves at %s (%.0f s to healthy)", version, d.url, d.seconds)
     return d

@@ -2,6 +2,9 @@
 the requests it has in hand."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 
 from rlhf_core.serving.errors import ServingError
@@ -23,20 +26,37 @@ def list_models(url: str, api_key: str | None) -> list[str]:
     return [m["id"] for m in r.json()["data"]]
 
 
-def complete(url: str, api_key: str | None, model: str, prompt: str, max_tokens: int = 8) -> str:
-    """One greedy (temperature 0) completion; its text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def complete(url: str, api_key: str | None, model: str, prompt: str, max_tokens: int = 8, chat: bool = False) -> str:
+    """One greedy (temperature 0) completion; its text. With `chat`, `prompt` is the user's turn
+    of a `/v1/chat/completions` request (the model's chat template renders it); else it is the
+    raw text of a `/v1/completions` request."""
+    path, field = ("/v1/chat/completions", "message.content") if chat else ("/v1/completions", "text")
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+            **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})}
     with _client(120) as client:
-        r = client.post(f"{url}/v1/completions", headers=_auth(api_key), json=body)
+        r = client.post(f"{url}{path}", headers=_auth(api_key), json=body)
     if r.status_code != 200:
-        raise ServingError(f"POST {url}/v1/completions: HTTP {r.status_code}: {r.text[:200]}")
+        raise ServingError(f"POST {url}{path}: HTTP {r.status_code}: {r.text[:200]}")
     try:
-        text = r.json()["choices"][0]["text"]
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
     except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise ServingError(f"POST {url}/v1/completions: no choices[0].text in {r.text[:200]!r}") from e
+        raise ServingError(f"POST {url}{path}: no choices[0].{field} in {r.text[:200]!r}") from e
     if not isinstance(text, str):
-        raise ServingError(f"POST {url}/v1/completions: choices[0].text is {type(text).__name__}, not a string")
+        raise ServingError(f"POST {url}{path}: choices[0].{field} is {type(text).__name__}, not a string")
     return text
+
+
+def has_chat_template(model_dir: str | Path) -> bool:
+    """Whether the model directory carries a chat template (in tokenizer_config.json or a
+    chat_template.jinja beside it): vLLM then answers /v1/chat/completions with it."""
+    model_dir = Path(model_dir)
+    if (model_dir / "chat_template.jinja").is_file() or (model_dir / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from rlhf_core.config import ServingConfig
 from rlhf_core.serving.auth import OPEN_PATHS, RequireApiKey, resolve_api_key
-from rlhf_core.serving.client import complete, health, list_models
+from rlhf_core.serving.client import complete, has_chat_template, health, list_models
 from rlhf_core.serving.drain import Drained, drain
 from rlhf_core.serving.errors import ServingError
 from rlhf_core.serving.orphans import Orphans, end_server, find_orphans
@@ -280,7 +280,15 @@ def _check_new_server(proc: subprocess.Popen, endpoint: Endpoint, api_key: str, 
     models = list_models(endpoint.url, api_key)
     if endpoint.served_model_name not in models:
         raise ServingError(f"/v1/models lists {models}, not {endpoint.served_model_name!r}")
-    return complete(endpoint.url, api_key, endpoint.served_model_name, cfg.smoke_prompt, cfg.smoke_max_tokens)
+    return smoke(endpoint, api_key, cfg)
+
+
+def smoke(endpoint: Endpoint, api_key: str | None, cfg: ServingConfig) -> str:
+    """The smoke completion of `cfg.smoke_prompt`: a chat request when the served model has a
+    chat template (a chat model given the raw text answers nothing or continues it), else a
+    plain completion."""
+    return complete(endpoint.url, api_key, endpoint.served_model_name, cfg.smoke_prompt, cfg.smoke_max_tokens,
+                    chat=has_chat_template(endpoint.model_dir))
 
 
 def _max_position_embeddings(model_dir: Path) -> int:

@@ -102,3 +102,22 @@ def test_the_summary_names_the_run_report_or_why_there_is_none(capsys, report, l
     print_summary(summary)
     printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Report:")]
     assert printed == ([line] if line else [])
+
+
+@pytest.mark.parametrize(("chat", "path", "key"), [(False, "/v1/completions", "prompt"),
+                                                   (True, "/v1/chat/completions", "messages")])
+def test_the_try_it_line_asks_a_chat_model_through_its_template(capsys, chat, path, key):
+    import json
+    import re
+    from pathlib import Path
+
+    from flows.console import print_deployment
+    from rlhf_core.config import PipelineConfig
+
+    stage = {"version": "1", "endpoint": "http://127.0.0.1:8100", "served_model_name": "policy-v1", "sample": "x",
+             "chat": chat}
+    print_deployment(stage, PipelineConfig(), Path("/state"))
+    out = capsys.readouterr().out
+    assert f"curl -s http://127.0.0.1:8100{path} " in out
+    body = json.loads(re.search(r"-d '(\{.*\})'", out).group(1))  # the request body is valid JSON
+    assert key in body and body["model"] == "policy-v1"
