@@ -3,7 +3,7 @@ pre-normalised loss, and the full weights gathered from the ranks."""
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -11,29 +11,23 @@ from rlhf_core.training.ppo_step import StepOutcome, guard_nonfinite
 from rlhf_core.training.sft import warmup_cosine
 
 
-class EngineBatching(Protocol):
-    """The config keys DeepSpeed's batching and ZeRO settings come from (reward and policy configs)."""
-
-    micro_batch_size: int
-    grad_accum_steps: int
-    max_grad_norm: float
-    zero_stage: int
-
-
 def deepspeed_config(
-    cfg: EngineBatching, *, train_batch_size: int, learning_rate: float, weight_decay: float, use_gpu: bool
+    *, train_batch_size: int, micro_batch_size: int, grad_accum_steps: int, max_grad_norm: float, zero_stage: int,
+    learning_rate: float, weight_decay: float, use_gpu: bool,
 ) -> dict[str, Any]:
-    """One optimizer step per `train_batch_size` sequences (all ranks and micro-batches
-    together), ZeRO `cfg.zero_stage`, AdamW at `learning_rate`, clipping at `cfg.max_grad_norm`;
-    bf16 on GPU, fp32 on CPU. The optimizer is torch's AdamW everywhere (`torch_adam`), fused on
-    GPU: DeepSpeed's FusedAdam is compiled on first use and needs `nvcc`, which a runtime image
-    of torch's CUDA wheels does not have; torch's fused kernel ships with the wheel."""
+    """The DeepSpeed config of every trainer (reward, PPO/GRPO actor and critic, DPO/KTO): one
+    optimizer step per `train_batch_size` sequences (all ranks and micro-batches together), ZeRO
+    `zero_stage`, AdamW at a constant `learning_rate` (schedules are passed to
+    `deepspeed.initialize` as callables, `warmup_cosine_lr`), clipping at `max_grad_norm`; bf16 on
+    GPU, fp32 on CPU. The optimizer is torch's AdamW everywhere (`torch_adam`), fused on GPU:
+    DeepSpeed's FusedAdam is compiled on first use and needs `nvcc`, which a runtime image of
+    torch's CUDA wheels does not have; torch's fused kernel ships with the wheel."""
     return {
         "train_batch_size": train_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
-        "gradient_clipping": cfg.max_grad_norm,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": {"stage": zero_stage},
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": learning_rate, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": weight_decay,

@@ -65,16 +65,6 @@ EVAL_BATCH = 256  # prompts per generate call at the end
 
 
 @dataclass(frozen=True)
-class _Batching:
-    """What `deepspeed_engine.deepspeed_config` reads, from the offline method's config section."""
-
-    micro_batch_size: int
-    grad_accum_steps: int
-    max_grad_norm: float
-    zero_stage: int
-
-
-@dataclass(frozen=True)
 class Rows:
     """A data set as the workers read it: two sequences per row, and for KTO each row's label."""
 
@@ -224,8 +214,9 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
     engine, *_ = worker.deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_engine.deepspeed_config(
-            _Batching(d.micro_batch_size, accum, cfg.max_grad_norm, cfg.zero_stage), train_batch_size=d.batch_size,
-            learning_rate=d.learning_rate, weight_decay=0.0, use_gpu=runtime.use_gpu),
+            train_batch_size=d.batch_size, micro_batch_size=d.micro_batch_size, grad_accum_steps=accum,
+            max_grad_norm=cfg.max_grad_norm, zero_stage=cfg.zero_stage, learning_rate=d.learning_rate,
+            weight_decay=0.0, use_gpu=runtime.use_gpu),
         lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=d.warmup_steps),
     )
     figures = FIGURES[cfg.algorithm]

@@ -165,17 +165,15 @@ def _agreed_precision(cfg: PolicyConfig, use_gpu: bool, rank: int, world: int) -
     return chosen[0]
 
 
-def deepspeed_config(cfg: PolicyConfig, learning_rate: float, use_gpu: bool) -> dict[str, Any]:
-    """DeepSpeed config of the actor or the critic: one optimizer step per minibatch of
-    `cfg.minibatch_size` sequences, AdamW at a constant `learning_rate` with no weight decay."""
-    return deepspeed_engine.deepspeed_config(cfg, train_batch_size=cfg.minibatch_size, learning_rate=learning_rate,
-                                             weight_decay=0.0, use_gpu=use_gpu)
-
-
 def _engine(deepspeed, model: torch.nn.Module, cfg: PolicyConfig, learning_rate: float, use_gpu: bool):
-    """A DeepSpeed engine whose optimizer holds the trainable parameters only (with LoRA: the adapters)."""
+    """A DeepSpeed engine of the actor or the critic whose optimizer holds the trainable parameters only (with
+    LoRA: the adapters): one optimizer step per minibatch, a constant `learning_rate`, no weight decay."""
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=deepspeed_config(cfg, learning_rate, use_gpu))
+                                      config=deepspeed_engine.deepspeed_config(
+                                          train_batch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
+                                          grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm,
+                                          zero_stage=cfg.zero_stage, learning_rate=learning_rate, weight_decay=0.0,
+                                          use_gpu=use_gpu))
     return engine
 
 

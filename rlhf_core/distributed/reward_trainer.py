@@ -75,18 +75,6 @@ class RewardTrainResult:
     metrics_history: list[dict[str, float]] = field(repr=False, default_factory=list)
 
 
-def deepspeed_config(cfg: RewardConfig, use_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed config of a reward run: one optimizer step per global batch, ZeRO
-    `cfg.zero_stage`, AdamW with `cfg.weight_decay`, clipping; bf16 on GPU, fp32 on CPU.
-
-    The learning-rate schedule is passed to `deepspeed.initialize` as a callable instead
-    (`deepspeed_engine.warmup_cosine_lr`): DeepSpeed's WarmupLR / WarmupCosineLR give the first step lr 0.
-    """
-    return deepspeed_engine.deepspeed_config(cfg, train_batch_size=cfg.global_batch_size,
-                                             learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                             use_gpu=use_gpu)
-
-
 # ----------------------------------------------------------------------------- driver
 
 
@@ -257,7 +245,10 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
     engine, *_ = worker.deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=deepspeed_config(cfg, runtime.use_gpu),
+        config=deepspeed_engine.deepspeed_config(
+            train_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
+            grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm, zero_stage=cfg.zero_stage,
+            learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, use_gpu=runtime.use_gpu),
         lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=cfg.warmup_steps),
     )
 

@@ -17,9 +17,9 @@ import ray.cloudpickle
 import torch
 
 from rlhf_core.config import LoRAConfig, PolicyConfig, RolloutPipelineConfig
+from rlhf_core.distributed import policy_worker
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
-from rlhf_core.distributed.policy_worker import deepspeed_config
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
 from rlhf_core.testing.sinks import JsonlSink
@@ -81,12 +81,27 @@ def check_finite_run(result, cfg: PolicyConfig) -> None:
 # ----------------------------------------------------------------------------- fast
 
 
-def test_deepspeed_config_is_one_optimizer_step_per_minibatch():
+def test_the_actors_engine_takes_one_optimizer_step_per_minibatch(monkeypatch):
+    """`_engine` hands DeepSpeed the policy config's batching: 32 sequences a step on 2 workers
+    of 8 a micro-batch is 2 accumulation steps; only trainable parameters reach the optimizer."""
     cfg = CFG.model_copy(update={"num_workers": 2, "minibatch_size": 32, "micro_batch_size": 8, "zero_stage": 3})
-    ds = deepspeed_config(cfg, 1e-5, use_gpu=False)
+    seen = {}
+
+    class FakeDeepSpeed:  # records what initialize gets; the engine itself is DeepSpeed's business
+        @staticmethod
+        def initialize(model, model_parameters, config):
+            seen.update(params=model_parameters, config=config)
+            return ("engine",)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    assert policy_worker._engine(FakeDeepSpeed, model, cfg, 1e-5, use_gpu=False) == "engine"
+    ds = seen["config"]
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == cfg.grad_accum_steps == 2
     assert ds["zero_optimization"] == {"stage": 3} and ds["optimizer"]["params"]["lr"] == 1e-5
+    assert ds["optimizer"]["params"]["weight_decay"] == 0.0
+    assert [id(p) for p in seen["params"]] == [id(p) for p in model[1].parameters()]
 
 
 def test_bad_input_fails_before_anything_starts(tmp_path):

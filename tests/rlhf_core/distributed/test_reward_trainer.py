@@ -20,7 +20,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from rlhf_core.config import RewardConfig
 from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
-from rlhf_core.distributed.reward_trainer import deepspeed_config, train_reward_model
+from rlhf_core.distributed.deepspeed_engine import deepspeed_config
+from rlhf_core.distributed.reward_trainer import train_reward_model
 from rlhf_core.models.reward import read_reward_meta, score
 from rlhf_core.testing.sinks import JsonlSink
 
@@ -68,25 +69,33 @@ def baseline(ray_cluster, pairs, tiny_base, tmp_path_factory):
 # ----------------------------------------------------------------------------- fast
 
 
+def _ds(cfg, use_gpu):
+    """The DeepSpeed config the reward trainer builds from its config."""
+    return deepspeed_config(train_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
+                            grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm,
+                            zero_stage=cfg.zero_stage, learning_rate=cfg.learning_rate,
+                            weight_decay=cfg.weight_decay, use_gpu=use_gpu)
+
+
 def test_deepspeed_config_follows_reward_config():
     cfg = CFG.model_copy(update={"zero_stage": 3, "grad_accum_steps": 2, "max_grad_norm": 0.5, "weight_decay": 0.1})
-    ds = deepspeed_config(cfg, use_gpu=False)
+    ds = _ds(cfg, use_gpu=False)
     assert ds["train_micro_batch_size_per_gpu"] == 16 and ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == cfg.global_batch_size == 64
     assert ds["zero_optimization"] == {"stage": 3} and ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["optimizer"]["params"]["weight_decay"] == 0.1 and ds["optimizer"]["params"]["lr"] == cfg.learning_rate
     assert ds["bf16"] == {"enabled": False}
-    assert deepspeed_config(cfg, use_gpu=True)["bf16"] == {"enabled": True}
+    assert _ds(cfg, use_gpu=True)["bf16"] == {"enabled": True}
 
 
 def test_the_gpu_optimizer_is_torchs_fused_adamw_which_needs_no_compiler():
     """DeepSpeed's FusedAdam would be compiled with nvcc on first use; torch's AdamW with
     `fused` ships with the CUDA wheel. DeepSpeed hands the params, less `torch_adam`, to
     torch.optim.AdamW: they must be its keyword arguments."""
-    params = deepspeed_config(CFG, use_gpu=True)["optimizer"]["params"]
+    params = _ds(CFG, use_gpu=True)["optimizer"]["params"]
     assert params["torch_adam"] is True and params["fused"] is True
-    assert "fused" not in deepspeed_config(CFG, use_gpu=False)["optimizer"]["params"]
+    assert "fused" not in _ds(CFG, use_gpu=False)["optimizer"]["params"]
     kwargs = {k: v for k, v in params.items() if k != "torch_adam"}
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], **kwargs)  # fused AdamW also runs on CPU tensors
