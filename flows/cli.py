@@ -309,7 +309,7 @@ def _validate_here(args, cfg) -> int:
                "summary_path": str(out_dir / "summary.json")}
     try:  # a conversational file is rendered with model.pretrained's tokenizer first, as a run would
         paths = prepare_files(cfg, args.path, args.eval_path, None, None, out_dir / "data", cfg.model.pretrained)
-        summary.update(status="completed", stages={"validate": check_files(paths, cfg.validation, out_dir).summary()})
+        summary.update(status="completed", stages={"validate": check_files(paths, cfg, out_dir).summary()})
     except (DataValidationError, DataFormatError, ValueError) as exc:  # InputError, ChatTemplateError are ValueErrors
         stage = {"status": "failed", "error": str(exc)}
         if getattr(exc, "report_path", None) is not None:

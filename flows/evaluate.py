@@ -13,8 +13,8 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from rlhf_core.config.default import DEFAULT_CONFIG
-from tasks.data import prepare_data
-from tasks.evaluate import eval_set, evaluate_candidate, fetch_registered_candidate, record_gate_verdict
+from tasks.data import PreparedData, prepare_data
+from tasks.evaluate import evaluate_candidate, fetch_registered_candidate, record_gate_verdict
 from tasks.pretrained import prepare_pretrained
 from tasks.run_start import start_pipeline_run
 from tasks.summary import record_stage, recorded_outcome, summary_header
@@ -37,7 +37,7 @@ def evaluate_flow(
     with recorded_outcome(run, summary) as stages:
         registered = fetch_registered_candidate(candidate, run)
         pretrained = prepare_pretrained(cfg, run.out_dir) if cfg.model.pretrained is not None else None
-        prompts, answers = eval_set(prepare_data(cfg, run.out_dir, pretrained), cfg)  # rendered as in training
+        prompts, answers = PreparedData.of(prepare_data(cfg, run.out_dir, pretrained), cfg).eval_set  # rendered as in training
         evaluation = record_stage(stages, "evaluate", evaluate_candidate, registered.candidate, prompts, answers, cfg, run)
         record_gate_verdict(registered.version, evaluation, run)
         summary["candidate_version"] = registered.version

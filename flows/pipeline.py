@@ -25,7 +25,7 @@ from rlhf_core.config.default import DEFAULT_CONFIG
 from tasks.cluster import training_cluster
 from tasks.data import prepare_data, validate_data
 from tasks.deploy import deploy_champion
-from tasks.evaluate import Candidate, eval_set, evaluate_candidate, register_candidate
+from tasks.evaluate import Candidate, evaluate_candidate, register_candidate
 from tasks.policy import optimise_policy
 from tasks.pretrained import prepare_pretrained
 from tasks.reward import train_reward_model_task
@@ -75,7 +75,7 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
             "reward_model.version": reward.version, "policy.run_id": policy.run_id,
             "algorithm": policy.result.algorithm, "pipeline.run_id": run.run_id, **data.paths.lineage(),
         })
-        prompts, answers = eval_set(data.paths, cfg)
+        prompts, answers = data.eval_set  # the reward model's held-out prompts without an eval file
         evaluation = record_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)
         if not evaluation.passed:
             d = evaluation.decision

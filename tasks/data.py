@@ -27,7 +27,7 @@ from rlhf_core.data.validation import ValidationReport, prompt_key
 from rlhf_core.eval.regression import RegressionSuite
 from rlhf_core.feedback.mix import data_format, labelled_answers, mix, recent_exports
 from tasks.data_contract import (
-    DataFormatError, DataPaths, DataValidationError, ValidatedData, check_files, contract, failure, prepare_files,
+    DataFormatError, DataPaths, DataValidationError, PreparedData, ValidatedData, check_files, contract, failure, prepare_files,
     write_report,
 )
 from tasks.feedback import export_root
@@ -35,8 +35,8 @@ from tasks.pretrained import PretrainedBase
 from tasks.tracking import PipelineRun, stage_run
 
 
-__all__ = ["DataFormatError", "DataPaths", "DataValidationError", "ValidatedData", "check_files", "prepare_data",
-           "validate_data"]
+__all__ = ["DataFormatError", "DataPaths", "DataValidationError", "PreparedData", "ValidatedData", "check_files",
+           "prepare_data", "validate_data"]
 
 
 @task(name="prepare-data")
@@ -130,15 +130,14 @@ def check_data_contract(data_fingerprint: str, paths: DataPaths, cfg: Validation
     return contract(paths, cfg)
 
 
-def check_regression_suites(paths: DataPaths, cfg: PipelineConfig, out_dir: Path) -> list[RegressionSuite]:
+def check_regression_suites(data: ValidatedData, cfg: PipelineConfig, out_dir: Path) -> list[RegressionSuite]:
     """The gates' regression suites read and checked as the evaluate stage will read them (the
     demo's generated without the eval prompts); raises `SuiteFormatError` naming file and line."""
     if not cfg.gates.regression_suites:
         return []
-    from tasks.evaluate import eval_set, regression_suites  # noqa: PLC0415 - loads the model stack
+    from tasks.evaluate import regression_suites  # noqa: PLC0415 - loads the model stack
 
-    eval_prompts, _ = eval_set.fn(paths, cfg)
-    return regression_suites(cfg, out_dir, eval_prompts)
+    return regression_suites(cfg, out_dir, data.eval_set[0])
 
 
 @task(name="validate-data")
@@ -147,10 +146,6 @@ def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> Va
     data_fp = fingerprint([p for p in (paths.preferences, paths.eval, paths.prompts, paths.labelled) if p is not None])
     with stage_run(run, "validate", {"dataset.fingerprint": data_fp}) as stage_id:
         client = run.client
-        suites = check_regression_suites(paths, cfg, run.out_dir)
-        if suites:
-            get_run_logger().info("regression suites: %s", ", ".join(f"{s.name} ({len(s.prompts)} rows, {s.path})"
-                                                                      for s in suites))
         client.set_tag(run.run_id, "dataset.fingerprint", data_fp)
         for key, value in paths.lineage().items():  # the feedback datasets mixed in
             client.set_tag(run.run_id, key, value)
@@ -164,4 +159,9 @@ def validate_data(paths: DataPaths, cfg: PipelineConfig, run: PipelineRun) -> Va
         client.set_tag(stage_id, "validation.verdict", "passed" if report.success else "failed")
         if not report.success:
             raise failure(paths, report, run.out_dir)
-    return ValidatedData(paths, data_fp, report.num_rows, report_path)
+        data = ValidatedData(paths, cfg.reward.eval_share, cfg.reward.seed, data_fp, report.num_rows, report_path)
+        suites = check_regression_suites(data, cfg, run.out_dir)
+        if suites:
+            get_run_logger().info("regression suites: %s", ", ".join(f"{s.name} ({len(s.prompts)} rows, {s.path})"
+                                                                      for s in suites))
+    return data

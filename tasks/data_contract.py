@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
 from rlhf_core.data.prepare import Limits, prepare_inputs
-from rlhf_core.data.schema import DataFormatError, fingerprint, read_table
+from rlhf_core.data.pairs import split_by_prompt
+from rlhf_core.data.schema import PREFERENCE_COLUMNS, DataFormatError, fingerprint, read_table
 from rlhf_core.data.sources import could_exist
 from rlhf_core.data.validation import ValidationReport, validate_preferences
 
@@ -60,8 +62,43 @@ class DataPaths:
 
 
 @dataclass(frozen=True)
-class ValidatedData:
+class PreparedData:
+    """The prepared files as the later stages take them: read once, split once. `eval_share` and
+    `split_seed` (`reward.eval_share`, `reward.seed`) say which prompts the reward model holds
+    out; DPO/KTO hold out the same ones, and without an eval file the gates judge on them."""
+
     paths: DataPaths
+    eval_share: float
+    split_seed: int
+
+    @classmethod
+    def of(cls, paths: DataPaths, cfg: PipelineConfig) -> "PreparedData":
+        return cls(paths, cfg.reward.eval_share, cfg.reward.seed)
+
+    @cached_property
+    def pairs(self) -> list[dict]:
+        """The preference pairs (prompt, chosen, rejected), in file order."""
+        return read_table(self.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
+
+    @cached_property
+    def split(self) -> tuple[list[dict], list[dict]]:
+        """-> (training pairs, held-out pairs): every pair of a prompt on one side."""
+        return split_by_prompt(self.pairs, self.eval_share, self.split_seed)
+
+    @cached_property
+    def eval_set(self) -> tuple[list[str], list[str] | None]:
+        """-> (prompts, answers or None) the gates decide on: the eval file (answers when it has
+        an `answer` column), else the distinct prompts of the held-out pairs."""
+        if self.paths.eval is not None:
+            table = read_table(self.paths.eval)
+            return list(table["prompt"]), (list(table["answer"]) if "answer" in table.columns else None)
+        return list(dict.fromkeys(r["prompt"] for r in self.split[1])), None
+
+
+@dataclass(frozen=True)
+class ValidatedData(PreparedData):
+    """Prepared data that passed the data contract: its fingerprint, rows and report."""
+
     fingerprint: str
     num_rows: int
     report_path: Path
@@ -119,13 +156,13 @@ def prepare_files(cfg: PipelineConfig, preferences: str | Path, eval_path: str |
                      notes=tuple(files.notes), labelled=files.labelled)
 
 
-def check_files(paths: DataPaths, cfg: ValidationConfig, out_dir: Path) -> ValidatedData:
+def check_files(paths: DataPaths, cfg: PipelineConfig, out_dir: Path) -> ValidatedData:
     """Run the contract on the files and write its report under `out_dir`, without Prefect or
     MLflow: what `rlhf validate` does, in about the time Great Expectations needs. Raises
     `DataValidationError` when a check fails."""
     data_fp = fingerprint([p for p in (paths.preferences, paths.eval) if p is not None])
-    report = contract(paths, cfg)
+    report = contract(paths, cfg.validation)
     report_path = write_report(report, out_dir)
     if not report.success:
         raise failure(paths, report, out_dir)
-    return ValidatedData(paths, data_fp, report.num_rows, report_path)
+    return ValidatedData(paths, cfg.reward.eval_share, cfg.reward.seed, data_fp, report.num_rows, report_path)

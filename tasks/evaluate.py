@@ -24,8 +24,6 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data.pairs import split_by_prompt
-from rlhf_core.data.schema import read_table
 from rlhf_core.eval.evaluate import EvalResult, Policy, evaluate, scorers_for
 from rlhf_core.eval.gates import Decision, gate
 from rlhf_core.eval.model_card import base_model_of, render_model_card, training_settings
@@ -35,7 +33,6 @@ from rlhf_core.tokenizer import load_tokenizer
 from tasks.registry import (
     CHALLENGER, CHAMPION, POLICY, REWARD_MODEL, by_alias, fetch_version, get_version, promote, register_model_version,
 )
-from tasks.data import DataPaths
 from tasks.tracking import PipelineRun, stage_run
 
 
@@ -96,18 +93,6 @@ def regression_suites(cfg: PipelineConfig, out_dir: Path, eval_prompts: list[str
         return suites
     tokenizer = load_tokenizer(tokenizer_dir)
     return [rendered(s, tokenizer) for s in suites]
-
-
-@task(name="eval-set")
-def eval_set(paths: DataPaths, cfg: PipelineConfig) -> tuple[list[str], list[str] | None]:
-    """The held-out prompts (and answers, when the eval file has them) the gates decide on:
-    the eval file, else the preference prompts the reward model held out."""
-    if paths.eval is not None:
-        table = read_table(paths.eval)
-        return list(table["prompt"]), (list(table["answer"]) if "answer" in table.columns else None)
-    rows = read_table(paths.preferences)[["prompt"]].to_dict("records")
-    _, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
-    return list(dict.fromkeys(r["prompt"] for r in held_out)), None
 
 
 def _policy(name: str, model_dir: Path) -> Policy:

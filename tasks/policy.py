@@ -14,13 +14,12 @@ from prefect.artifacts import create_markdown_artifact
 from monitoring.progress import ProgressSink
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data.pairs import kto_examples, split_by_prompt, steps_per_epoch
-from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
+from rlhf_core.data.pairs import kto_examples, steps_per_epoch
+from rlhf_core.data.schema import read_table
 from rlhf_core.distributed.offline_trainer import train_offline
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult, train_policy
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
 from tasks.data import ValidatedData
-from tasks.evaluate import eval_set
 from tasks.monitoring import exported
 from tasks.reward import RewardModel
 from tasks.sft import BasePolicy
@@ -61,7 +60,7 @@ def training_prompts(data: ValidatedData) -> list[str]:
     preference data, in first-seen order."""
     if data.paths.prompts is not None:
         return list(dict.fromkeys(read_table(data.paths.prompts)["prompt"]))
-    prompts = list(read_table(data.paths.preferences)["prompt"])
+    prompts = [r["prompt"] for r in data.pairs]
     if data.paths.sft is not None:
         prompts = list(read_table(data.paths.sft)["prompt"]) + prompts
     return list(dict.fromkeys(prompts))
@@ -105,7 +104,7 @@ def optimise_policy(
         client = run.client
         params = flatten(cfg.policy.model_dump(mode="json"), "policy.")
         client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
-        prompts, answers = eval_set(data.paths, cfg)
+        prompts, answers = data.eval_set
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
         try:
             if cfg.policy.offline is not None:  # dpo, kto: no rollouts, no reward model in training
@@ -126,7 +125,7 @@ def optimise_policy(
                         on_metrics=on_metrics,
                         run_name="policy",  # one per pipeline run (storage_path is the run's): a resumed run continues it
                         answers=prompt_answers(data),
-                        replay_pairs=read_table(data.paths.preferences).to_dict("records"),
+                        replay_pairs=data.pairs,
                         validation=cfg.validation,
                         answer_checker=cfg.data.answer_checker,
                     )
@@ -161,8 +160,7 @@ def _train_offline(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, r
                    sink: MlflowMetricsSink, prompts: list[str], answers: list[str] | None) -> PolicyTrainResult:
     """DPO / IPO / KTO on the pairs the reward model trains on (KTO unpairs them): the prompts
     it holds out (which the gates may judge on) stay out of the policy's training too."""
-    rows = read_table(data.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
-    train, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
+    train, held_out = data.split
     if cfg.policy.algorithm == "kto" and data.paths.labelled is not None:  # and the feedback's thumbs
         rated = read_table(data.paths.labelled).to_dict("records")
         pairs = len(train)

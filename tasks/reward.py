@@ -11,8 +11,7 @@ from prefect.artifacts import create_markdown_artifact
 from monitoring.progress import ProgressSink
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
-from rlhf_core.data.schema import PREFERENCE_COLUMNS, read_table
+from rlhf_core.data.pairs import steps_per_epoch
 from rlhf_core.distributed.reward_trainer import RewardModels, RewardTrainResult, train_reward_models
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
@@ -88,8 +87,7 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         params = flatten(cfg.reward.model_dump(mode="json"), "reward.")
         params["reward.global_batch_size"] = str(cfg.reward.global_batch_size)
         client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
-        rows = read_table(data.paths.preferences)[list(PREFERENCE_COLUMNS)].to_dict("records")
-        train, held_out = split_by_prompt(rows, cfg.reward.eval_share, cfg.reward.seed)
+        train, held_out = data.split
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
         total = steps_per_epoch(len(train), cfg.reward.global_batch_size) * cfg.reward.epochs
         figures = {"reward/loss": "loss", "reward/accuracy": "accuracy"}

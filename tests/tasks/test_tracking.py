@@ -179,7 +179,7 @@ def test_a_retried_prefect_flow_run_continues_the_run_it_opened_and_only_a_faile
 
 def test_one_process_at_a_time_holds_a_run(tmp_path):
     """Two resumes of one run started together: the second is refused until the first ends."""
-    from tasks.run_start import ResumeRefused, hold_run_dir, release_run_dir
+    from tasks.run_start import hold_run_dir, release_run_dir
 
     import subprocess
     import sys

@@ -59,7 +59,7 @@ def test_parquet_is_read_with_row_numbers(tmp_path):
 def test_bad_jsonl_line_names_file_and_line(tmp_path, bad_line):
     path = tmp_path / "prefs.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps(ROWS[1]) + "\n" + bad_line + "\n")
-    with pytest.raises(DataFormatError, match=rf"prefs\.jsonl:3: "):
+    with pytest.raises(DataFormatError, match=r"prefs\.jsonl:3: "):
         read_table(path)
 
 
