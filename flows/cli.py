@@ -40,17 +40,17 @@ import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-from rlhf_core.config import ConfigError, load_config
-from flows.console import (
-    log_file_path, print_deployment, print_error, print_failure, print_summary, print_validated, route_logs,
-    unroute_logs,
-)
 from flows.config_view import print_config
-from flows.prefect_setup import quiet_telemetry, start_prefect_server_early
+from flows.console import print_failure, print_validated, unroute_logs
+from flows.launch import flow_module, run_flow, run_plain_flow
+from flows.prefect_setup import quiet_telemetry
+from flows.serving_commands import promote_command, serving_command
 from flows.show import print_environment, print_rows
+from rlhf_core.config import ConfigError, load_config
 from rlhf_core.config.default import DEFAULT_CONFIG
+
+__all__ = ["main", "quiet_telemetry"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,163 +139,27 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
 
-def _state_dir(cfg) -> Path:
-    from rlhf_core.serving.server import state_dir_for
-
-    return state_dir_for(cfg.serving, cfg.output_dir)
-
-
-def _run_flow(fn, log_path: Path, cfg=None, **kwargs) -> int:
-    """Run a flow and print its summary; a failed run prints one block saying why."""
-    from tasks.summary import PipelineFailed
-
-    state = fn(**kwargs, return_state=True)
-    try:
-        summary = state.result()
-    except PipelineFailed as exc:
-        print_failure(exc.summary, 1, log_path)
-        return 1
-    except Exception as exc:  # noqa: BLE001 - failed before a summary existed
-        logging.getLogger(__name__).debug("flow failed before its summary", exc_info=True)
-        print_error(str(exc), 1, log_path)
-        return 1
-    print_summary(summary)
-    if cfg is not None and "deploy" in summary.get("stages", {}):
-        print_deployment(summary["stages"]["deploy"], cfg, _state_dir(cfg))
-    return 3 if summary.get("status") in ("rejected", "undecided") else 0
-
-
-def _run_plain_flow(fn, log_path: Path, **kwargs) -> int:
-    """Run a flow whose result is a small dict; print it, or the error."""
-    state = fn(**kwargs, return_state=True)
-    try:
-        result = state.result()
-    except Exception as exc:  # noqa: BLE001 - the flow's error is the message
-        print_error(str(exc), 1, log_path)
-        return 1
-    print(json.dumps(result, indent=2, default=str))
-    return 0
-
-
-def _registry_command(args, cfg) -> int:
-    from tasks.registry import RegistryError, promote
-    from tasks.tracking import tracking_client
-
-    try:
-        p = promote(tracking_client(cfg), args.version, args.by, args.reason, force=args.force)
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if p.changed:
-        print(f"policy v{p.version} is now the champion (previous: {'v' + p.previous if p.previous else 'none'})")
-    else:
-        print(f"policy v{p.version} already is the champion")
-    if args.deploy:
-        flows, log = _flows("flows.serving", args, cfg)
-        return _run_plain_flow(flows.deploy_champion_flow, log, config_path=args.config, overrides=args.overrides)
-    return 0
-
-
-def _serving_command(args, cfg) -> int:
-    from rlhf_core.serving import server
-    from rlhf_core.serving.state import deploy_under_way
-
-    state_dir = _state_dir(cfg)
-    if args.action == "stop":  # the recorded server's whole process group, its leader alive or not
-        print(server.stop_serving(state_dir))
-        return 0
-    if args.action == "ensure":
-        return _ensure_serving(args, cfg, state_dir)
-    current, deploying = server.current_endpoint(state_dir), deploy_under_way(state_dir)
-    if current is None:
-        print("; ".join(str(x) for x in ("nothing is serving", deploying, server.find_orphans(state_dir)) if x))
-        return 1
-    healthy = server.health(current.url)
-    champion, why = _registry_champion(cfg)
-    print(json.dumps({**current.to_dict(), "healthy": healthy, "champion": champion}, indent=2))
-    if deploying:
-        print(deploying, file=sys.stderr)
-    if champion is None:
-        print(f"could not compare with the registry's champion: {why}", file=sys.stderr)
-    elif champion != current.version:
-        print(f"serving policy v{current.version}, but the registry's champion is v{champion}: "
-              f"`rlhf deploy` serves the champion; if v{current.version} should serve, "
-              f"`rlhf promote {current.version}` makes the registry say so", file=sys.stderr)
-        return 4 if healthy else 1
-    return 0 if healthy else 1
-
-
-def _ensure_serving(args, cfg, state_dir: Path) -> int:
-    """`rlhf serving ensure`: what `serving_plan` says, for `make demo-loop` from any state."""
-    from rlhf_core.serving import server
-    from tasks.deploy import serving_plan
-    from tasks.registry import RegistryError, champion_version
-    from tasks.tracking import tracking_client
-
-    current = server.current_endpoint(state_dir)
-    serving = current.version if current is not None and server.health(current.url) else None
-    try:  # what serves goes on whatever the registry says
-        champion = None if serving else champion_version(tracking_client(cfg))
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    plan = serving_plan(serving, champion)
-    print(plan.message)
-    if plan.action == "deploy":
-        flows, log = _flows("flows.serving", args, cfg)
-        return _run_plain_flow(flows.deploy_champion_flow, log, config_path=args.config, overrides=args.overrides)
-    if plan.action == "demo":
-        flows, log = _flows("flows.pipeline", args, cfg)
-        return _run_flow(flows.rlhf_pipeline, log, cfg=cfg, config_path=args.config, overrides=args.overrides)
-    return 0
-
-
-def _registry_champion(cfg) -> tuple[str | None, str]:
-    """(the `policy` version with alias champion, "") or (None, why it is unknown)."""
-    from tasks.registry import CHAMPION, by_alias
-    from tasks.tracking import tracking_client
-
-    try:
-        version = by_alias(tracking_client(cfg), CHAMPION)
-    except Exception as e:  # noqa: BLE001 - the status of what serves must not depend on the registry
-        return None, f"{type(e).__name__}: {e}"
-    return (str(version.version), "") if version is not None else (None, "no policy version is champion")
-
-
-def _flows(module: str, args, cfg) -> tuple[Any, Path]:
-    """Import a flow module with Prefect's temporary server starting meanwhile; then send the
-    log to a file of its own (errors reach the terminal only with --debug)."""
-    import importlib
-
-    server_up = start_prefect_server_early()
-    flows = importlib.import_module(module)
-    server_up()
-    log_path = log_file_path(cfg.output_dir, args.command)
-    route_logs(log_path, args.debug)
-    return flows, log_path
-
-
 def _flow_command(args, cfg) -> int:
     if args.command in ("run", "demo"):
-        flows, log = _flows("flows.pipeline", args, cfg)
+        flows, log = flow_module("flows.pipeline", args, cfg)
         resume = getattr(args, "resume", None)
-        return _run_flow(flows.rlhf_pipeline, log, cfg=cfg, config_path=args.config, overrides=args.overrides,
+        return run_flow(flows.rlhf_pipeline, log, cfg=cfg, config_path=args.config, overrides=args.overrides,
                          **({"resume": resume} if resume else {}))
     if args.command == "validate":
-        flows, log = _flows("flows.validate", args, cfg)
-        return _run_flow(flows.validate_data_flow, log, preferences_path=args.path, eval_path=args.eval_path,
+        flows, log = flow_module("flows.validate", args, cfg)
+        return run_flow(flows.validate_data_flow, log, preferences_path=args.path, eval_path=args.eval_path,
                          config_path=args.config, overrides=args.overrides)
     common = {"config_path": args.config, "overrides": args.overrides}
     if args.command == "evaluate":
-        flows, log = _flows("flows.evaluate", args, cfg)
-        return _run_flow(flows.evaluate_flow, log, candidate=args.candidate, **common)
+        flows, log = flow_module("flows.evaluate", args, cfg)
+        return run_flow(flows.evaluate_flow, log, candidate=args.candidate, **common)
     if args.command == "collect-feedback":
-        flows, log = _flows("flows.feedback", args, cfg)
-        return _run_plain_flow(flows.collect_feedback_flow, log, **common)
-    flows, log = _flows("flows.serving", args, cfg)
+        flows, log = flow_module("flows.feedback", args, cfg)
+        return run_plain_flow(flows.collect_feedback_flow, log, **common)
+    flows, log = flow_module("flows.serving", args, cfg)
     if args.command == "deploy":
-        return _run_plain_flow(flows.deploy_champion_flow, log, **common)
-    return _run_plain_flow(flows.rollback_flow, log, incident=args.incident, reason=args.reason,
+        return run_plain_flow(flows.deploy_champion_flow, log, **common)
+    return run_plain_flow(flows.rollback_flow, log, incident=args.incident, reason=args.reason,
                            requested_by=args.by, to_version=args.to_version, **common)
 
 
@@ -378,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {refused}", file=sys.stderr)
                 return 2
         if args.command == "promote":
-            return _registry_command(args, cfg)
+            return promote_command(args, cfg)
         if args.command == "serving":
-            return _serving_command(args, cfg)
+            return serving_command(args, cfg)
         if args.command == "gateway":
             from rlhf_core.serving.gateway import run_gateway
 

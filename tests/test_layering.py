@@ -23,6 +23,7 @@ COMPUTE_LIBRARIES = {"torch", "transformers", "deepspeed", "vllm", "ray", "mlflo
 CORE_MODULES_FOR_FLOWS = {"rlhf_core.config", "rlhf_core.config.default"}
 CORE_MODULES_FOR_THE_CLI = CORE_MODULES_FOR_FLOWS | {"rlhf_core.serving.server", "rlhf_core.serving",
                                                      "rlhf_core.data.synthetic"}
+COMMAND_LINE_MODULES = {"cli.py", "launch.py", "serving_commands.py"}  # flows/: the `rlhf` command's own
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -67,7 +68,7 @@ def _not_for_flows(path: Path, module: str) -> bool:
         return True
     if root != "rlhf_core" or module == "rlhf_core":
         return False
-    allowed = CORE_MODULES_FOR_THE_CLI if path.name == "cli.py" else CORE_MODULES_FOR_FLOWS
+    allowed = CORE_MODULES_FOR_THE_CLI if path.name in COMMAND_LINE_MODULES else CORE_MODULES_FOR_FLOWS
     return not any(module == a or module.startswith(a + ".") for a in allowed)
 
 

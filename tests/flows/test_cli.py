@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows import cli
+from flows import cli, serving_commands
 from flows.cli import _parser, main
 from rlhf_core.config.default import DEFAULT_CONFIG
 
@@ -392,7 +392,7 @@ def test_serving_ensure_runs_what_the_state_needs(tmp_path, capsys, free_ports, 
                "mlflow_tracking_uri": uri, "summary_path": "/s.json", "prefect_flow_run_id": "f"}
     flows = SimpleNamespace(rlhf_pipeline=stand_in("rlhf_pipeline", summary),
                             deploy_champion_flow=stand_in("deploy_champion_flow", {"status": "serving"}))
-    monkeypatch.setattr(cli, "_flows", lambda module, a, cfg: (flows, tmp_path / "log"))
+    monkeypatch.setattr(serving_commands, "flow_module", lambda module, a, cfg: (flows, tmp_path / "log"))
     proc = _fake_server(free_ports(1)[0], state, "1") if serving else None
     try:
         assert main(args) == 0
