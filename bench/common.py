@@ -86,9 +86,10 @@ def gates_vs_reference(cfg, policy_dir: Path, sft_dir: Path, reward_dir: Path, p
     from rlhf_core.eval.evaluate import Policy, evaluate, scorers_for  # noqa: PLC0415
     from rlhf_core.eval.gates import gate  # noqa: PLC0415
     from rlhf_core.models.llama import load_policy  # noqa: PLC0415
+    from rlhf_core.models.reward import current_audit_dir  # noqa: PLC0415
     from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
 
-    scorer, audit = scorers_for(reward_dir, cfg.reward.max_length, policy_dir)
+    scorer, audit = scorers_for(reward_dir, cfg.reward.max_length, current_audit_dir(policy_dir, reward_dir))
     n = min(cfg.gates.eval_prompts, len(prompts))
     result = evaluate(
         Policy("candidate", load_policy(policy_dir), load_tokenizer(policy_dir)),

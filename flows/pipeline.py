@@ -70,7 +70,7 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         with training_cluster():  # one Ray cluster for both training stages
             reward = record_stage(stages, "reward", train_reward_model_task, data, base, cfg, run, backbone)
             policy = record_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
-        candidate = Candidate(policy.path, base.path, reward.path, {
+        candidate = Candidate(policy.path, base.path, reward.path, policy.result.audit_dir or reward.audit_dir, {
             "dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
             "reward_model.version": reward.version, "policy.run_id": policy.run_id,
             "algorithm": policy.result.algorithm, "pipeline.run_id": run.run_id, **data.paths.lineage(),

@@ -29,6 +29,7 @@ from rlhf_core.eval.gates import Decision, gate
 from rlhf_core.eval.model_card import base_model_of, render_model_card, training_settings
 from rlhf_core.eval.regression import RegressionSuite, load_suites, rendered, suite_report
 from rlhf_core.models.llama import load_policy
+from rlhf_core.models.reward import current_audit_dir
 from rlhf_core.tokenizer import load_tokenizer
 from tasks.registry import (
     CHALLENGER, CHAMPION, POLICY, REWARD_MODEL, by_alias, fetch_version, get_version, promote, register_model_version,
@@ -43,6 +44,7 @@ class Candidate:
     model_dir: Path
     reference_dir: Path  # the SFT policy RL started from
     reward_dir: Path
+    audit_dir: Path | None  # the audit model that judges it (the policy stage's, else the reward stage's); None: none
     lineage: dict[str, str]  # dataset.fingerprint, base_model.run_id, reward_model.version, policy.run_id, ...
 
 
@@ -146,7 +148,7 @@ def evaluate_candidate(
     champion = by_alias(client, CHAMPION)
     champion_version = None if champion is None else str(champion.version)
     with stage_run(run, "evaluate", {**candidate.lineage, "champion.version": champion_version or ""}) as stage_id:
-        scorer, audit = scorers_for(candidate.reward_dir, cfg.reward.max_length, candidate.model_dir)
+        scorer, audit = scorers_for(candidate.reward_dir, cfg.reward.max_length, candidate.audit_dir)
         champion_policy = None
         if champion is not None:
             champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion"))
@@ -273,12 +275,10 @@ def fetch_registered_candidate(name_or_alias: str, run: PipelineRun) -> Register
     if not reference_dir.exists():
         client.download_artifacts(tags["base_model.run_id"], "model", str(run.out_dir))
         (run.out_dir / "model").rename(reference_dir)
-    candidate = Candidate(
-        fetch_version(run.tracking_uri, str(version.version), run.out_dir / "candidate"),
-        reference_dir,
-        fetch_version(run.tracking_uri, tags["reward_model.version"], run.out_dir / "reward", REWARD_MODEL),
-        {k: v for k, v in tags.items() if k in LINEAGE_TAGS} | {"pipeline.run_id": run.run_id},
-    )
+    model_dir = fetch_version(run.tracking_uri, str(version.version), run.out_dir / "candidate")
+    reward_dir = fetch_version(run.tracking_uri, tags["reward_model.version"], run.out_dir / "reward", REWARD_MODEL)
+    candidate = Candidate(model_dir, reference_dir, reward_dir, current_audit_dir(model_dir, reward_dir),
+                          {k: v for k, v in tags.items() if k in LINEAGE_TAGS} | {"pipeline.run_id": run.run_id})
     return RegisteredCandidate(str(version.version), candidate)
 
 

@@ -36,6 +36,11 @@ class RewardModel:
     def path(self) -> Path:
         return self.result.path
 
+    @property
+    def audit_dir(self) -> Path | None:
+        """The audit model, saved inside the reward model's directory; None when none was trained."""
+        return self.models.audit.path if self.models.audit is not None else None
+
     def summary(self) -> dict:
         r, audit = self.result, self.models.audit
         out = {"status": "completed", "eval_accuracy": round(r.eval_accuracy, 4), "registered_version": self.version,

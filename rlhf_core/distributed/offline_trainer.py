@@ -143,7 +143,7 @@ def train_offline(
     )
     s = run.summary
     result = PolicyTrainResult(
-        path=Path(out_dir), algorithm=method_name(cfg),
+        path=Path(out_dir), audit_dir=None, algorithm=method_name(cfg),
         accuracy_before=s["accuracy_before"], accuracy_after=s["accuracy_after"],
         rm_score_before=None, rm_score_after=None, audit_score_before=None, audit_score_after=None,
         labels_asked=0, round_pairs=0, kl_final=s["kl"], kl_max=s["kl"], kl_bound=cfg.kl_bound,

@@ -33,6 +33,7 @@ from rlhf_core.distributed.policy_loop import PolicyWorkerInputs
 from rlhf_core.distributed.policy_worker import train_loop
 from rlhf_core.distributed.stage import StageRuntime, fit_stage
 from rlhf_core.models.pretrained import VLLM_CPU_HEAD_SIZES
+from rlhf_core.models.reward import audit_model_dir
 from rlhf_core.training.stage_types import MetricsCallback, StageFailed
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped, Trip
 from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
@@ -41,6 +42,7 @@ from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verif
 @dataclass(frozen=True)
 class PolicyTrainResult:
     path: Path  # HF directory of the trained policy
+    audit_dir: Path | None  # the audit model preference rounds kept current, saved with the policy; None: none
     algorithm: str
     accuracy_before: float | None  # held-out exact match, greedy through the engine; None: no answers
     accuracy_after: float | None
@@ -130,9 +132,23 @@ def train_policy(
     summary = run.summary
     if summary.get("trip") is not None:
         raise CircuitBreakerTripped(Trip(**summary["trip"]), run.checkpoint_path)
+    out = _result(run, cfg, Path(out_dir))
+    if out.accuracy_gain is not None and out.accuracy_gain < cfg.min_accuracy_gain:
+        raise StageFailed(
+            f"policy: held-out accuracy {out.accuracy_before:.3f} -> {out.accuracy_after:.3f} "
+            f"(gain {out.accuracy_gain:+.3f}) is below policy.min_accuracy_gain={cfg.min_accuracy_gain}"
+        )
+    return out
+
+
+def _result(run, cfg: PolicyConfig, out_dir: Path) -> PolicyTrainResult:
+    """The stage's result from its fit (`fit_stage`): the evaluations before and after, the
+    KL, the labels the rounds asked for, the attempts."""
+    summary = run.summary
     evals = summary["evaluations"]
-    out = PolicyTrainResult(
-        path=Path(out_dir),
+    return PolicyTrainResult(
+        path=out_dir,
+        audit_dir=audit_model_dir(out_dir),  # the workers saved it there when rounds trained one
         algorithm=cfg.algorithm,
         accuracy_before=evals[0].get("eval/accuracy"),
         accuracy_after=evals[-1].get("eval/accuracy"),
@@ -156,12 +172,6 @@ def train_policy(
         sync_checks=summary["sync_checks"],
         metrics_history=summary["history"],
     )
-    if out.accuracy_gain is not None and out.accuracy_gain < cfg.min_accuracy_gain:
-        raise StageFailed(
-            f"policy: held-out accuracy {out.accuracy_before:.3f} -> {out.accuracy_after:.3f} "
-            f"(gain {out.accuracy_gain:+.3f}) is below policy.min_accuracy_gain={cfg.min_accuracy_gain}"
-        )
-    return out
 
 
 def _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg: PolicyConfig, answers=None) -> bool:

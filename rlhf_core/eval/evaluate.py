@@ -35,7 +35,7 @@ from rlhf_core.eval.gates import EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
 from rlhf_core.eval.regression import RegressionSuite, correct
 from rlhf_core.models.logits import logits_from
-from rlhf_core.models.reward import RewardStats, audit_model_dir, load_reward_model, normalise, score
+from rlhf_core.models.reward import RewardStats, load_reward_model, normalise, score
 from rlhf_core.rollout.hf_reference import right_padded
 from rlhf_core.training.verifiable import check_answers
 
@@ -59,11 +59,10 @@ class Scorer:
     max_length: int
 
 
-def scorers_for(reward_dir, max_length: int, policy_dir=None) -> tuple[Scorer, Scorer | None]:
-    """The reward model saved in `reward_dir` and the audit model: the one preference rounds
-    kept current, saved with the policy in `policy_dir`, else the reward stage's (None: none)."""
+def scorers_for(reward_dir, max_length: int, audit_dir=None) -> tuple[Scorer, Scorer | None]:
+    """The reward model saved in `reward_dir` and the audit model saved in `audit_dir` (None:
+    no audit; `rlhf_core.models.reward.current_audit_dir` says which one judges a policy)."""
     model, tokenizer, stats = load_reward_model(reward_dir)
-    audit_dir = (policy_dir is not None and audit_model_dir(policy_dir)) or audit_model_dir(reward_dir)
     audit = None if audit_dir is None else Scorer(*load_reward_model(audit_dir), max_length)
     return Scorer(model, tokenizer, stats, max_length), audit
 

@@ -37,6 +37,12 @@ def audit_model_dir(reward_dir: Path | str) -> Path | None:
     return path if (path / META_FILE).exists() else None
 
 
+def current_audit_dir(policy_dir: Path | str | None, reward_dir: Path | str) -> Path | None:
+    """The audit model that judges a policy: the one its preference rounds kept current (saved
+    with the policy), else the reward stage's; None when neither stage kept one."""
+    return (audit_model_dir(policy_dir) if policy_dir is not None else None) or audit_model_dir(reward_dir)
+
+
 def reward_model_from_base(base_dir: Path | str, seed: int = 0, num_members: int = 1) -> PreTrainedModel:
     """The SFT policy's backbone with a fresh head of `num_members` outputs (init from `seed`).
 

@@ -107,3 +107,18 @@ def test_score_pairs_matches_score_on_both_sides(base, reward_model):
     torch.testing.assert_close(
         r_rejected, score(reward_model, tok, PROMPTS, [r["rejected"] for r in rows], 32), rtol=1e-5, atol=1e-6
     )
+
+
+def test_the_audit_that_judges_a_policy_is_the_one_its_rounds_kept_current(tmp_path):
+    from rlhf_core.models.reward import AUDIT_DIR, META_FILE, current_audit_dir
+
+    policy, reward = tmp_path / "policy", tmp_path / "reward"
+    assert current_audit_dir(policy, reward) is None  # neither stage kept one
+    (reward / AUDIT_DIR).mkdir(parents=True)
+    (reward / AUDIT_DIR / META_FILE).write_text("{}")
+    assert current_audit_dir(policy, reward) == reward / AUDIT_DIR
+    assert current_audit_dir(None, reward) == reward / AUDIT_DIR
+    (policy / AUDIT_DIR).mkdir(parents=True)
+    assert current_audit_dir(policy, reward) == reward / AUDIT_DIR  # a directory without its meta is no model
+    (policy / AUDIT_DIR / META_FILE).write_text("{}")
+    assert current_audit_dir(policy, reward) == policy / AUDIT_DIR
