@@ -10,11 +10,13 @@
 - `monitoring/` is where metrics leave the process: it never imports `flows` or `tasks`.
 - Nothing outside `tests/` imports the tests; what tests and benchmarks share is in
   `rlhf_core.testing`.
+- No two project modules import each other at load time, directly or round a longer loop.
 """
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PROJECT_PACKAGES = ("rlhf_core", "tasks", "flows", "monitoring")
 FORBIDDEN_IN_CORE = {"prefect", "mlflow", "tasks", "flows", "monitoring"}
 # Heavy engines are allowed only in the modules whose job is to drive them.
 ENGINE_MODULES = {"deepspeed", "vllm", "ray"}
@@ -95,3 +97,65 @@ def test_benchmarks_and_the_package_never_import_the_tests():
     what both need lives in `rlhf_core.testing`."""
     for folder in ("bench", "rlhf_core", "tasks", "flows", "monitoring"):
         assert offenders(folder, lambda p, m: m.split(".")[0] == "tests") == {}, folder
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def load_time_imports() -> dict[str, set[str]]:
+    """module -> the project modules its top-level statements import (what runs when it is
+    first imported; imports inside functions run later and cannot make a cycle at load time)."""
+    files = {_module_name(p): p for folder in PROJECT_PACKAGES for p in (REPO / folder).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        edges = set()
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in files:
+                submodules = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
+                edges |= submodules or {node.module}
+        graph[name] = edges - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                on_stack.discard(w)
+                component.append(w)
+            on_stack.discard(v)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_between_project_modules():
+    graph = load_time_imports()
+    assert "tasks.data_contract" in graph["tasks.data"]  # the graph sees the project's imports
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_loop_of_three_and_ignores_a_chain():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
