@@ -23,13 +23,13 @@ from rlhf_core.config.pipeline import (
 )
 from rlhf_core.config.policy import (
     CircuitBreakerConfig, GRPOConfig, JudgeConfig, PolicyConfig, PPOConfig, RewardShapingConfig,
-    RolloutPipelineConfig, RoundsConfig,
+    RolloutEngineConfig, RolloutPipelineConfig, RoundsConfig,
 )
 
 __all__ = [
     "CircuitBreakerConfig", "ConfigError", "DPOConfig", "DataConfig", "DemoDataConfig", "FeedbackConfig", "GRPOConfig",
     "GateConfig", "JudgeConfig", "KTOConfig", "LoRAConfig", "ModelConfig", "MonitoringConfig", "OfflineTrainingConfig",
     "PPOConfig", "PipelineConfig", "PolicyConfig", "RegressionSuiteConfig", "RewardConfig", "RewardShapingConfig",
-    "RolloutPipelineConfig", "RoundsConfig", "SFTConfig", "ServingConfig", "TokenizerConfig", "TrackingConfig",
+    "RolloutEngineConfig", "RolloutPipelineConfig", "RoundsConfig", "SFTConfig", "ServingConfig", "TokenizerConfig", "TrackingConfig",
     "ValidationConfig", "_Strict", "apply_overrides", "config_origins", "load_config", "parse_config",
 ]

@@ -95,6 +95,21 @@ class RolloutPipelineConfig(_Strict):
     chunks: int = Field(2, ge=1, description='Generate calls per batch; new weights are taken between them.')
 
 
+class RolloutEngineConfig(_Strict):
+    """The vLLM engine that samples the rollouts: one engine in rank 0's worker, on its device,
+    taking the trainer's weights after every update. Its context (and on CPU its KV cache) is
+    sized from the run's prompts and `max_new_tokens`, not set here."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "What the engine computes in. auto: the trainer's precision (policy.precision: float32 on CPU, where the "
+        "engine's log-probs then match the trainer's within rounding; bfloat16 on GPU)."))
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description=(
+        "Share of rank 0's GPU memory the engine takes for its weights and KV cache; the trainer's weights, "
+        "optimizer and activations need the rest. Not used on CPU."))
+    enforce_eager: bool | None = Field(None, description=(
+        "true: no CUDA graphs (less memory, slower decoding); null: eager on CPU, CUDA graphs on GPU."))
+
+
 JUDGE_TEMPLATE = (
     "Which answer to the question is better? Reply with [[A]] or [[B]] only.\n\n"
     "Question: {prompt}\n\nAnswer A: {answer_a}\n\nAnswer B: {answer_b}\n\nVerdict: "
@@ -243,6 +258,7 @@ class PolicyConfig(_Strict):
     rounds: RoundsConfig = RoundsConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
     pipeline: RolloutPipelineConfig = RolloutPipelineConfig()
+    rollout: RolloutEngineConfig = RolloutEngineConfig()
 
     @property
     def samples_per_prompt(self) -> int:

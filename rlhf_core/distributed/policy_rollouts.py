@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlhf_core.config import RolloutEngineConfig
 from rlhf_core.distributed.policy_loop import PolicyWorker
 from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy
@@ -44,8 +45,16 @@ def start_engine(w: PolicyWorker):
     cfg = w.cfg
     context = engine_context([len(ids) for ids in w.tokenizer([*w.loop.prompts, *w.loop.eval_prompts])["input_ids"]],
                              cfg.max_new_tokens, w.actor.module.config.max_position_embeddings)
-    return RolloutEngine(w.loop.sft_dir, dtype="float32", seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step,
-                         max_model_len=context)
+    return RolloutEngine(w.loop.sft_dir, seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step, max_model_len=context,
+                         **engine_settings(cfg.rollout, w.precision, w.device.type))
+
+
+def engine_settings(rollout: RolloutEngineConfig, precision: str, device_type: str) -> dict[str, Any]:
+    """`RolloutEngine`'s dtype, eager mode and memory share from `policy.rollout`, for a trainer
+    computing in `precision` (fp32, bf16) on a `device_type` (cpu, cuda) device."""
+    dtype = rollout.dtype if rollout.dtype != "auto" else {"bf16": "bfloat16"}.get(precision, "float32")
+    eager = rollout.enforce_eager if rollout.enforce_eager is not None else device_type == "cpu"
+    return {"dtype": dtype, "enforce_eager": eager, "gpu_memory_utilization": rollout.gpu_memory_utilization}
 
 
 def engine_context(prompt_tokens: list[int], max_new_tokens: int, model_context: int) -> int:

@@ -51,3 +51,17 @@ def test_the_policy_engine_holds_the_runs_sequences_not_the_models_context():
     model = kv_cache_blocks(64, 8192) * smollm2
     assert run == 65 * smollm2 and run / 2**20 == pytest.approx(365.625)
     assert model == (64 * 64 + 1) * smollm2 and model / 2**30 == pytest.approx(22.5, rel=1e-3)
+
+
+def test_the_engine_follows_the_trainers_precision_and_device_unless_told():
+    from rlhf_core.config import RolloutEngineConfig
+    from rlhf_core.distributed.policy_rollouts import engine_settings
+
+    auto = RolloutEngineConfig()
+    assert engine_settings(auto, "fp32", "cpu") == {"dtype": "float32", "enforce_eager": True,
+                                                    "gpu_memory_utilization": 0.5}
+    assert engine_settings(auto, "bf16", "cuda") == {"dtype": "bfloat16", "enforce_eager": False,
+                                                     "gpu_memory_utilization": 0.5}
+    told = RolloutEngineConfig(dtype="float16", enforce_eager=True, gpu_memory_utilization=0.3)
+    assert engine_settings(told, "bf16", "cuda") == {"dtype": "float16", "enforce_eager": True,
+                                                     "gpu_memory_utilization": 0.3}
