@@ -369,6 +369,8 @@ def rollout_metrics(batch: PolicyBatch) -> dict[str, float]:
     mask = batch.response_mask
     metrics = {
         "logprob_diff": masked_mean((batch.engine_logprobs - batch.old_logprobs).abs(), mask).item(),
+        # verl's rollout_probs_diff_mean: below 0.005 healthy, above 0.01 a precision or sync problem
+        "prob_diff": masked_mean((batch.engine_logprobs.exp() - batch.old_logprobs.exp()).abs(), mask).item(),
         "kl": k3_sequence_kl(batch.old_logprobs, batch.ref_logprobs, mask, batch.is_weights).mean().item(),
         "response_length": mask.sum(-1).float().mean().item(),
     }

@@ -52,7 +52,7 @@ CFG = PolicyConfig(
 )
 FINITE = ("policy/reward_mean", "policy/kl", "policy/entropy", "policy/clipfrac", "policy/approx_kl",
           "policy/grad_norm", "policy/response_length", "policy/tokens_per_s", "rollout/logprob_diff",
-          "rollout/sync_s", "timing/generate", "timing/update", "timing/sync")
+          "rollout/prob_diff", "rollout/sync_s", "timing/generate", "timing/update", "timing/sync")
 
 
 def run(demo, tmp: Path, cfg: PolicyConfig = CFG, **kwargs):
@@ -172,6 +172,8 @@ def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, de
     assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
     diffs = [m["rollout/logprob_diff"] for m in result.metrics_history]
     assert max(diffs) < 1e-3, diffs
+    prob_diffs = [m["rollout/prob_diff"] for m in result.metrics_history]
+    assert max(prob_diffs) < 0.005, prob_diffs  # verl's "healthy" bar, with room: fp32 both sides
     # The NaN injected at step 3 skipped exactly one optimizer step, and training went on.
     skipped = [m["policy/nonfinite_skipped"] for m in result.metrics_history]
     assert skipped == [0, 0, 1, 0] and result.nonfinite_skipped == 1

@@ -3,6 +3,7 @@ directions, no Ray, DeepSpeed or vLLM."""
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 
 import pytest
@@ -169,6 +170,8 @@ def test_rollout_metrics_report_engine_gap_and_sequence_kl(tok, model):
     batch.ref_logprobs = batch.old_logprobs - 0.2
     m = rollout_metrics(batch)
     assert m["logprob_diff"] == pytest.approx(0.01, rel=1e-4)
+    token_p = batch.old_logprobs.exp()[batch.response_mask.bool()]  # |p e^0.01 - p| = p (e^0.01 - 1), averaged
+    assert m["prob_diff"] == pytest.approx((token_p * (math.exp(0.01) - 1)).mean().item(), rel=1e-4)
     per_token = kl_k3(torch.tensor(0.0), torch.tensor(-0.2)).item()
     assert m["kl"] == pytest.approx(per_token * batch.response_mask.sum().item() / 4, rel=1e-5)
     assert m["response_length"] == batch.response_mask.sum().item() / 4
