@@ -235,15 +235,14 @@ class TrackingServer:
         return self.artifacts_destination.removeprefix("s3://").split("/", 1)[1]
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    """An S3-compatible server (moto, in its own process) on a loopback port, for the session."""
+def _moto_server(tmp_path_factory, **extra_env):
+    """An S3-compatible server (moto, in its own process) on a loopback port, until closed."""
     import subprocess
     import sys
 
     port = free_ports_(1)[0]
     log = tmp_path_factory.mktemp("moto") / "moto.log"
-    env = {**os.environ, **S3_ENV, "S3_UPLOAD_PART_MIN_SIZE": "1024"}
+    env = {**os.environ, **S3_ENV, "S3_UPLOAD_PART_MIN_SIZE": "1024", **extra_env}
     proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -254,21 +253,34 @@ def s3_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """An S3-compatible server (moto) for the session: any key is accepted."""
+    yield from _moto_server(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def s3_server_checking_keys(tmp_path_factory):
+    """An S3-compatible server that checks access keys as AWS does (moto's IAM checks on from the
+    first request) and knows none: it refuses every key, as S3 refuses an expired or revoked one."""
+    yield from _moto_server(tmp_path_factory, INITIAL_NO_AUTH_ACTION_COUNT="0")
+
+
+@pytest.fixture(scope="session")
 def start_mlflow_server(postgres_server, s3_server, tmp_path_factory):
-    """`start(artifacts_destination)`: an `mlflow server` on loopback with a new PostgreSQL
-    database as its backend store and `artifacts_destination` (s3://bucket/prefix on
-    `s3_server`) as its artifact store, proxied (`--serve-artifacts`: clients need no S3
+    """`start(artifacts_destination, s3=None)`: an `mlflow server` on loopback with a new
+    PostgreSQL database as its backend store and `artifacts_destination` (s3://bucket/prefix on
+    `s3`, default `s3_server`) as its artifact store, proxied (`--serve-artifacts`: clients need no S3
     credentials); ready once /health answers. Every server started is stopped at the end."""
     import subprocess
     import sys
 
     started = []
 
-    def start(artifacts_destination: str) -> TrackingServer:
+    def start(artifacts_destination: str, s3: S3Server | None = None) -> TrackingServer:
         port = free_ports_(1)[0]
         log = tmp_path_factory.mktemp("mlflow-server") / "server.log"
         backend = postgres_server()
-        env = {**os.environ, **S3_ENV, **MULTIPART_ENV, "MLFLOW_S3_ENDPOINT_URL": s3_server.endpoint}
+        env = {**os.environ, **S3_ENV, **MULTIPART_ENV, "MLFLOW_S3_ENDPOINT_URL": (s3 or s3_server).endpoint}
         env.pop("MLFLOW_TRACKING_URI", None)
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

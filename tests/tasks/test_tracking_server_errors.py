@@ -1,6 +1,6 @@
-"""A tracking server that is not there, or whose artifact store refuses writes, stops a run at
-its start with one message naming the server, before any stage trains, and within seconds
-(MLflow's own client would retry for minutes)."""
+"""A tracking server that is not there, or whose artifact store refuses writes (no such bucket,
+or the server's key refused), stops a run at its start with one message naming the server,
+before any stage trains, and within seconds (MLflow's own client would retry for minutes)."""
 from __future__ import annotations
 
 import os
@@ -24,6 +24,16 @@ REPO = Path(__file__).resolve().parents[2]
 def bucketless_server(start_mlflow_server):
     """A tracking server whose --artifacts-destination is a bucket that does not exist."""
     return start_mlflow_server("s3://no-such-bucket/x")
+
+
+@pytest.fixture(scope="module")
+def refused_key_server(start_mlflow_server, s3_server_checking_keys):
+    """A tracking server whose artifact store refuses its access key (expired, revoked)."""
+    return start_mlflow_server("s3://rlhf-mlflow/x", s3=s3_server_checking_keys)
+
+
+REFUSING = {"no-such-bucket": ("bucketless_server", "NoSuchBucket"),
+            "refused-key": ("refused_key_server", "InvalidAccessKeyId")}  # fixture, the store's reason in the log
 
 
 def config_with(tmp_path: Path, tiny_config_factory, uri: str) -> Path:
@@ -60,23 +70,26 @@ def test_the_start_task_refuses_an_unreachable_server_before_creating_anything(t
 
 
 @pytest.mark.slow
-def test_a_server_whose_bucket_does_not_exist_fails_the_start_on_its_first_artifact(
-        bucketless_server, tmp_path, tiny_config_factory):
-    cfg = load_config(config_with(tmp_path, tiny_config_factory, bucketless_server.url))
+@pytest.mark.parametrize("case", REFUSING)
+def test_a_server_whose_store_refuses_writes_fails_the_start_on_its_first_artifact(
+        case, request, tmp_path, tiny_config_factory):
+    fixture, reason = REFUSING[case]
+    server = request.getfixturevalue(fixture)
+    cfg = load_config(config_with(tmp_path, tiny_config_factory, server.url))
     started = time.monotonic()
     with pytest.raises(TrackingStoreError) as err:
         start_pipeline_run.fn(cfg, config_source="test")
     seconds = time.monotonic() - started
     message = str(err.value)
-    assert message.startswith(f"the tracking server {bucketless_server.url} could not store an artifact (")
+    assert message.startswith(f"the tracking server {server.url} could not store an artifact (")
     assert "check the server's --artifacts-destination and its credentials" in message
-    # a proxying server answers 500 without the store's reason (NoSuchBucket is in its log)
+    # a proxying server answers 500 without the store's reason (which is in its log)
     assert "it answered HTTP 500; the server's log says why" in message, message
-    assert "NoSuchBucket" in bucketless_server.log.read_text()
+    assert reason in server.log.read_text()
     assert seconds < 60, seconds  # not MLflow's minutes of retries
-    print(f"\nrefused in {seconds:.1f} s: {message}")
+    print(f"\n{case}: refused in {seconds:.1f} s: {message}")
     # the run it opened is closed as FAILED with the same reason, and no stage started
-    client = MlflowClient(bucketless_server.url)
+    client = MlflowClient(server.url)
     [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["failure_reason"] == message
     [out_dir] = (tmp_path / "runs").iterdir()
@@ -85,7 +98,7 @@ def test_a_server_whose_bucket_does_not_exist_fails_the_start_on_its_first_artif
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_server")
-@pytest.mark.parametrize("case", ["unreachable", "no-such-bucket"])
+@pytest.mark.parametrize("case", ["unreachable", *REFUSING])
 def test_rlhf_run_prints_one_message_naming_the_server_and_trains_nothing(
         case, request, tmp_path, tiny_config_factory, free_ports):
     from prefect.settings import PREFECT_API_URL
@@ -93,7 +106,7 @@ def test_rlhf_run_prints_one_message_naming_the_server_and_trains_nothing(
     if case == "unreachable":
         uri, expected = f"http://127.0.0.1:{free_ports(1)[0]}", "is not reachable (connection refused)"
     else:
-        uri, expected = request.getfixturevalue("bucketless_server").url, "could not store an artifact"
+        uri, expected = request.getfixturevalue(REFUSING[case][0]).url, "could not store an artifact"
     config = config_with(tmp_path, tiny_config_factory, uri)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env["PREFECT_API_URL"] = PREFECT_API_URL.value()
