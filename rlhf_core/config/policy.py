@@ -101,8 +101,8 @@ class RolloutEngineConfig(_Strict):
     sized from the run's prompts and `max_new_tokens`, not set here."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "What the engine computes in. auto: the trainer's precision (policy.precision: float32 on CPU, where the "
-        "engine's log-probs then match the trainer's within rounding; bfloat16 on GPU)."))
+        "What the engine computes in. auto: bfloat16 on GPU when the trainer computes in bf16 (policy.precision), "
+        "else float32 (on CPU always: the engine's log-probs then match the trainer's within rounding)."))
     gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description=(
         "Share of rank 0's GPU memory the engine takes for its weights and KV cache; the trainer's weights, "
         "optimizer and activations need the rest. Not used on CPU."))
