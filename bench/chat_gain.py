@@ -61,6 +61,8 @@ def run(seed: int, algorithm: str, work: Path, model: Path) -> dict:
     raw["data"].update(preferences_path=str(data.preferences), prompts_path=str(data.prompts), eval_path=str(data.eval))
     raw["reward"]["seed"] = seed
     raw["policy"].update(seed=seed, algorithm=algorithm)
+    for suite in raw.get("gates", {}).get("regression_suites", []):  # the run's cwd is the scratch directory
+        suite["path"] = str(REPO / suite["path"])
     raw["serving"] = {"enabled": False}
     raw["tracking"] = {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}", "experiment": "chat-gain"}
     config = work / f"{name}.yaml"
@@ -107,14 +109,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--algorithms", nargs="+", default=["grpo", "dpo"], choices=["grpo", "dpo", "ppo", "kto"])
     parser.add_argument("--model", type=Path, default=MODEL, help="the converted SmolLM2 directory (make chat-model)")
+    parser.add_argument("--work", type=Path, help="keep the runs here (default: a scratch directory, removed)")
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"{args.model} holds no converted model: run `make chat-model`")
     rows = []
     with tempfile.TemporaryDirectory(prefix="chat-gain-") as tmp:
+        work = args.work.resolve() if args.work else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for seed in args.seeds:
             for algorithm in args.algorithms:
-                rows.append(run(seed, algorithm, Path(tmp), args.model.resolve()))
+                rows.append(run(seed, algorithm, work, args.model.resolve()))
                 print(json.dumps(rows[-1]), flush=True)
     print(table(rows, ["seed", "algorithm", "status", "reward_accuracy", "accuracy_before", "accuracy_after", "gain",
                        "gates", "wall_s"]))
