@@ -5,7 +5,7 @@ peft alone (no Ray, DeepSpeed, vLLM, Prefect or MLflow: a GPU machine may have n
    and advantages, frozen-model placement, bf16 autocast, each on the CPU and on CUDA), and on
    a GPU also the CPU tests of the same torch code, under that machine's torch and transformers.
 2. GRPO steps on a random-weight Llama of Qwen2.5-0.5B's shape (vocabulary cut to 32,000),
-   built on the device, through the project's own step code (`rlhf_core.training.ppo_step`) as
+   built on the device, through the project's own step code (`rlhf_core.training.policy_step`) as
    the policy worker runs it: fp32 weights under bf16 autocast, the reference frozen in bf16
    (`frozen_on`), fused AdamW. Rollouts come from Hugging Face `generate` (sampling, a group of
    answers per prompt; the rollout engine, vLLM, is not there) and are scored by a dummy
@@ -54,7 +54,7 @@ from bench.common import write_json  # noqa: E402 - torch only: the machine's vL
 try:
     from rlhf_core.config import PolicyConfig
     from rlhf_core.models.placement import frozen_on
-    from rlhf_core.training.ppo_step import (
+    from rlhf_core.training.policy_step import (
         PolicyBatch, TorchBackwardAndStep, algorithm_spec, batched_logprobs, build_batch, compute_advantages,
         old_logprobs_from_update, rollout_metrics, token_rewards, update_minibatches,
     )
@@ -69,7 +69,7 @@ RESULTS = REPO / "bench" / "results"
 DEVICE_TESTS = ["tests/rlhf_core/test_on_devices.py"]
 # CPU tests of the same torch code (none needs Ray, DeepSpeed, vLLM, Prefect or MLflow): on a GPU
 # machine they check that machine's torch and transformers; a dry run here leaves them to the suite.
-TORCH_TESTS = ["tests/rlhf_core/algos", "tests/rlhf_core/training/test_ppo_step.py",
+TORCH_TESTS = ["tests/rlhf_core/algos", "tests/rlhf_core/training/test_policy_step.py",
                "tests/rlhf_core/models/test_llama.py", "tests/rlhf_core/models/test_value.py",
                "tests/rlhf_core/models/test_lora.py", "tests/rlhf_core/models/test_memory.py"]
 PAD, BOS, EOS = 0, 1, 2
@@ -213,7 +213,7 @@ def phase(record: dict, name: str, device: torch.device) -> Iterator[None]:
 
 
 def grpo_step(actor, reference, optimizer, prompts, plan: Plan, cfg: PolicyConfig, precision: str, step: int) -> dict:
-    """One GRPO step through `rlhf_core.training.ppo_step`, in the policy worker's order."""
+    """One GRPO step through `rlhf_core.training.policy_step`, in the policy worker's order."""
     device, spec = actor.device, algorithm_spec(cfg)
     record: dict = {"seconds": {}, "peak_gib": {}}
     start = time.perf_counter()

@@ -31,7 +31,7 @@ CHILD = r"""
 import json, resource, sys, time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from rlhf_core.training.ppo_step import PolicyBatch, policy_logprobs
+from rlhf_core.training.policy_step import PolicyBatch, policy_logprobs
 
 prompt, response, rows, variant = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)

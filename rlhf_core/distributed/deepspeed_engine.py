@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.training.ppo_step import StepOutcome, guard_nonfinite
+from rlhf_core.training.policy_step import StepOutcome, guard_nonfinite
 from rlhf_core.training.sft import warmup_cosine
 
 
@@ -53,7 +53,7 @@ def module_grad_norm(module: torch.nn.Module) -> float:
 
 
 class DeepSpeedBackwardAndStep:
-    """`BackwardAndStep` (`rlhf_core.training.ppo_step`) for a DeepSpeed engine. The loss
+    """`BackwardAndStep` (`rlhf_core.training.policy_step`) for a DeepSpeed engine. The loss
     arrives normalised by the whole minibatch (micro-batch losses sum to it), so DeepSpeed must
     not divide it again by the accumulation steps. A non-finite loss is poisoned to NaN
     gradients, which ZeRO's invalid-gradient-norm check turns into a skipped step on every

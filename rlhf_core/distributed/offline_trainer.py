@@ -7,10 +7,8 @@ The policy starts from the SFT policy and learns from the labels directly
 vLLM engine, no reward model. Each step's reference log-probs are computed alongside the
 policy's (one extra forward pass without gradients) rather than stored.
 
-Both methods score two sequences per row, so both use `TokenizedPairs`: for DPO the chosen and
-the rejected answer; for KTO the labelled answer and, to the same prompt, another example's
-answer (`rlhf_core.data.pairs.with_mismatched`), on which each micro-batch estimates KTO's
-reference point (the KL to the reference, averaged over the ranks).
+Both methods score two sequences per row; the per-batch math (log-probs of the pairs, the
+method's loss) is `rlhf_core.training.preference_step`.
 
 Driver, `train_offline`: turns the rows into that form (for KTO, preference pairs are unpaired
 first: `unpaired_examples`), tokenizes them (prompt, then response; `tokenize_policy_pairs`) and
@@ -37,14 +35,12 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-import torch.distributed as dist
 
 from rlhf_core.algos.losses import logprobs_from_logits
-from rlhf_core.algos.preference import dpo_loss, kto_loss, kto_reference_point, sequence_logprobs
+from rlhf_core.algos.preference import sequence_logprobs
 from rlhf_core.config import PolicyConfig
 from rlhf_core.data.pairs import (
-    DataPosition, TokenizedPairs, collate_pairs, response_mask, steps_per_epoch,
-    tokenize_policy_pairs, unpaired_examples, with_mismatched,
+    DataPosition, steps_per_epoch, tokenize_policy_pairs, unpaired_examples, with_mismatched,
 )
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
@@ -55,24 +51,13 @@ from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
-from rlhf_core.models.logits import logits_from
-from rlhf_core.models.lora import load_policy_for_training, merged_policy, reference_view
+from rlhf_core.models.lora import load_policy_for_training, merged_policy
 from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.preference_step import FIGURES, Rows, offline_loss
 from rlhf_core.training.stage_types import MetricsCallback, StageFailed
 
 ENGINE_TAG = "actor"
 EVAL_BATCH = 256  # prompts per generate call at the end
-
-
-@dataclass(frozen=True)
-class Rows:
-    """A data set as the workers read it: two sequences per row, and for KTO each row's label."""
-
-    pairs: TokenizedPairs
-    desirable: np.ndarray | None  # (N,) bool for KTO; None for DPO
-
-    def __len__(self) -> int:
-        return len(self.pairs)
 
 
 @dataclass(frozen=True)
@@ -182,22 +167,6 @@ def _rows(which: str, rows: Sequence[Mapping[str, Any]], tokenizer, cfg: PolicyC
 # ----------------------------------------------------------------------------- worker
 
 
-def pair_logprobs(model: torch.nn.Module, pairs: TokenizedPairs, indices: Sequence[int], average: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π(response | prompt) of the chosen and the rejected response of the pairs at
-    `indices` under `model` (summed over response tokens, or averaged with `average`) ->
-    ((B,), (B,)). Runs one forward pass over the 2B sequences; gradients flow when enabled."""
-    batch = collate_pairs(pairs, indices)
-    device = next(model.parameters()).device
-    ids = batch.input_ids.to(device)
-    first = int(min(pairs.prompt_lengths[i] for i in indices)) - 1  # the first column that predicts a response token
-    logits, offset = logits_from(model, ids, batch.attention_mask.to(device), first)  # the head from `first` on
-    token_logprobs = logprobs_from_logits(logits[:, first - offset : -1].float(), ids[:, first + 1 :])  # (2B, L-1-first)
-    mask = response_mask(pairs, indices, ids.shape[1]).to(device)[:, first:]
-    seq = sequence_logprobs(token_logprobs, mask, average)
-    return seq[: batch.num_pairs], seq[batch.num_pairs :]
-
-
 def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
     cfg, d, runtime = loop.cfg, loop.cfg.offline, loop.runtime
     worker = start_worker(runtime, cfg.seed)
@@ -232,39 +201,6 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
     if rank != 0:
         return None
     return _evaluate_and_save(state_dict, reference, loop, pos)
-
-
-# per method, the loss's figures a step reports (as policy/<name>), averaged over micro-batches and ranks
-FIGURES = {
-    "dpo": ("loss", "reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected", "logp_chosen",
-            "logp_rejected"),
-    "kto": ("loss", "reward_desirable", "reward_undesirable", "reference_point", "desirable_share"),
-}
-
-
-def offline_loss(policy, reference, rows: Rows, indices: Sequence[int], cfg: PolicyConfig, world: int = 1
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The method's loss on the rows at `indices`: reference log-probs without gradients (from
-    `reference`, or with None from `policy` with its LoRA adapters off), the policy's with
-    them. For KTO the reference point is averaged over the `world` ranks (a collective when
-    world > 1: every rank must call it as often)."""
-    if cfg.algorithm == "dpo":
-        d = cfg.dpo
-        average = d.loss_type == "ipo"
-        with torch.no_grad(), reference_view(policy, reference) as ref:
-            ref_chosen, ref_rejected = pair_logprobs(ref, rows.pairs, indices, average)
-        chosen, rejected = pair_logprobs(policy, rows.pairs, indices, average)
-        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, d.beta, d.loss_type, d.label_smoothing)
-    k = cfg.kto
-    with torch.no_grad(), reference_view(policy, reference) as ref:
-        ref_own, ref_mismatched = pair_logprobs(ref, rows.pairs, indices, average=False)
-    own, mismatched = pair_logprobs(policy, rows.pairs, indices, average=False)
-    z = kto_reference_point(mismatched, ref_mismatched)
-    if world > 1:
-        dist.all_reduce(z)
-        z = z / world
-    desirable = torch.from_numpy(rows.desirable[np.asarray(indices, dtype=np.int64)]).to(own.device)
-    return kto_loss(own, ref_own, desirable, z, k.beta, k.desirable_weight, k.undesirable_weight)
 
 
 def _optimizer_step(engine, reference, rows: Rows, indices: list[int], cfg: PolicyConfig, meter: WorkerMeter,

@@ -40,7 +40,7 @@ class PolicyWorker:
     """What one attempt of one worker holds for the whole run."""
 
     loop: PolicyWorkerInputs
-    spec: Any  # rlhf_core.training.ppo_step.AlgorithmSpec
+    spec: Any  # rlhf_core.training.policy_step.AlgorithmSpec
     tokenizer: Any
     actor: Any  # DeepSpeed engine
     critic: Any  # DeepSpeed engine or None

@@ -18,7 +18,7 @@ from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import normalise, score
 from rlhf_core.rng import derive_seed
-from rlhf_core.training.ppo_step import prompt_indices
+from rlhf_core.training.policy_step import prompt_indices
 
 SYNC_CHECK_PROMPTS = 32
 ROUND_CHUNK = 1000  # the seeds of a round's draws: chunks no step's generation uses

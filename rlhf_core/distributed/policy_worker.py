@@ -12,7 +12,7 @@ checkpoint's actor weights (`policy_rollouts`). One RL step, every phase timed
                `rlhf_core.training.reward_shaping`) + verifiable reward, combined
                (`rlhf_core.training.rewards`); the audit reward model, if any, scores the
                same rollouts for the metrics only
-    old_logprobs, ref_logprobs, values, advantages        (`rlhf_core.training.ppo_step`)
+    old_logprobs, ref_logprobs, values, advantages        (`rlhf_core.training.policy_step`)
     update     K epochs of minibatches through DeepSpeed (`update_minibatches`)
     sync       rank 0 gathers the actor (ZeRO-3: `GatheredParameters`; LoRA: the adapters
                merged into the base, `merged_state_dict`) and pushes it into the engine in
@@ -58,7 +58,7 @@ from rlhf_core.rng import derive_seed
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.circuit_breaker import should_trip
 from rlhf_core.training.precision import computing_in, resolve_precision
-from rlhf_core.training.ppo_step import (
+from rlhf_core.training.policy_step import (
     PolicyBatch,
     algorithm_spec,
     batched_logprobs,

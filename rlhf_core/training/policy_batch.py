@@ -1,5 +1,5 @@
 """The data of one RL step: which prompts it samples, and the right-padded tensors of its
-rollouts (`PolicyBatch`) that the phases of `rlhf_core.training.ppo_step` fill in order.
+rollouts (`PolicyBatch`) that the phases of `rlhf_core.training.policy_step` fill in order.
 
 Shapes: B sequences, L = prompt + response tokens (right padded), T response tokens.
 """

@@ -22,7 +22,7 @@ from rlhf_core.models.llama import build_policy
 from rlhf_core.models.logits import logits_from
 from rlhf_core.models.placement import frozen_on
 from rlhf_core.tokenizer import train_tokenizer
-from rlhf_core.training.ppo_step import (
+from rlhf_core.training.policy_step import (
     PolicyBatch,
     TorchBackwardAndStep,
     algorithm_spec,

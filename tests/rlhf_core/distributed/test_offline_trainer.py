@@ -23,7 +23,8 @@ from rlhf_core.data.pairs import (
     OverlengthError, collate_pairs, kto_examples, response_mask, split_by_prompt, tokenize_policy_pairs,
     unpaired_examples, with_mismatched,
 )
-from rlhf_core.distributed.offline_trainer import Rows, offline_loss, pair_logprobs, sampled_kl, train_offline
+from rlhf_core.distributed.offline_trainer import sampled_kl, train_offline
+from rlhf_core.training.preference_step import Rows, offline_loss, pair_logprobs
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.models.llama import load_policy
 from rlhf_core.tokenizer import load_tokenizer

@@ -24,7 +24,7 @@ from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
 from rlhf_core.testing.sinks import JsonlSink
 from rlhf_core.tokenizer import load_tokenizer
-from rlhf_core.training.ppo_step import prompt_indices
+from rlhf_core.training.policy_step import prompt_indices
 
 from .conftest import N_EVAL
 

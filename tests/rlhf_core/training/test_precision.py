@@ -8,7 +8,7 @@ from rlhf_core.config import ModelConfig, PolicyConfig
 from rlhf_core.distributed.policy_rollouts import Sample
 from rlhf_core.models.llama import build_policy
 from rlhf_core.tokenizer import train_tokenizer
-from rlhf_core.training.ppo_step import PolicyBatch, build_batch, policy_logprobs
+from rlhf_core.training.policy_step import PolicyBatch, build_batch, policy_logprobs
 from rlhf_core.training.precision import MIN_SPEEDUP, computing_in, matmul_seconds, resolve_precision
 
 

@@ -14,7 +14,7 @@ from rlhf_core.config import ModelConfig, PolicyConfig
 from rlhf_core.models.llama import build_policy
 from rlhf_core.models.value import value_model_from_config
 from rlhf_core.tokenizer import train_tokenizer
-from rlhf_core.training.ppo_step import (
+from rlhf_core.training.policy_step import (
     ALGORITHMS,
     PolicyBatch,
     StepOutcome,
