@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import REPO, PeakMemory, save, table  # noqa: E402
+from bench.common import REPO, RESULTS, PeakMemory, save, table  # noqa: E402
 from rlhf_core.data.chat_task import generate_chat_task  # noqa: E402
 
 MODEL = Path("~/.cache/rlhf/models/smollm2-135m-instruct").expanduser()
@@ -121,13 +121,25 @@ def main() -> None:
             for algorithm in args.algorithms:
                 rows.append(run(seed, algorithm, work, args.model.resolve()))
                 print(json.dumps(rows[-1]), flush=True)
-    print(table(rows, ["seed", "algorithm", "status", "reward_accuracy", "accuracy_before", "accuracy_after", "gain",
-                       "gates", "wall_s"]))
-    result = {"model": str(args.model), "bar": GAIN_BAR, "rows": rows,
-              "summary": {a: verdict(rows, a) for a in args.algorithms}}
+                result = write(args.model, rows)  # after each run: a long sweep cut short keeps what it measured
+    print(table(result["rows"], ["seed", "algorithm", "status", "reward_accuracy", "accuracy_before", "accuracy_after",
+                                 "gain", "gates", "wall_s"]))
     print("gain by algorithm:", result["summary"])
-    print("written:", save("chat_gain", result))
+    print("written:", RESULTS / "chat_gain.json")
 
+
+def write(model: Path, rows: list[dict]) -> dict:
+    """bench/results/chat_gain.json with these rows, and the earlier file's rows of other (seed,
+    algorithm) pairs kept: seeds can be run one sweep at a time (each takes over half an hour)."""
+    path = RESULTS / "chat_gain.json"
+    earlier = json.loads(path.read_text())["rows"] if path.is_file() else []
+    ran = {(r["seed"], r["algorithm"]) for r in rows}
+    merged = sorted([r for r in earlier if (r["seed"], r["algorithm"]) not in ran] + rows,
+                    key=lambda r: (r["algorithm"], r["seed"]))
+    result = {"model": str(model), "bar": GAIN_BAR, "rows": merged,
+              "summary": {a: verdict(merged, a) for a in sorted({r["algorithm"] for r in merged})}}
+    save("chat_gain", result)
+    return result
 
 if __name__ == "__main__":
     main()
