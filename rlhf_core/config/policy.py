@@ -108,6 +108,14 @@ class RolloutEngineConfig(_Strict):
         "optimizer and activations need the rest. Not used on CPU."))
     enforce_eager: bool | None = Field(None, description=(
         "true: no CUDA graphs (less memory, slower decoding); null: eager on CPU, CUDA graphs on GPU."))
+    weight_sync: Literal["auto", "file", "stream"] = Field("auto", description=(
+        "How the trainer's weights reach the engine after each update. file: one safetensors file in /dev/shm, "
+        "read back by the engine; stream: broadcast tensor by tensor through vLLM's weight-transfer API (NCCL on "
+        "GPU, gloo on CPU), in the engine's dtype, with no copy of the model on disk or in host memory; "
+        "auto: stream on GPU, file on CPU."))
+    sync_timeout_s: float = Field(300.0, gt=0, description=(
+        "Seconds a weight sync may take before the stage fails with a timeout (a hung transfer otherwise holds "
+        "the run's workers forever)."))
 
 
 JUDGE_TEMPLATE = (

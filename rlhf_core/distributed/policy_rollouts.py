@@ -45,8 +45,22 @@ def start_engine(w: PolicyWorker):
     cfg = w.cfg
     context = engine_context([len(ids) for ids in w.tokenizer([*w.loop.prompts, *w.loop.eval_prompts])["input_ids"]],
                              cfg.max_new_tokens, w.actor.module.config.max_position_embeddings)
+    settings = engine_settings(cfg.rollout, w.precision, w.device.type)
     return RolloutEngine(w.loop.sft_dir, seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step, max_model_len=context,
-                         **engine_settings(cfg.rollout, w.precision, w.device.type))
+                         transport=weight_transport(cfg.rollout, settings["dtype"], w.device), **settings)
+
+
+def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device):
+    """`policy.rollout.weight_sync` as a transport: a file on CPU by default; streamed over NCCL on a
+    GPU (in the engine's dtype: bf16 halves what crosses), over gloo where a CPU run asks for it."""
+    from rlhf_core.rollout.weight_sync import SafetensorsFileTransport  # noqa: PLC0415  (rank 0 only)
+    from rlhf_core.rollout.weight_transfer import GLOO_BACKEND, NCCL_BACKEND, StreamingTransport  # noqa: PLC0415
+
+    on_gpu = device.type == "cuda"
+    if rollout.weight_sync == "file" or (rollout.weight_sync == "auto" and not on_gpu):
+        return SafetensorsFileTransport(timeout_s=rollout.sync_timeout_s)
+    return StreamingTransport(NCCL_BACKEND if on_gpu else GLOO_BACKEND, dtype=getattr(torch, engine_dtype),
+                              device=device, timeout_s=rollout.sync_timeout_s)
 
 
 def engine_settings(rollout: RolloutEngineConfig, precision: str, device_type: str) -> dict[str, Any]:

@@ -78,7 +78,7 @@ from rlhf_core.models.memory import KV_BLOCK_TOKENS, kv_block_bytes, kv_cache_bl
 from rlhf_core.rng import rng_state, set_rng_state
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransport
 
-EXTENSION = "rlhf_core.rollout.weight_sync.WeightSyncExtension"
+EXTENSION = "rlhf_core.rollout.weight_transfer.EngineWorkerExtension"
 GiB = 1 << 30
 CPU_BLOCK_SIZE = KV_BLOCK_TOKENS  # vLLM's CPU default, stated so the block count uses the same size
 CPU_PREFILL_TOKENS = 4096  # vLLM's CPU default token budget of a scheduler step
@@ -216,6 +216,7 @@ class RolloutEngine:
                     extra.update(cpu_kv_cache(self.model_dir, max_num_seqs, max_model_len))
                 if current_platform.is_cpu():
                     extra.update(cpu_prefill(self.model_dir, max_num_seqs, max_model_len))
+                extra.update(self.transport.engine_args())
                 self.llm = LLM(
                     model=str(self.model_dir),
                     dtype=dtype,

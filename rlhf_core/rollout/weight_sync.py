@@ -23,18 +23,16 @@ Transports:
   safetensors file atomically into a private directory, on /dev/shm (RAM) when it exists,
   and sends only its path; each worker reads it back. One write and one read per sync,
   small next to a generation step for models that fit on a CPU.
-- On GPUs production would use NCCL instead: the trainer's rank 0 and the engine's workers
-  join one process group (vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`), `push`
-  sends each tensor's name, dtype and shape by `collective_rpc` without waiting, and
-  broadcasts the tensor, which the workers receive into a buffer and give to
-  `reload_weights`. That is a second `WeightTransport` with the same `push`. It is not
-  written here because it cannot be run or tested without GPUs.
+- `weight_transfer.StreamingTransport`: no files; the tensors are broadcast to the workers
+  through vLLM's weight-transfer API (NCCL on GPUs, gloo on CPU), one at a time.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import tempfile
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,11 +52,11 @@ class WeightSyncExtension:
 
         weights = load_file(path, device="cpu")
         self.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
-        _repack_tied_head(self.model_runner.model)  # type: ignore[attr-defined]
+        repack_tied_head(self.model_runner.model)  # type: ignore[attr-defined]
         return len(weights)
 
 
-def _repack_tied_head(model: Any) -> None:
+def repack_tied_head(model: Any) -> None:
     """Process a tied LM head again after its embeddings changed.
 
     vLLM's CPU backend packs every linear weight for its GEMM kernels once the weights are
@@ -76,12 +74,39 @@ def _repack_tied_head(model: Any) -> None:
         method.process_weights_after_loading(head)
 
 
+class WeightSyncTimeout(RuntimeError):
+    """A weight sync did not finish in time; the engine cannot take weights any more."""
+
+
+def within_timeout(work, timeout_s: float, message) -> None:
+    """Run `work()` on a daemon thread and wait `timeout_s` for it: its error is raised here, and
+    `WeightSyncTimeout(message())` when it is still running then (the thread is left behind: a
+    collective cannot be cancelled, and the process is about to fail its stage)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="weight-sync", daemon=True).start()
+    try:
+        done.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise WeightSyncTimeout(message()) from None
+
+
 class WeightTransport(ABC):
     """Delivers a state dict to every worker of a running engine and has it loaded."""
 
     @abstractmethod
     def push(self, llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Return once every worker has loaded `state_dict` (Hugging Face parameter names)."""
+
+    def engine_args(self) -> dict[str, Any]:
+        """Extra `LLM(...)` arguments the engine needs for this transport."""
+        return {}
 
     def close(self) -> None:
         """Release what the transport holds (files, process groups)."""
@@ -113,10 +138,15 @@ class SafetensorsFileTransport(WeightTransport):
     else the system temporary directory.
     """
 
-    def __init__(self, directory: str | os.PathLike | None = None):
+    def __init__(self, directory: str | os.PathLike | None = None, timeout_s: float = 300.0):
         self.dir = Path(tempfile.mkdtemp(prefix="rlhf-weights-", dir=directory or _default_dir()))
+        self.timeout_s = timeout_s
 
     def push(self, llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
+        within_timeout(lambda: self._push(llm, state_dict), self.timeout_s, lambda: (
+            f"weight sync (file) did not finish within {self.timeout_s:g} s (policy.rollout.sync_timeout_s)"))
+
+    def _push(self, llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
         path = self.dir / WEIGHTS_FILE

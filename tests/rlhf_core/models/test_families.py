@@ -33,6 +33,8 @@ def conversations():
 def test_sft_reward_scoring_a_synced_engine_and_serving_run_on_the_family(family, tmp_path, make_pretrained,
                                                                           free_ports):
     from rlhf_core.rollout.vllm_engine import RolloutEngine
+    from rlhf_core.rollout.weight_sync import SafetensorsFileTransport
+    from rlhf_core.rollout.weight_transfer import GLOO_BACKEND, StreamingTransport
 
     src, _ = make_pretrained(tmp_path, family, chat_template=ZEPHYR, texts=QUESTIONS + ["<|user|> <|assistant|>"])
     base = materialise(str(src), tmp_path / "base")
@@ -47,20 +49,23 @@ def test_sft_reward_scoring_a_synced_engine_and_serving_run_on_the_family(family
     assert scores.shape == (8,) and torch.isfinite(scores).all()
 
     policy = load_policy(sft.path).eval()
-    engine = RolloutEngine(sft.path, max_model_len=128, max_num_seqs=16)
+    stream, file = StreamingTransport(GLOO_BACKEND, timeout_s=120), SafetensorsFileTransport(timeout_s=120)
+    engine = RolloutEngine(sft.path, max_model_len=128, max_num_seqs=16, transport=stream)
     try:
         # the engine's log-probabilities of its own samples are the trainer's, before and after a sync
-        before = engine.generate(prompts[:8], n=2, temperature=1.0, max_tokens=6, seed=0)
-        assert engine_vs_trainer(before, policy) < 1e-3
-        with torch.no_grad():  # a different policy: the engine must follow it
-            for p in policy.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        assert engine_vs_trainer(before, policy) > 1e-2  # the change is visible
-        engine.sync_weights(policy.state_dict())
-        after = engine.generate(prompts[:8], n=2, temperature=1.0, max_tokens=6, seed=0)
-        assert engine_vs_trainer(after, policy) < 1e-3
+        samples = engine.generate(prompts[:8], n=2, temperature=1.0, max_tokens=6, seed=0)
+        assert engine_vs_trainer(samples, policy) < 1e-3
+        for engine.transport in (file, stream):  # each way of syncing, the tied head's included
+            with torch.no_grad():  # a different policy: the engine must follow it
+                for p in policy.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            assert engine_vs_trainer(samples, policy) > 1e-2  # the change is visible
+            engine.sync_weights(policy.state_dict())
+            samples = engine.generate(prompts[:8], n=2, temperature=1.0, max_tokens=6, seed=0)
+            assert engine_vs_trainer(samples, policy) < 1e-3, type(engine.transport).__name__
     finally:
-        engine.close()
+        engine.close()  # closes the stream, the engine's transport now
+        file.close()
     served_chat_is_rendered_as_in_training(sft.path, tokenizer, free_ports(2), tmp_path / "serving")
 
 

@@ -1,0 +1,249 @@
+"""Weight sync without files: the trainer streams its tensors into the engine's workers through
+vLLM's weight-transfer API.
+
+vLLM's workers speak one protocol for every transport: `init_weight_transfer_engine` once (the
+workers join a process group with the trainer), then per sync `start_weight_update`,
+`update_weights` (the parameters' names, dtypes and shapes; the tensors follow over the group)
+and `finish_weight_update` (the layerwise reload re-runs the model's post-load processing). The
+trainer's half is a `TrainerWeightTransferEngine` that drives those calls through a client and
+broadcasts the tensors one at a time, so no second copy of the model is ever held anywhere.
+
+- On GPUs the backend is vLLM's own "nccl" (`NCCLTrainerWeightTransferEngine`, the shape of
+  OpenRLHF's `broadcast_to_vllm`): bucketed ("packed") broadcasts from the trainer's GPU.
+- On CPU the same protocol runs over a gloo group: `GLOO_BACKEND`, registered with vLLM's
+  factory when this module is imported (the engine's worker imports it through
+  `WeightSyncExtension`'s module). It is how the CPU tests drive the code path that GPUs take;
+  the safetensors file (`weight_sync.SafetensorsFileTransport`) stays the CPU default, as fast
+  at the sizes a CPU trains.
+
+A sync that does not finish within `timeout_s` raises `WeightSyncTimeout`: the group is then
+unusable (the other side may still wait in a collective) and the stage fails, so that a hung
+sync ends the run with a message instead of holding its workers forever.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLTrainerInitInfo,
+    NCCLTrainerWeightTransferEngine,
+    NCCLWeightTransferEngine,
+    NCCLWeightTransferInitInfo,
+    NCCLWeightTransferUpdateInfo,
+)
+
+from rlhf_core.rollout.weight_sync import (
+    WeightSyncExtension,
+    WeightSyncTimeout,
+    WeightTransport,
+    repack_tied_head,
+    within_timeout,
+    without_tied_copies,
+)
+
+GLOO_BACKEND = "rlhf_gloo"
+NCCL_BACKEND = "nccl"
+LOOPBACK = "127.0.0.1"  # the engine's workers run on the trainer's node (colocated in rank 0's worker)
+
+
+class EngineWorkerExtension(WeightSyncExtension):
+    """What `RolloutEngine` mixes into vLLM's workers (`worker_extension_cls`): the file loader of
+    `WeightSyncExtension`; and naming this module makes each worker import it, which registers
+    `GLOO_BACKEND` in the worker's process, where vLLM builds its transfer engine."""
+
+
+def _group_timeout(timeout_s: float) -> timedelta:
+    return timedelta(seconds=max(1.0, timeout_s))
+
+
+def _gloo_group(host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                store: dist.TCPStore | None = None) -> dist.ProcessGroup:
+    """A gloo group of `world_size` over the TCP store at host:port (rank 0 owns the store)."""
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, False, timeout=_group_timeout(timeout_s))
+    return dist.ProcessGroupGloo(store, rank, world_size, _group_timeout(timeout_s))
+
+
+class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+    """The worker's half on CPU: vLLM's NCCL engine with the tensors received over gloo, one
+    parameter at a time, into the layerwise reload that `start_weight_update` set up."""
+
+    def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
+        assert init_info.master_address is not None and init_info.master_port is not None
+        parallel = self.parallel_config  # the worker's rank across data-parallel replicas, as vLLM's NCCL engine
+        rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
+        self.model_update_group = _gloo_group(init_info.master_address, init_info.master_port, rank,
+                                              init_info.world_size, timeout_s=300.0)
+
+    def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+        if self.model_update_group is None:
+            raise RuntimeError("the gloo weight transfer is not initialised: call init_transfer_engine first")
+        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+            weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
+            self.model_update_group.broadcast(weight, 0).wait()
+            self.model.load_weights([(name, weight)])
+
+    def finish_weight_update(self) -> None:
+        super().finish_weight_update()
+        repack_tied_head(self.model)  # vLLM's CPU backend packs the head; a tied one loads nothing
+
+    def shutdown(self) -> None:
+        self.model_update_group = None  # a gloo group closes with its last reference
+
+
+@dataclass
+class GlooTrainerInitInfo(NCCLTrainerInitInfo):
+    backend: ClassVar[str] = GLOO_BACKEND
+    timeout_s: float = 300.0
+
+
+class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """The trainer's half on CPU: vLLM's NCCL trainer engine (the handshake, the metadata
+    checks) with the rendezvous and the broadcast over gloo."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: WeightSource | None = None):
+        engine = cls(client=client, source=source, is_sender=True, packed=False)
+        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, True,
+                              timeout=_group_timeout(init_info.timeout_s), wait_for_workers=False)
+        worker_info = {"master_address": init_info.master_address, "master_port": store.port, "rank_offset": 1,
+                       "world_size": init_info.world_size, "packed": False}
+        # the workers block in init until every rank has joined: theirs on a side thread, ours here
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as side:
+            joined = side.submit(client.init_weight_transfer_engine, worker_info)
+            engine.model_update_group = _gloo_group(init_info.master_address, store.port, 0, init_info.world_size,
+                                                    init_info.timeout_s, store=store)
+            joined.result()
+        engine._store = store  # the workers' store connections need it alive
+        return engine
+
+    def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> None:
+        assert self.model_update_group is not None
+        for _name, tensor in self._checked_iter(source, meta):
+            self.model_update_group.broadcast(tensor.contiguous(), 0).wait()
+
+    def _post_send_sync(self) -> None:
+        """gloo's broadcast has finished when `wait()` returns: nothing is left in flight."""
+
+    def shutdown(self) -> None:
+        self.model_update_group = None
+
+
+class LLMClient:
+    """`VLLMWeightSyncClient` for an `LLM` in this process: each call runs the worker method of
+    the same name on every worker (`collective_rpc`), waiting at most `timeout_s`."""
+
+    def __init__(self, llm: Any, timeout_s: float):
+        self.llm, self.timeout_s = llm, timeout_s
+
+    def _all(self, method: str, *args: Any) -> None:
+        self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all("shutdown_weight_transfer_engine")
+
+
+class StateDictSource(WeightSource):
+    """The tensors of the latest state dict handed to `set`, in the wire dtype on `device`,
+    each shared storage once (a tied head rides with the embeddings). One tensor is converted
+    at a time, as the broadcast asks for it: no second copy of the model is made."""
+
+    def __init__(self, dtype: torch.dtype | None, device: torch.device | str = "cpu"):
+        self.dtype, self.device = dtype, torch.device(device)
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def set(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = without_tied_copies(state_dict)
+
+    def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, self._wire_dtype(t), tuple(t.shape)) for name, t in self.tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.tensors.items():
+            yield name, tensor.detach().to(device=self.device, dtype=self._wire_dtype(tensor))
+
+
+def engine_workers(llm: Any) -> int:
+    """The engine's worker processes: tensor x pipeline parallel, times data-parallel replicas."""
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    return parallel.world_size * parallel.data_parallel_size
+
+
+class StreamingTransport(WeightTransport):
+    """Streams the state dict into the workers over a process group (`GLOO_BACKEND` on CPU,
+    vLLM's `NCCL_BACKEND` on GPUs) in `dtype` (None: the trainer's). The engine must be built
+    with `engine_args()`. The group is set up at the first push."""
+
+    def __init__(self, backend: str = GLOO_BACKEND, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu", timeout_s: float = 300.0):
+        if backend not in (GLOO_BACKEND, NCCL_BACKEND):
+            raise ValueError(f"weight transport backend {backend!r}: expected {GLOO_BACKEND!r} or {NCCL_BACKEND!r}")
+        self.backend, self.timeout_s = backend, timeout_s
+        self.source = StateDictSource(dtype, device)
+        self.trainer: NCCLTrainerWeightTransferEngine | None = None
+        self._broken: str | None = None
+
+    def engine_args(self) -> dict[str, Any]:
+        return {"weight_transfer_config": {"backend": self.backend}}
+
+    def push(self, llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if self._broken:
+            raise WeightSyncTimeout(self._broken)
+        self.source.set(state_dict)
+        within_timeout(lambda: self._send(llm), self.timeout_s, self._give_up)
+
+    def _send(self, llm: Any) -> None:
+        if self.trainer is None:
+            client = LLMClient(llm, self.timeout_s)
+            world_size = 1 + engine_workers(llm)
+            if self.backend == GLOO_BACKEND:
+                info = GlooTrainerInitInfo(rank=0, master_address=LOOPBACK, master_port=0, world_size=world_size,
+                                           timeout_s=self.timeout_s)
+                self.trainer = GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=self.source)
+            else:
+                from vllm.utils.network_utils import get_open_port
+
+                info = NCCLTrainerInitInfo(rank=0, master_address=LOOPBACK, master_port=get_open_port(),
+                                           world_size=world_size)
+                self.trainer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=self.source)
+        self.trainer.send_weights()
+
+    def _give_up(self) -> str:
+        self._broken = (f"weight sync ({self.backend}) did not finish within {self.timeout_s:g} s "
+                        "(policy.rollout.sync_timeout_s); the engine's workers may still wait in the transfer, "
+                        "so the engine takes no more weights: restart the stage (rlhf run --resume)")
+        return self._broken
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+            self.trainer = None
+
+
+if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(GLOO_BACKEND, GlooWeightTransferEngine)

@@ -1,0 +1,139 @@
+"""The weight transports' own logic, without an engine: what the streamed source yields, which
+transport a run gets, and that a hung sync raises within its timeout. The transports against a
+running vLLM engine (gloo and the file, tied and untied heads): tests/rlhf_core/models/test_families.py."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhf_core.config import RolloutEngineConfig
+from rlhf_core.distributed.policy_rollouts import weight_transport
+from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightSyncTimeout, within_timeout
+from rlhf_core.rollout.weight_transfer import (
+    GLOO_BACKEND,
+    NCCL_BACKEND,
+    LLMClient,
+    StateDictSource,
+    StreamingTransport,
+)
+
+
+def tied_state_dict() -> dict[str, torch.Tensor]:
+    embed = torch.randn(10, 4)
+    return {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(4),
+            "lm_head.weight": embed, "model.layers.0.step": torch.tensor([3])}  # the head is the embeddings
+
+
+def test_the_source_yields_each_tensor_once_in_the_wire_dtype_as_its_metadata_says():
+    source = StateDictSource(torch.bfloat16)
+    source.set(tied_state_dict())
+    meta = source.metadata()
+    pairs = list(source)
+    assert [m.name for m in meta] == [name for name, _ in pairs] == [
+        "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.step"]  # the tied head rides along
+    assert [(m.dtype, m.shape) for m in meta] == [(t.dtype, tuple(t.shape)) for _, t in pairs] == [
+        (torch.bfloat16, (10, 4)), (torch.bfloat16, (4,)), (torch.int64, (1,))]  # integers keep theirs
+    latest = tied_state_dict()
+    source.set(latest)  # each sync hands the latest weights
+    assert torch.equal(next(iter(source))[1], latest["model.embed_tokens.weight"].bfloat16())
+
+
+def test_the_source_keeps_the_trainers_dtype_when_none_is_asked():
+    source = StateDictSource(None)
+    source.set({"w": torch.zeros(2, dtype=torch.float32)})
+    assert [m.dtype for m in source.metadata()] == [torch.float32]
+
+
+class RecordingLLM:
+    """Stands in for `vllm.LLM`'s control plane only: records each collective_rpc, or blocks."""
+
+    def __init__(self, block: threading.Event | None = None):
+        self.calls: list[tuple[str, float | None, tuple]] = []
+        self.block = block
+
+    def collective_rpc(self, method, timeout=None, args=()):
+        self.calls.append((method, timeout, args))
+        if self.block is not None:
+            self.block.wait()
+        return [len(args[0]) if args and isinstance(args[0], dict) else 0]
+
+
+def test_the_client_calls_the_workers_methods_of_vllms_protocol_with_its_timeout():
+    llm = RecordingLLM()
+    client = LLMClient(llm, timeout_s=7.0)
+    client.init_weight_transfer_engine({"master_port": 1})
+    client.start_weight_update()
+    client.update_weights({"names": []})
+    client.finish_weight_update("v2")
+    assert [(m, t) for m, t, _ in llm.calls] == [("init_weight_transfer_engine", 7.0), ("start_weight_update", 7.0),
+                                                 ("update_weights", 7.0), ("finish_weight_update", 7.0)]
+    assert llm.calls[0][2] == ({"master_port": 1},)
+
+
+def test_within_timeout_returns_or_raises_what_the_work_raised():
+    within_timeout(lambda: None, 5.0, lambda: "unused")
+    with pytest.raises(ZeroDivisionError):
+        within_timeout(lambda: 1 / 0, 5.0, lambda: "unused")
+
+
+def hung_llm_engine(workers: int = 1) -> RecordingLLM:
+    llm = RecordingLLM(block=threading.Event())  # never set: a worker that never answers
+    parallel = type("Parallel", (), {"world_size": workers, "data_parallel_size": 1})
+    llm.llm_engine = type("Engine", (), {"vllm_config": type("Config", (), {"parallel_config": parallel})})
+    return llm
+
+
+@pytest.mark.parametrize("transport", [
+    lambda: StreamingTransport(GLOO_BACKEND, timeout_s=0.5),
+    lambda: SafetensorsFileTransport(timeout_s=0.5),
+], ids=["stream", "file"])
+def test_a_sync_that_hangs_raises_within_its_timeout_and_says_which_setting(transport):
+    transport = transport()
+    try:
+        start = time.monotonic()
+        with pytest.raises(WeightSyncTimeout, match=r"within 0.5 s \(policy.rollout.sync_timeout_s\)"):
+            transport.push(hung_llm_engine(), {"w": torch.zeros(3)})
+        assert time.monotonic() - start < 5.0
+    finally:
+        transport.close()
+
+
+def test_a_stream_that_timed_out_takes_no_more_weights():
+    transport = StreamingTransport(GLOO_BACKEND, timeout_s=0.3)
+    with pytest.raises(WeightSyncTimeout):
+        transport.push(hung_llm_engine(), {"w": torch.zeros(3)})
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match="takes no more weights"):
+        transport.push(hung_llm_engine(), {"w": torch.zeros(3)})
+    assert time.monotonic() - start < 0.2  # refused at once, not after another wait
+
+
+def test_the_engine_is_built_for_the_streamed_backend():
+    assert StreamingTransport(NCCL_BACKEND).engine_args() == {"weight_transfer_config": {"backend": "nccl"}}
+    assert StreamingTransport().engine_args() == {"weight_transfer_config": {"backend": GLOO_BACKEND}}
+    assert SafetensorsFileTransport(timeout_s=1).engine_args() == {}
+    with pytest.raises(ValueError, match="'ipc'"):
+        StreamingTransport("ipc")
+
+
+@pytest.mark.parametrize("weight_sync, device, expected", [
+    ("auto", "cpu", ("file", None)),
+    ("auto", "cuda", (NCCL_BACKEND, torch.bfloat16)),
+    ("stream", "cpu", (GLOO_BACKEND, torch.bfloat16)),
+    ("file", "cuda", ("file", None)),
+])
+def test_the_run_gets_the_transport_its_config_and_device_ask_for(weight_sync, device, expected):
+    rollout = RolloutEngineConfig(weight_sync=weight_sync, sync_timeout_s=42)
+    transport = weight_transport(rollout, "bfloat16", torch.device(device))
+    try:
+        got = ("file", None) if isinstance(transport, SafetensorsFileTransport) else (
+            transport.backend, transport.source.dtype)
+        assert got == expected
+        assert transport.timeout_s == 42
+        if isinstance(transport, StreamingTransport):
+            assert transport.source.device == torch.device(device)  # tensors go out from the trainer's device
+    finally:
+        transport.close()
