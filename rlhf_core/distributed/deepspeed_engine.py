@@ -11,6 +11,12 @@ from rlhf_core.training.policy_step import StepOutcome, guard_nonfinite
 from rlhf_core.training.sft import warmup_cosine
 
 
+def saved_dtype(use_gpu: bool) -> torch.dtype | None:
+    """The dtype a stage saves its model in: bf16 where DeepSpeed computes in bf16 (on GPUs; half
+    the bytes of fp32, and what vLLM serves there); None on CPU: as trained, fp32."""
+    return torch.bfloat16 if use_gpu else None
+
+
 def deepspeed_config(
     *, train_batch_size: int, micro_batch_size: int, grad_accum_steps: int, max_grad_norm: float, zero_stage: int,
     learning_rate: float, weight_decay: float, use_gpu: bool,

@@ -276,7 +276,8 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: Off
             "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
             "steps": pos.global_step, "accuracy_before": before, "accuracy_after": after, "kl": kl,
             "kl_bound": cfg.kl_bound}
-    save_pretrained_atomic(model, tokenizer, Path(loop.out_dir), extra=meta)
+    save_pretrained_atomic(model, tokenizer, Path(loop.out_dir), extra=meta,
+                           dtype=deepspeed_engine.saved_dtype(loop.runtime.use_gpu))
     return {**asdict(pos), "accuracy_before": before, "accuracy_after": after, "kl": kl, "held_out": held_out}
 
 

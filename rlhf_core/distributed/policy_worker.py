@@ -361,9 +361,10 @@ def _finish(w: PolicyWorker, state: PolicyState, state_dict: dict[str, torch.Ten
         "kl_bound": w.cfg.kl_bound,
         "precision": w.precision,
     }
-    save_pretrained_atomic(model, w.tokenizer, Path(w.loop.out_dir), extra=meta)
+    dtype = deepspeed_engine.saved_dtype(w.loop.runtime.use_gpu)
+    save_pretrained_atomic(model, w.tokenizer, Path(w.loop.out_dir), extra=meta, dtype=dtype)
     if state.audit_pairs:  # the audit the rounds kept current judges this policy at the gates
         audit_model, audit_tokenizer, audit_stats = w.audit
         save_reward_model(audit_model, audit_tokenizer, Path(w.loop.out_dir) / AUDIT_DIR, audit_stats,
-                          extra={"round_pairs": len(state.audit_pairs)})
+                          extra={"round_pairs": len(state.audit_pairs)}, dtype=dtype)
     return {**asdict(state), "sync_checks": w.sync_checks}

@@ -348,7 +348,8 @@ def _evaluate_and_save(
         "member_stats": [[m.mean, m.std] for m in members],
         "member_eval_accuracy": (members_chosen > members_rejected).float().mean(1).tolist(),
     }
-    save_reward_model(model, load_tokenizer(loop.base_dir), Path(loop.out_dir), stats, extra=meta)
+    save_reward_model(model, load_tokenizer(loop.base_dir), Path(loop.out_dir), stats, extra=meta,
+                      dtype=deepspeed_engine.saved_dtype(loop.runtime.use_gpu))
     return {
         **meta,
         "reward_mean": stats.mean,

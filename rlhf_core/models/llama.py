@@ -42,16 +42,31 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save_pretrained_atomic(model, tokenizer: PreTrainedTokenizerFast, out_dir: Path, extra: dict | None = None) -> Path:
+# Hugging Face's convention on the Hub: no file over 5 GB (a 7B model in bf16 is three shards
+# and an index); transformers' own default is one file of up to 50 GB.
+MAX_SHARD_SIZE = "5GB"
+
+
+def save_pretrained_atomic(model, tokenizer: PreTrainedTokenizerFast, out_dir: Path, extra: dict | None = None,
+                           dtype: torch.dtype | None = None) -> Path:
     """Save model + tokenizer in HF format (safetensors) so that `out_dir` appears complete or not at all.
 
     `extra` is written as `rlhf_meta.json` beside the weights (e.g. normalisation stats, lineage).
+    `dtype`: the floating-point weights are saved in it (bf16 for a model trained in bf16, half
+    the bytes of fp32) and config.json names it; by default as the model holds them. Weights
+    over MAX_SHARD_SIZE are split into shards with an index.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=MAX_SHARD_SIZE,
+                              state_dict=None if dtype is None else state_dict_in(model, dtype))
+        if dtype is not None:
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            config.pop("torch_dtype", None)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(str(tmp))
         if extra is not None:
             (tmp / "rlhf_meta.json").write_text(json.dumps(extra, indent=2, sort_keys=True))
@@ -67,6 +82,22 @@ def save_pretrained_atomic(model, tokenizer: PreTrainedTokenizerFast, out_dir: P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def state_dict_in(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with floating-point tensors in `dtype`; tensors that share storage
+    (tied embeddings and head) still share it, so the save writes them once."""
+    cast: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if not tensor.is_floating_point():
+            out[name] = tensor
+            continue
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in cast:
+            cast[key] = tensor.detach().to(dtype)
+        out[name] = cast[key]
+    return out
 
 
 def load_policy(path: Path | str) -> LlamaForCausalLM:

@@ -162,10 +162,12 @@ def save_reward_model(
     out_dir: Path,
     stats: RewardStats,
     extra: dict | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
-    """HF directory (safetensors) with `rlhf_meta.json` = {stage, reward_mean, reward_std, **extra}."""
+    """HF directory (safetensors) with `rlhf_meta.json` = {stage, reward_mean, reward_std, **extra};
+    the weights in `dtype` (default: as the model holds them)."""
     meta = {"stage": "reward", **(extra or {}), "reward_mean": stats.mean, "reward_std": stats.std}
-    return save_pretrained_atomic(model, tokenizer, out_dir, extra=meta)
+    return save_pretrained_atomic(model, tokenizer, out_dir, extra=meta, dtype=dtype)
 
 
 def read_reward_meta(path: Path | str) -> dict:

@@ -89,6 +89,13 @@ def test_deepspeed_config_follows_reward_config():
     assert _ds(cfg, use_gpu=True)["bf16"] == {"enabled": True}
 
 
+def test_a_stage_saves_its_model_in_the_dtype_deepspeed_computes_in():
+    from rlhf_core.distributed.deepspeed_engine import saved_dtype
+
+    assert saved_dtype(use_gpu=True) == torch.bfloat16 and _ds(CFG, use_gpu=True)["bf16"]["enabled"]
+    assert saved_dtype(use_gpu=False) is None and not _ds(CFG, use_gpu=False)["bf16"]["enabled"]  # fp32 as trained
+
+
 def test_the_gpu_optimizer_is_torchs_fused_adamw_which_needs_no_compiler():
     """DeepSpeed's FusedAdam would be compiled with nvcc on first use; torch's AdamW with
     `fused` ships with the CUDA wheel. DeepSpeed hands the params, less `torch_adam`, to

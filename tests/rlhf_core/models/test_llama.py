@@ -42,6 +42,49 @@ def test_atomic_save_replaces_a_previous_version_and_leaves_no_temp_dirs(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
 
 
+def saved_tensors(out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_a_model_trained_in_bf16_is_saved_in_bf16_and_loads_back_as_those_weights(tmp_path, make_pretrained):
+    _, model = make_pretrained(tmp_path, "qwen2")  # tied embeddings and head
+    tok = tokenizer()
+    out = save_pretrained_atomic(model, tok, tmp_path / "bf16", dtype=torch.bfloat16)
+    saved = saved_tensors(out)
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert "lm_head.weight" not in saved  # the tied head is written once, as the embeddings
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert next(model.parameters()).dtype == torch.float32  # the model itself is left as it was
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor.bfloat16().float(), rtol=0, atol=0)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_by_default_the_weights_are_saved_as_the_model_holds_them(tmp_path):
+    tok = tokenizer()
+    out = save_pretrained_atomic(build_policy(TINY, tok, seed=0), tok, tmp_path / "fp32")
+    assert {t.dtype for t in saved_tensors(out).values()} == {torch.float32}
+
+
+def test_weights_over_the_shard_size_are_split_with_an_index(tmp_path, monkeypatch):
+    import rlhf_core.models.llama as llama
+
+    monkeypatch.setattr(llama, "MAX_SHARD_SIZE", "20KB")  # the tiny model is ~90 KB in fp32
+    tok = tokenizer()
+    model = build_policy(TINY, tok, seed=0).eval()
+    out = save_pretrained_atomic(model, tok, tmp_path / "sharded")
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = tok(["12+7="], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**ids).logits, model(**ids).logits, rtol=0, atol=0)
+
+
 def test_initializer_range_sets_the_std_of_the_initial_weights():
     tok = tokenizer()
     cfg = ModelConfig(hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4, num_kv_heads=4)
