@@ -17,7 +17,8 @@ from prefect import get_run_logger, task
 from rlhf_core.chat import read_chat_template
 from rlhf_core.config import PipelineConfig
 from rlhf_core.models.pretrained import (
-    VLLM_CPU_HEAD_SIZES, PretrainedError, PretrainedInfo, inspect_pretrained, is_hub_id, materialise, preflight,
+    VLLM_CPU_HEAD_SIZES, PretrainedError, PretrainedInfo, gpu_memory_problem, inspect_pretrained, is_hub_id, materialise,
+    preflight,
 )
 
 
@@ -50,6 +51,24 @@ def trains_on_this_machine(cfg: PipelineConfig, environ: Mapping[str, str]) -> b
     return not environ.get("RAY_ADDRESS") and not (cfg.policy.use_gpu and cfg.reward.use_gpu)
 
 
+def _gpu_problems(cfg: PipelineConfig, info: PretrainedInfo, reward: Path) -> list[str]:
+    """Where the policy stage trains on GPUs: its estimate for rank 0's GPU, checked against the
+    first GPU this process sees (a node of the kind the stages run on), else logged."""
+    import torch  # noqa: PLC0415 - the flow's module loads without it
+
+    if cfg.policy.use_gpu is False or (cfg.policy.use_gpu is None and not torch.cuda.is_available()):
+        return []
+    reward_parameters = info.num_parameters if reward == Path(info.path) else inspect_pretrained(reward).num_parameters
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    problem, estimate = gpu_memory_problem(info, cfg, gpu or 80 * 2**30, reward_parameters)
+    if gpu is None:
+        get_run_logger().info("%s, for an 80 GiB device; this process sees no GPU to check it against (docs/gpu.md)",
+                              estimate)
+        return []
+    get_run_logger().info(estimate)
+    return [problem] if problem else []
+
+
 @task(name="prepare-pretrained")
 def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | None:
     """The run's pretrained base (None: the demo builds its own); raises `PretrainedError` naming
@@ -78,6 +97,7 @@ def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | N
         engine_sequences=cfg.policy.rollouts_per_step,
         engine_tokens=min(info.context_length or cfg.reward.max_length, cfg.reward.max_length + cfg.policy.max_new_tokens),
     )
+    problems += _gpu_problems(cfg, info, reward)
     if problems:
         raise PretrainedError("\n".join(problems))
     get_run_logger().info("pretrained %s: %s, %.1fM parameters, context %s", cfg.model.pretrained, info.model_type,

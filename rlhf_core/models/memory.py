@@ -28,6 +28,11 @@ ENGINE_OVERHEAD = 2 * 2**30
 ACTIVATION_BYTES = 80
 
 
+# Per GPU: the CUDA context, the caching allocator's slack and DeepSpeed's buffers (docs/gpu.md
+# assumes the same figure; a GPU run's measured peak belongs here once one is at hand).
+GPU_PROCESS_OVERHEAD = 3 * 2**30
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
@@ -147,3 +152,58 @@ def memory_refusal(subject: str, need: int, machine: MachineMemory, ways: Sequen
          f"memory monitor keeps free (it kills workers above {threshold:.0%} of the total)"),
         advice(ways),
     ])
+
+
+@dataclass(frozen=True)
+class GpuPolicyShape:
+    """What sets rank 0's GPU memory in the policy stage (docs/gpu.md's arithmetic)."""
+
+    parameters: int
+    num_layers: int
+    hidden_size: int
+    kv_width: int  # key/value heads x head size
+    intermediate_size: int
+    vocab_size: int
+    frozen_parameters: int  # of the bf16 models beside the actor: reference (none with LoRA), reward, audit
+    workers: int = 1
+    zero_stage: int = 1
+    lora: bool = False
+    with_critic: bool = False
+    micro_batch_size: int = 1
+    sequence_tokens: int = 1024  # prompt plus answer
+    response_tokens: int = 512  # logits are kept at the response positions only
+    gradient_checkpointing: bool = False
+
+
+def gpu_policy_bytes(shape: GpuPolicyShape) -> dict[str, int]:
+    """Rank 0's GPU at the update's peak, by part, in bytes, for DeepSpeed in bf16 with fp32
+    master weights and AdamW (what the stages run on GPUs; the engine's share is added by the
+    caller, who knows the device's size):
+
+    - actor: bf16 weights 2 bytes a parameter (sharded over the workers under ZeRO-3), bf16
+      gradients 2 (sharded from ZeRO-2), fp32 master weights and two moments 12 (sharded from
+      ZeRO-1); with LoRA the base is frozen bf16 weights (the adapters are a rounding error).
+      PPO's critic costs as much again.
+    - frozen: 2 bytes a parameter of the frozen models.
+    - activations of one micro-batch: 2 bytes x (8d + 4kv + 4i) per token and layer; with
+      gradient checkpointing each layer's input (2d) plus one layer's full set.
+    - logits: micro-batch x response tokens x vocabulary x 14 bytes (bf16 logits, their fp32
+      log-softmax and its gradient).
+    - GPU_PROCESS_OVERHEAD."""
+    n, w = shape.parameters, shape.workers
+    if shape.lora:
+        actor = 2 * n // (w if shape.zero_stage >= 3 else 1)
+    else:
+        actor = (2 * n // (w if shape.zero_stage >= 3 else 1) + 2 * n // (w if shape.zero_stage >= 2 else 1)
+                 + 12 * n // (w if shape.zero_stage >= 1 else 1))
+    per_token_layer = 2 * (8 * shape.hidden_size + 4 * shape.kv_width + 4 * shape.intermediate_size)
+    tokens = shape.micro_batch_size * shape.sequence_tokens
+    activations = (tokens * (shape.num_layers * 2 * shape.hidden_size + per_token_layer)
+                   if shape.gradient_checkpointing else tokens * shape.num_layers * per_token_layer)
+    return {
+        "actor": actor * (2 if shape.with_critic else 1),
+        "frozen": 2 * shape.frozen_parameters,
+        "activations": activations,
+        "logits": shape.micro_batch_size * shape.response_tokens * shape.vocab_size * 14,
+        "overhead": GPU_PROCESS_OVERHEAD,
+    }

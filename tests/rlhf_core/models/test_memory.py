@@ -81,3 +81,36 @@ def test_the_settings_named_are_the_stage_s_own_with_their_values():
     assert dpo[1:3] == ["policy.dpo.micro_batch_size=16", "policy.dpo.max_length=64"]
     assert [w.split(" (")[0] for w in ways_to_use_less("reward")] == [
         "reward.num_workers", "reward.micro_batch_size", "reward.max_length"]
+
+
+QWEN_05B = dict(parameters=494_000_000, num_layers=24, hidden_size=896, kv_width=128, intermediate_size=4864,
+                vocab_size=151_936)
+
+
+def test_rank_0s_gpu_is_docs_gpu_md_arithmetic_for_one_h100_and_a_05b_model():
+    """docs/gpu.md, (a): full fine-tuning on one GPU, reference, reward and audit beside it,
+    micro-batches of 4 sequences of 1,024 tokens, 512 of them answer."""
+    from rlhf_core.models.memory import GPU_PROCESS_OVERHEAD, GpuPolicyShape, gpu_policy_bytes
+
+    parts = gpu_policy_bytes(GpuPolicyShape(**QWEN_05B, frozen_parameters=3 * 494_000_000, micro_batch_size=4,
+                                            sequence_tokens=1024, response_tokens=512))
+    table = {"actor": 7.4, "frozen": 2.8, "activations": 5.0, "logits": 4.1, "overhead": 3.0}  # the doc's GiB
+    assert {k: round(v / GiB, 1) for k, v in parts.items()} == table
+    assert parts["actor"] == 494_000_000 * 16 and parts["overhead"] == GPU_PROCESS_OVERHEAD
+    assert round(sum(parts.values()) / GiB) == 22  # the doc's trainer total
+
+
+def test_zero_lora_and_checkpointing_shrink_rank_0s_gpu_as_they_should():
+    from rlhf_core.models.memory import GpuPolicyShape, gpu_policy_bytes
+
+    n = QWEN_05B["parameters"]
+    base = dict(QWEN_05B, frozen_parameters=0, micro_batch_size=1, sequence_tokens=1024, response_tokens=512)
+    actor = {z: gpu_policy_bytes(GpuPolicyShape(**base, workers=8, zero_stage=z))["actor"] for z in (0, 1, 2, 3)}
+    assert actor == {0: 16 * n, 1: 4 * n + 12 * n // 8, 2: 2 * n + 2 * n // 8 + 12 * n // 8,
+                     3: 2 * n // 8 + 2 * n // 8 + 12 * n // 8}
+    assert gpu_policy_bytes(GpuPolicyShape(**base, lora=True))["actor"] == 2 * n  # frozen bf16 base only
+    assert gpu_policy_bytes(GpuPolicyShape(**base, with_critic=True))["actor"] == 2 * 16 * n
+    full = gpu_policy_bytes(GpuPolicyShape(**base))["activations"]
+    checkpointed = gpu_policy_bytes(GpuPolicyShape(**base, gradient_checkpointing=True))["activations"]
+    per_layer = 1024 * 2 * (8 * 896 + 4 * 128 + 4 * 4864)
+    assert full == 24 * per_layer and checkpointed == 1024 * 24 * 2 * 896 + per_layer

@@ -139,3 +139,27 @@ def test_the_preflight_counts_the_engines_kv_cache(tmp_path, make_pretrained):
     assert preflight(info, **ok, **machine, engine_sequences=64, engine_tokens=128) == []
     huge = preflight(info, **ok, **machine, engine_sequences=64 * 1024, engine_tokens=128)
     assert len(huge) == 1 and "the policy stage" in huge[0]
+
+
+def qwen_05b_info() -> "PretrainedInfo":
+    from rlhf_core.models.pretrained import PretrainedInfo
+
+    return PretrainedInfo(path="qwen", model_type="qwen2", num_parameters=494_000_000, num_layers=24, hidden_size=896,
+                          head_dim=64, num_heads=14, num_kv_heads=2, vocab_size=151_936, context_length=32_768,
+                          intermediate_size=4864, tie_word_embeddings=True, has_chat_template=True, pad_is_eos=False)
+
+
+def test_the_one_gpu_config_fits_an_h100_and_a_smaller_gpu_is_refused_with_what_to_change():
+    from rlhf_core.config.loading import load_config
+    from rlhf_core.models.pretrained import gpu_memory_problem
+
+    repo = Path(__file__).resolve().parents[3]
+    cfg = load_config(repo / "configs" / "gpu-1xh100-0.5b.yaml")
+    problem, estimate = gpu_memory_problem(qwen_05b_info(), cfg, 80 * 2**30, reward_parameters=494_000_000)
+    assert problem is None
+    assert "engine 40.0" in estimate and "actor 7.4" in estimate  # docs/gpu.md's (a): the engine takes half
+    problem, _ = gpu_memory_problem(qwen_05b_info(), cfg, 40 * 2**30, reward_parameters=494_000_000)
+    assert problem is not None and problem.startswith("model.pretrained: rank 0's GPU in the policy stage: about")
+    for change in ("policy.rollout.gpu_memory_utilization=0.5", "policy.micro_batch_size=4", "policy.lora.enabled=false",
+                   "policy.zero_stage=2"):
+        assert change in problem, change
