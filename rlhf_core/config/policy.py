@@ -108,6 +108,11 @@ class RolloutEngineConfig(_Strict):
         "optimizer and activations need the rest. Not used on CPU."))
     enforce_eager: bool | None = Field(None, description=(
         "true: no CUDA graphs (less memory, slower decoding); null: eager on CPU, CUDA graphs on GPU."))
+    sleep: bool | None = Field(None, description=(
+        "Free the engine's GPU memory (weights and KV cache, vLLM's sleep mode) while the trainer scores and "
+        "updates, taking it back at the weight sync. null: on GPU unless rollouts are pipelined "
+        "(policy.pipeline.max_lag > 0, the engine then generates during the update); never on CPU, where vLLM "
+        "has no sleep mode."))
     weight_sync: Literal["auto", "file", "stream"] = Field("auto", description=(
         "How the trainer's weights reach the engine after each update. file: one safetensors file in /dev/shm, "
         "read back by the engine; stream: broadcast tensor by tensor through vLLM's weight-transfer API (NCCL on "
@@ -299,6 +304,13 @@ class PolicyConfig(_Strict):
             raise ValueError("policy.lora with zero_stage 3 is not supported (the stage does not gather the "
                              "sharded frozen base for the merge); use zero_stage 1 or 2: the adapters' optimizer "
                              "state is what ZeRO would shard, and it is small")
+        return self
+
+    @model_validator(mode="after")
+    def _a_pipelined_engine_stays_awake(self) -> "PolicyConfig":
+        if self.rollout.sleep and self.pipeline.max_lag > 0:
+            raise ValueError("policy.rollout.sleep: true with policy.pipeline.max_lag > 0: a pipelined engine "
+                             "generates the next batch during the update; set one of them off")
         return self
 
     @model_validator(mode="after")

@@ -47,7 +47,14 @@ def start_engine(w: PolicyWorker):
                              cfg.max_new_tokens, w.actor.module.config.max_position_embeddings)
     settings = engine_settings(cfg.rollout, w.precision, w.device.type)
     return RolloutEngine(w.loop.sft_dir, seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step, max_model_len=context,
-                         transport=weight_transport(cfg.rollout, settings["dtype"], w.device), **settings)
+                         transport=weight_transport(cfg.rollout, settings["dtype"], w.device),
+                         sleep_mode=engine_sleeps(cfg.rollout, cfg.pipeline.max_lag, w.device.type), **settings)
+
+
+def engine_sleeps(rollout: RolloutEngineConfig, max_lag: int, device_type: str) -> bool:
+    """`policy.rollout.sleep`: null sleeps on GPU when the engine is idle during the update (not
+    pipelined: a pipelined engine generates during the update; the config refuses sleep: true with it)."""
+    return rollout.sleep if rollout.sleep is not None else (device_type == "cuda" and max_lag == 0)
 
 
 def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device):

@@ -207,6 +207,7 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
             shards, pipeline_metrics = rollouts.take_pipelined(w, step)
         elif rank == 0:
             shards = rollouts.generate(w, indices, step)
+            w.engine.release()  # with policy.rollout.sleep its GPU memory is the trainer's until the sync
         received: list[Any] = [None]
         dist.scatter_object_list(received, shards, src=0)
         samples: list[rollouts.Sample] = received[0]

@@ -216,7 +216,9 @@ def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int
                        where: str = "model.pretrained") -> tuple[str | None, str]:
     """(refusal or None, the estimate in words) for rank 0's GPU in the policy stage: the trainer's
     parts (`gpu_policy_bytes`) plus the engine's share of the device
-    (`policy.rollout.gpu_memory_utilization`), against the device's `gpu_bytes`."""
+    (`policy.rollout.gpu_memory_utilization`), against the device's `gpu_bytes`. An engine that
+    sleeps during the update (`policy.rollout.sleep`) holds its share while it generates, when
+    the trainer holds no activations or logits, and none during the update."""
     policy = cfg.policy
     frozen = reward_parameters * (2 if cfg.reward.audit_share > 0 else 1) + (0 if policy.lora.enabled else info.num_parameters)
     parts = gpu_policy_bytes(GpuPolicyShape(
@@ -228,8 +230,12 @@ def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int
         response_tokens=policy.max_new_tokens, gradient_checkpointing=policy.gradient_checkpointing))
     parts["engine"] = int(policy.rollout.gpu_memory_utilization * gpu_bytes)
     need = sum(parts.values())
+    sleeps = policy.rollout.sleep if policy.rollout.sleep is not None else policy.pipeline.max_lag == 0
+    if sleeps:  # the engine's memory is free during the update, the trainer's passes are done while it generates
+        need = max(need - parts["engine"], need - parts["activations"] - parts["logits"])
     estimate = (f"rank 0's GPU in the policy stage: about {gib(need)} GiB of {gib(gpu_bytes)} ("
-                + ", ".join(f"{name} {gib(n)}" for name, n in parts.items()) + ")")
+                + ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
+                + (", the engine asleep during the update" if sleeps else "") + ")")
     if need <= gpu_bytes:
         return None, estimate
     ways = [f"policy.rollout.gpu_memory_utilization={policy.rollout.gpu_memory_utilization} (the engine's share)",

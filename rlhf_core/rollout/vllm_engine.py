@@ -199,15 +199,21 @@ class RolloutEngine:
         gpu_memory_utilization: float = 0.5,
         max_num_seqs: int = 256,
         transport: WeightTransport | None = None,
+        sleep_mode: bool = False,
     ):
         """max_num_seqs: sequences decoded together; give it the largest `generate` batch
         (prompts x n) so that a batch runs in one wave. kv_cache_gib: a KV cache size; by
         default on CPU exactly `max_num_seqs` sequences of `max_model_len`, off CPU vLLM's
-        sizing from gpu_memory_utilization (the fraction of device memory)."""
+        sizing from gpu_memory_utilization (the fraction of device memory). sleep_mode: `release`
+        gives the engine's GPU memory back between a batch's generation and the next sync (vLLM's
+        sleep mode, CUDA only)."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.transport = transport or SafetensorsFileTransport()
         self.llm: LLM | None = None
+        self.sleep_mode, self.asleep = sleep_mode, False
+        if sleep_mode and current_platform.is_cpu():
+            raise ValueError("policy.rollout.sleep: vLLM's CPU backend has no sleep mode; set it false (or null)")
         try:
             with _cpu_engine_settings() as extra:
                 if kv_cache_gib is not None:
@@ -217,6 +223,8 @@ class RolloutEngine:
                 if current_platform.is_cpu():
                     extra.update(cpu_prefill(self.model_dir, max_num_seqs, max_model_len))
                 extra.update(self.transport.engine_args())
+                if sleep_mode:
+                    extra["enable_sleep_mode"] = True
                 self.llm = LLM(
                     model=str(self.model_dir),
                     dtype=dtype,
@@ -254,6 +262,8 @@ class RolloutEngine:
         generator. `min_tokens` keeps </s> from ending a response earlier (benchmarks fix the
         length).
         """
+        if self.asleep:
+            raise RuntimeError("the rollout engine sleeps (its weights were released) until the next sync_weights")
         seeds = [None] * len(prompts) if seed is None else prompt_seeds(seed, len(prompts))
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, min_tokens=min_tokens,
@@ -290,11 +300,27 @@ class RolloutEngine:
         `model.state_dict()`). Returns the seconds taken, also in `last_metrics`."""
         llm = self._engine()
         start = time.perf_counter()
+        if self.asleep:  # as verl and OpenRLHF wake a colocated engine: weights first, then the cache
+            llm.wake_up(tags=["weights"])
         self.transport.push(llm, state_dict)
+        if self.asleep:
+            llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         llm.reset_prefix_cache()
         seconds = time.perf_counter() - start
         self.last_metrics["rollout/sync_s"] = seconds
         return seconds
+
+    def release(self) -> None:
+        """With sleep_mode, free the engine's GPU memory (weights and KV cache, vLLM's level-2 sleep:
+        the weights are not kept, the next `sync_weights` brings new ones) for the trainer's update;
+        `generate` refuses until that sync. Without sleep_mode, nothing."""
+        if not self.sleep_mode or self.asleep:
+            return
+        start = time.perf_counter()
+        self._engine().sleep(level=2)
+        self.asleep = True
+        self.last_metrics["rollout/sleep_s"] = time.perf_counter() - start
 
     def close(self, timeout: float = 30.0) -> None:
         """Shut the engine core down, which stops its worker processes. Idempotent.

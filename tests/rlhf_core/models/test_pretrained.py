@@ -155,11 +155,18 @@ def test_the_one_gpu_config_fits_an_h100_and_a_smaller_gpu_is_refused_with_what_
 
     repo = Path(__file__).resolve().parents[3]
     cfg = load_config(repo / "configs" / "gpu-1xh100-0.5b.yaml")
-    problem, estimate = gpu_memory_problem(qwen_05b_info(), cfg, 80 * 2**30, reward_parameters=494_000_000)
+    awake = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={
+        "rollout": cfg.policy.rollout.model_copy(update={"sleep": False})})})
+    problem, estimate = gpu_memory_problem(qwen_05b_info(), awake, 80 * 2**30, reward_parameters=494_000_000)
     assert problem is None
-    assert "engine 40.0" in estimate and "actor 7.4" in estimate  # docs/gpu.md's (a): the engine takes half
-    problem, _ = gpu_memory_problem(qwen_05b_info(), cfg, 40 * 2**30, reward_parameters=494_000_000)
+    assert "about 62.1 GiB of 80.0" in estimate  # docs/gpu.md's (a): 22 GiB of trainer, half the GPU the engine's
+    assert "engine 40.0" in estimate and "actor 7.4" in estimate
+    problem, _ = gpu_memory_problem(qwen_05b_info(), awake, 40 * 2**30, reward_parameters=494_000_000)
     assert problem is not None and problem.startswith("model.pretrained: rank 0's GPU in the policy stage: about")
+    # asleep during the update (the default on GPU), the engine's share and the update's peak never meet
+    fits, estimate = gpu_memory_problem(qwen_05b_info(), cfg, 40 * 2**30, reward_parameters=494_000_000)
+    assert fits is None and "about 33.1 GiB of 40.0" in estimate and "the engine asleep" in estimate
+    problem, _ = gpu_memory_problem(qwen_05b_info(), cfg, 24 * 2**30, reward_parameters=494_000_000)
     for change in ("policy.rollout.gpu_memory_utilization=0.5", "policy.micro_batch_size=4", "policy.lora.enabled=false",
                    "policy.zero_stage=2"):
         assert change in problem, change

@@ -1,5 +1,6 @@
-"""The weight transports' own logic, without an engine: what the streamed source yields, which
-transport a run gets, and that a hung sync raises within its timeout. The transports against a
+"""The weight transports' and the engine's sleep logic, without a running engine: what the
+streamed source yields, which transport a run gets, that a hung sync raises within its timeout,
+and in which order a sleeping engine is woken. The transports against a
 running vLLM engine (gloo and the file, tied and untied heads): tests/rlhf_core/models/test_families.py."""
 from __future__ import annotations
 
@@ -137,3 +138,93 @@ def test_the_run_gets_the_transport_its_config_and_device_ask_for(weight_sync, d
             assert transport.source.device == torch.device(device)  # tensors go out from the trainer's device
     finally:
         transport.close()
+
+
+class FakeLLM:
+    """Records what `RolloutEngine` asks of `vllm.LLM` (sleep mode needs CUDA, so on this machine
+    its calls can only be checked for their order)."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+
+    def get_tokenizer(self):
+        return type("Tokenizer", (), {"batch_decode": staticmethod(lambda ids, **_: [])})
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append(("generate",))
+        return []
+
+
+class PushRecorder(SafetensorsFileTransport):
+    def push(self, llm, state_dict):
+        llm.calls.append(("push", sorted(state_dict)))
+
+
+@pytest.fixture
+def fake_gpu_engine(monkeypatch, tmp_path):
+    import rlhf_core.rollout.vllm_engine as vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "LLM", FakeLLM)
+    monkeypatch.setattr(vllm_engine, "current_platform", type("Cuda", (), {"is_cpu": staticmethod(lambda: False)}))
+
+    def make(sleep_mode: bool):
+        return vllm_engine.RolloutEngine(tmp_path, sleep_mode=sleep_mode, transport=PushRecorder(timeout_s=5))
+    return make
+
+
+def test_a_sleeping_engine_frees_its_memory_after_generating_and_wakes_weights_first_at_the_sync(fake_gpu_engine):
+    engine = fake_gpu_engine(sleep_mode=True)
+    assert engine.llm.kwargs["enable_sleep_mode"] is True
+    engine.generate(["1+1="])
+    engine.release()
+    engine.release()  # already asleep: nothing more
+    with pytest.raises(RuntimeError, match="sleeps .* until the next sync_weights"):
+        engine.generate(["1+1="])  # its weights were discarded: nothing to sample from
+    engine.sync_weights({"w": torch.zeros(1)})
+    engine.generate(["1+1="])
+    assert engine.llm.calls == [("generate",), ("sleep", 2), ("wake_up", ("weights",)), ("push", ["w"]),
+                                ("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate",)]
+    assert "rollout/sleep_s" in engine.last_metrics
+
+
+def test_without_sleep_mode_release_does_nothing(fake_gpu_engine):
+    engine = fake_gpu_engine(sleep_mode=False)
+    assert "enable_sleep_mode" not in engine.llm.kwargs
+    engine.release()
+    engine.sync_weights({"w": torch.zeros(1)})
+    assert engine.llm.calls == [("push", ["w"]), ("reset_prefix_cache",)]
+
+
+def test_sleep_mode_on_cpu_is_refused_naming_the_setting(tmp_path):
+    from rlhf_core.rollout.vllm_engine import RolloutEngine
+
+    with pytest.raises(ValueError, match="policy.rollout.sleep: vLLM's CPU backend has no sleep mode"):
+        RolloutEngine(tmp_path, sleep_mode=True)
+
+
+@pytest.mark.parametrize("sleep, max_lag, device, expected", [
+    (None, 0, "cuda", True), (None, 1, "cuda", False), (None, 0, "cpu", False), (False, 0, "cuda", False),
+    (True, 0, "cuda", True),
+])
+def test_the_engine_sleeps_on_gpu_unless_pipelined_or_told_not_to(sleep, max_lag, device, expected):
+    from rlhf_core.distributed.policy_rollouts import engine_sleeps
+
+    assert engine_sleeps(RolloutEngineConfig(sleep=sleep), max_lag, device) is expected
+
+
+def test_a_pipelined_engine_that_should_sleep_is_refused_by_the_config():
+    from pydantic import ValidationError
+
+    from rlhf_core.config import PolicyConfig
+
+    with pytest.raises(ValidationError, match="a pipelined engine generates the next batch during the update"):
+        PolicyConfig.model_validate({"rollout": {"sleep": True}, "pipeline": {"max_lag": 1}})
