@@ -16,7 +16,7 @@ import pytest
 import ray.cloudpickle
 import torch
 
-from rlhf_core.config import LoRAConfig, PolicyConfig, RolloutPipelineConfig
+from rlhf_core.config import LoRAConfig, PolicyConfig, RolloutEngineConfig, RolloutPipelineConfig
 from rlhf_core.distributed import policy_worker
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
@@ -263,11 +263,13 @@ def test_pipelined_ppo_on_two_workers_with_parameters_sharded_keeps_its_critic_a
         ray_cluster, demo, tmp_path):
     """PPO with the KL in the reward and a value model, on two workers under ZeRO-3 (the actor's
     and the critic's parameters sharded over both), rollouts one update behind. The weights the
-    engine receives are gathered from both workers, and after each sync it answers as the
-    trainer does; the lag correction weighs the tokens sampled by older weights."""
+    engine receives are gathered from both workers and streamed into it (the weight transfer a GPU
+    run uses, over gloo here) from the pipeline's producer thread, and after each sync it answers
+    as the trainer does; the lag correction weighs the tokens sampled by older weights."""
     cfg = CFG.model_copy(update={"algorithm": "ppo", "num_workers": 2, "prompts_per_step": 16,
                                  "minibatch_size": 16, "micro_batch_size": 4, "zero_stage": 3,
-                                 "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2, is_cap=2.0)})
+                                 "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2, is_cap=2.0),
+                                 "rollout": RolloutEngineConfig(weight_sync="stream")})
     result = run(demo, tmp_path, cfg, _check_sync=True)
     check_finite_run(result, cfg)
     for check in result.sync_checks:
