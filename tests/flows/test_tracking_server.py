@@ -1,7 +1,8 @@
 """The pipeline against a team's MLflow: a tracking server on PostgreSQL whose artifacts live in
 an S3 bucket (moto), proxied by the server. The client process has no S3 credentials; the
 model's weights go up in parts; what the registry hands back is what the policy stage wrote;
-nothing lands in a local `mlruns/` or SQLite file."""
+nothing lands in a local `mlruns/` or SQLite file. Two runs race to promote on it, as a
+scheduled and a manual run would."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from tasks.registry import CHAMPION, POLICY, fetch_version
+from rlhf_core.testing.listeners import Listeners
 
 LOOSE_GATES = {"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
                "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,
@@ -60,64 +62,126 @@ def test_a_large_artifact_goes_up_in_parts_without_s3_credentials(mlflow_server,
     assert Path(back).read_bytes() == data
 
 
+def test_the_sampler_finds_every_listener_beyond_loopback():
+    """The rules on made-up samples: the test below relies on them and cannot show them fail."""
+    sampler = Listeners([])
+    raylet = "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --node_ip_address=127.0.0.1"
+    sampler.record(1, "ray::IDLE", raylet, {"127.0.0.1:4001"})  # a worker's gRPC server
+    sampler.record(2, raylet, "python -m flows.cli run", {"127.0.0.1:4003", "::1:4004", "::ffff:127.0.0.1:4005"})
+    sampler.record(3, "ray::RayTrainWorker", raylet, {"127.0.0.1:29500"})  # the store on loopback
+    sampler.record(4, "python -m vllm.entrypoints.openai.api_server", "python -m flows.cli run", {"127.0.0.1:8000"})
+    assert sampler.beyond_loopback() == {}
+    sampler.record(1, "", raylet, {":::4001", "::ffff:10.0.0.2:4002"})  # a Ray server on every interface counts
+    sampler.record(5, "", "python -m flows.cli run", {"0.0.0.0:4006"})  # an unknown exiting child of the driver
+    sampler.record(4, "python -m vllm.entrypoints.openai.api_server", "python -m flows.cli run", {"0.0.0.0:8001"})
+    assert sorted(sampler.beyond_loopback()) == [1, 4, 5]
+    assert sampler.beyond_loopback()[5][0].startswith("(exited; parent python -m flows.cli run")
+    sampler.record(6, "", raylet, set())
+    sampler.record(6, "ray::IDLE", raylet, set())  # a later sample names it; the name stays
+    sampler.record(6, "", raylet, set())
+    assert sampler.seen[6][0] == "ray::IDLE"
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 @pytest.mark.usefixtures("prefect_server")
-def test_a_run_tracked_by_the_server_registers_the_champion_in_the_bucket(mlflow_server, s3_server, tmp_path,
-                                                                           tiny_config_factory):
+def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_bucket_that_serves(
+        mlflow_server, s3_server, tmp_path, tiny_config_factory, free_ports):
+    """Two runs (a scheduled one and a manual one) started together against the team's server,
+    one serving state: both finish, or the one that lost the race to promote is refused with a
+    message that says so; the champion is what serves, fetched from the bucket through the
+    server. Every socket the runs' processes listen on is sampled: nothing beyond loopback."""
     from prefect.settings import PREFECT_API_URL
+
+    from rlhf_core.serving import server
 
     raw = tiny_config_factory(tmp_path)
     raw["gates"].update(LOOSE_GATES)
-    raw["serving"] = {"enabled": False}  # the deploy's download is checked below, without vLLM
+    raw["serving"] = {"ports": free_ports(2), "smoke_prompt": "12+34="}
     raw["tracking"]["tracking_uri"] = mlflow_server.url
-    config = tmp_path / "server.yaml"
+    config = tmp_path / "both.yaml"
     config.write_text(yaml.safe_dump(raw))
+    state_dir = tmp_path / "runs" / "serving"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL") and not k.startswith("AWS_")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLHF_FAULT_KILL_AT", "MLFLOW_TRACKING_URI",
+                                                            "MLFLOW_S3_ENDPOINT_URL") and not k.startswith("AWS_")}
     env.update(mlflow_server.client_env, PREFECT_API_URL=PREFECT_API_URL.value())
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=1100)
-    [summary_path] = (tmp_path / "runs").glob("*/summary.json")
-    summary = json.loads(summary_path.read_text())
-    assert done.returncode == 0 and summary["status"] == "completed", (done.stdout[-3000:], done.stderr[-3000:])
-    assert summary["mlflow_tracking_uri"] == mlflow_server.url
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=cwd,
+                                  env=env, stdout=open(tmp_path / f"run{i}.log", "w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True) for i in range(2)]
+        listeners = Listeners([p.pid for p in procs])
+        listeners.start()
+        codes = [p.wait(1300) for p in procs]
+        listeners.stop()
+        logs = [(tmp_path / f"run{i}.log").read_text()[-3000:] for i in range(2)]
+        summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "runs").glob("test-*/summary.json"))]
+        assert len(summaries) == 2, logs  # two runs, two output directories
 
-    # the parent run and a nested run per stage are on the server
-    client = MlflowClient(mlflow_server.url)
-    parent = client.get_run(summary["mlflow_run_id"])
-    assert parent.info.status == "FINISHED" and parent.info.artifact_uri.startswith("mlflow-artifacts:")
-    stages = {r.info.run_name: r for r in client.search_runs(
-        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
-    assert set(stages) == {"validate", "sft", "reward", "policy", "evaluate"}
-    assert all(r.info.status == "FINISHED" for r in stages.values())
+        completed = [s for s in summaries if s["status"] == "completed"]
+        refused = [s for s in summaries if s["status"] != "completed"]
+        assert completed and sorted(codes) == sorted([0] * len(completed) + [1] * len(refused)), (codes, logs)
+        for s in refused:  # lost the race: told which champion it found and what to do
+            assert s["failed_stage"] == "register", s
+            assert "as expected (another run or a person moved it meanwhile)" in s["error"], s
+            assert "rlhf evaluate" in s["error"]
 
-    # the champion is the policy stage's model, byte for byte, through the server
-    champion = client.get_model_version_by_alias(POLICY, CHAMPION)
-    assert champion.version == str(summary["stages"]["register"]["version"])
-    assert champion.run_id == stages["policy"].info.run_id
-    written = files_of(Path(summary["stages"]["policy"]["model_path"]))
-    assert "model.safetensors" in written
-    fetched = files_of(fetch_version(mlflow_server.url, champion.version, tmp_path / "serving-models"))  # deploy's path
-    assert {name: fetched[name] for name in written} == written
-    assert set(fetched) - set(written) == {"README.md"}  # the model card the register stage adds
+        # each completed run: the parent run and a nested run per stage are on the server
+        client = MlflowClient(mlflow_server.url)
+        stage_runs = {}
+        for s in completed:
+            assert s["mlflow_tracking_uri"] == mlflow_server.url
+            parent = client.get_run(s["mlflow_run_id"])
+            assert parent.info.status == "FINISHED" and parent.info.artifact_uri.startswith("mlflow-artifacts:")
+            stages = {r.info.run_name: r for r in client.search_runs(
+                [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+            assert set(stages) == {"validate", "sft", "reward", "policy", "evaluate"}
+            assert all(r.info.status == "FINISHED" for r in stages.values())
+            stage_runs[str(s["stages"]["register"]["version"])] = (s, parent, stages)
+        exp = client.get_experiment_by_name("tests").experiment_id
+        assert not client.search_runs([exp], "attributes.status = 'RUNNING'")
 
-    # the objects are in the bucket under the artifact prefix, the weights uploaded in parts
-    s3 = s3_server.client()
-    run_root = f"{mlflow_server.prefix}/{parent.info.experiment_id}/{champion.run_id}/artifacts/model/"
-    listed = s3.list_objects_v2(Bucket=mlflow_server.bucket, Prefix=run_root)["Contents"]
-    assert {o["Key"].removeprefix(run_root) for o in listed} == set(fetched)
-    weights = s3.head_object(Bucket=mlflow_server.bucket, Key=run_root + "model.safetensors")
-    chunk = int(mlflow_server.client_env["MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE"])
-    parts = math.ceil(len(written["model.safetensors"]) / chunk)
-    assert parts > 1 and weights["ETag"].strip('"').endswith(f"-{parts}"), (weights["ETag"], parts)
-    config_key = f"{mlflow_server.prefix}/{parent.info.experiment_id}/{parent.info.run_id}/artifacts/config.yaml"
-    assert s3.head_object(Bucket=mlflow_server.bucket, Key=config_key)["ETag"].count("-") == 0  # small: one PUT
+        # the champion is a completed run's policy model, byte for byte, through the server
+        champion = client.get_model_version_by_alias(POLICY, CHAMPION)
+        assert champion.version in stage_runs
+        summary, parent, stages = stage_runs[champion.version]
+        assert champion.run_id == stages["policy"].info.run_id
+        written = files_of(Path(summary["stages"]["policy"]["model_path"]))
+        assert "model.safetensors" in written
+        fetched = files_of(fetch_version(mlflow_server.url, champion.version, tmp_path / "serving-models"))  # deploy's path
+        assert {name: fetched[name] for name in written} == written
+        assert set(fetched) - set(written) == {"README.md"}  # the model card the register stage adds
 
-    # nothing tracked locally: no mlruns/, mlartifacts/ or MLflow SQLite file where it ran or wrote
-    for root in (cwd, tmp_path / "runs"):
-        local = [p for p in root.rglob("*") if p.name in ("mlruns", "mlartifacts", "mlflow.db") or mlflow_tables(p)]
-        assert local == [], local
-    print(f"\npolicy v{champion.version} (champion): {len(written)} files byte-identical through the server; "
-          f"model.safetensors {len(written['model.safetensors'])} bytes in {parts} parts (ETag {weights['ETag']})")
+        # the objects are in the bucket under the artifact prefix, the weights uploaded in parts
+        s3 = s3_server.client()
+        run_root = f"{mlflow_server.prefix}/{parent.info.experiment_id}/{champion.run_id}/artifacts/model/"
+        listed = s3.list_objects_v2(Bucket=mlflow_server.bucket, Prefix=run_root)["Contents"]
+        assert {o["Key"].removeprefix(run_root) for o in listed} == set(fetched)
+        weights = s3.head_object(Bucket=mlflow_server.bucket, Key=run_root + "model.safetensors")
+        chunk = int(mlflow_server.client_env["MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE"])
+        parts = math.ceil(len(written["model.safetensors"]) / chunk)
+        assert parts > 1 and weights["ETag"].strip('"').endswith(f"-{parts}"), (weights["ETag"], parts)
+        config_key = f"{mlflow_server.prefix}/{parent.info.experiment_id}/{parent.info.run_id}/artifacts/config.yaml"
+        assert s3.head_object(Bucket=mlflow_server.bucket, Key=config_key)["ETag"].count("-") == 0  # small: one PUT
+
+        # the champion serves, deployed from what the server handed back
+        current = server.current_endpoint(state_dir)
+        assert current is not None and current.version == champion.version and server.health(current.url)
+        assert not (state_dir / "starting.json").exists()
+
+        # nothing tracked locally: no mlruns/, mlartifacts/ or MLflow SQLite file where they ran or wrote
+        for root in (cwd, tmp_path / "runs"):
+            local = [p for p in root.rglob("*") if p.name in ("mlruns", "mlartifacts", "mlflow.db") or mlflow_tables(p)]
+            assert local == [], local
+
+        # nothing of the runs listened beyond loopback (and the sampler saw what it must have)
+        assert current.pid in listeners.seen, "the sampler never saw the served model"
+        assert any(("default_worker.py" in cmd or cmd.startswith("ray::")) and any(a.startswith("127.0.0.1:") for a in addrs)
+                   for cmd, addrs in listeners.seen.values()), "nor a training worker's rendezvous"
+        assert any("gcs_server" in cmd and addrs for cmd, addrs in listeners.seen.values()), "nor Ray's GCS"
+        assert listeners.beyond_loopback() == {}, listeners.beyond_loopback()
+        print(f"\nexit codes {codes} | champion v{champion.version}: {len(written)} files byte-identical through the "
+              f"server; model.safetensors {len(written['model.safetensors'])} bytes in {parts} parts")
+    finally:
+        server.stop(state_dir)
