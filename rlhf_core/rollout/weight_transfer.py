@@ -218,6 +218,8 @@ class StreamingTransport(WeightTransport):
         within_timeout(lambda: self._send(llm), self.timeout_s, self._give_up)
 
     def _send(self, llm: Any) -> None:
+        if self.source.device.type == "cuda":  # this thread's device is the trainer's (NCCL binds the current one)
+            torch.cuda.set_device(self.source.device)
         if self.trainer is None:
             client = LLMClient(llm, self.timeout_s)
             world_size = 1 + engine_workers(llm)
