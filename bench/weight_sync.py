@@ -1,8 +1,9 @@
 """Weight-sync latency as the policy grows, and its share of an RL step.
 
 For each size, a rollout engine is started on the policy and `sync_weights` pushes a full
-state dict into it (the path the trainer takes every step: safetensors in /dev/shm, loaded
-in place by the engine's worker). The step it is compared with is measured in the same run:
+state dict into it (the path the trainer takes every step on CPU: safetensors in /dev/shm,
+loaded in place by the engine's worker), and, beside it, streamed without a file through vLLM's
+weight-transfer API over gloo (`stream_sync_s`; the same protocol is NCCL on GPUs). The step it is compared with is measured in the same run:
 the rollouts of one demo-shaped GRPO step (32 prompts x 8 samples of `--tokens` tokens)
 through the engine, plus one forward and backward pass of the trainer's policy over them.
 That step is a floor under the trainer's (which also scores, runs the reference and old
@@ -56,6 +57,8 @@ def main() -> None:
                         help="demo GRPO steps of the trainer itself to time (0: none)")
     args = parser.parse_args()
     from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415
+    from rlhf_core.rollout.weight_sync import SafetensorsFileTransport  # noqa: PLC0415
+    from rlhf_core.rollout.weight_transfer import GLOO_BACKEND, StreamingTransport  # noqa: PLC0415
 
     torch.set_num_threads(os.cpu_count() or 1)
     tok = demo_tokenizer()
@@ -66,9 +69,12 @@ def main() -> None:
             cfg = ModelConfig(**SIZES[size], max_position_embeddings=64)
             model = build_policy(cfg, tok, seed=0)
             model_dir = save_pretrained_atomic(model, tok, Path(tmp) / size)
-            engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64)
+            stream, file = StreamingTransport(GLOO_BACKEND), SafetensorsFileTransport()
+            engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64, transport=stream)
             try:
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                stream_s = median(timed(lambda: engine.sync_weights(state), args.repeats))  # no file: gloo
+                engine.transport = file  # what a CPU run uses
                 sync_s = median(timed(lambda: engine.sync_weights(state), args.repeats))
                 rollouts = []
 
@@ -78,15 +84,16 @@ def main() -> None:
                 gen_s = median(timed(generate, 3))
                 train_s = median(timed(lambda: train_pass(model, rollouts), 3))
             finally:
-                engine.close()
+                engine.close()  # closes the file transport, the engine's last
+                stream.close()
             step_s = gen_s + train_s + sync_s
-            rows.append({"size": size, "params": num_parameters(model), "sync_s": sync_s,
+            rows.append({"size": size, "params": num_parameters(model), "sync_s": sync_s, "stream_sync_s": stream_s,
                          "generate_s": gen_s, "train_pass_s": train_s, "step_s": step_s,
                          "sync_share": sync_s / step_s, "MB": sum(v.numel() * 4 for v in state.values()) / 1e6})
             print(table(rows[-1:], list(rows[-1])), flush=True)
     print(f"\nWeight sync (median of {args.repeats}) and its share of one step "
           f"({args.prompts} prompts x {GROUP} samples x {args.tokens} tokens + a train pass):")
-    print(table(rows, ["size", "params", "MB", "sync_s", "step_s", "sync_share"]))
+    print(table(rows, ["size", "params", "MB", "sync_s", "stream_sync_s", "step_s", "sync_share"]))
     real = real_demo_steps(args.real_steps) if args.real_steps else None
     if real is not None:
         print(f"\nThe trainer's own demo GRPO step ({real['steps']} steps, {real['run_dir']}), median: sync "
