@@ -64,7 +64,9 @@ def run(seed: int, algorithm: str, work: Path, model: Path) -> dict:
     for suite in raw.get("gates", {}).get("regression_suites", []):  # the run's cwd is the scratch directory
         suite["path"] = str(REPO / suite["path"])
     raw["serving"] = {"enabled": False}
-    raw["tracking"] = {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}", "experiment": "chat-gain"}
+    # a store of its own: with one store the seed run first is the next one's champion, and the
+    # gates then compare two trained policies (seed 2 was undecided against seed 1's that way)
+    raw["tracking"] = {"tracking_uri": f"sqlite:///{work / f'mlflow-{name}.db'}", "experiment": "chat-gain"}
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(raw))
     start = time.perf_counter()
