@@ -207,13 +207,13 @@ class RolloutEngine:
         sizing from gpu_memory_utilization (the fraction of device memory). sleep_mode: `release`
         gives the engine's GPU memory back between a batch's generation and the next sync (vLLM's
         sleep mode, CUDA only)."""
+        if sleep_mode and current_platform.is_cpu():
+            raise ValueError("policy.rollout.sleep: vLLM's CPU backend has no sleep mode; set it false (or null)")
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.transport = transport or SafetensorsFileTransport()
         self.llm: LLM | None = None
         self.sleep_mode, self.asleep = sleep_mode, False
-        if sleep_mode and current_platform.is_cpu():
-            raise ValueError("policy.rollout.sleep: vLLM's CPU backend has no sleep mode; set it false (or null)")
         try:
             with _cpu_engine_settings() as extra:
                 if kv_cache_gib is not None:
