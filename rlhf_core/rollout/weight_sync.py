@@ -78,10 +78,10 @@ class WeightSyncTimeout(RuntimeError):
     """A weight sync did not finish in time; the engine cannot take weights any more."""
 
 
-def within_timeout(work, timeout_s: float, message) -> None:
-    """Run `work()` on a daemon thread and wait `timeout_s` for it: its error is raised here, and
-    `WeightSyncTimeout(message())` when it is still running then (the thread is left behind: a
-    collective cannot be cancelled, and the process is about to fail its stage)."""
+def on_daemon_thread(work, name: str = "weight-sync") -> concurrent.futures.Future:
+    """`work()` started on a daemon thread; its result or error in the returned future. Not a
+    ThreadPoolExecutor: Python joins those threads at exit, so one stuck in a transfer that
+    never completes would keep the process from ever exiting."""
     done: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
@@ -90,9 +90,16 @@ def within_timeout(work, timeout_s: float, message) -> None:
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             done.set_exception(exc)
 
-    threading.Thread(target=run, name="weight-sync", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+def within_timeout(work, timeout_s: float, message) -> None:
+    """Run `work()` on a daemon thread and wait `timeout_s` for it: its error is raised here, and
+    `WeightSyncTimeout(message())` when it is still running then (the thread is left behind: a
+    collective cannot be cancelled, and the process is about to fail its stage)."""
     try:
-        done.result(timeout=timeout_s)
+        on_daemon_thread(work).result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         raise WeightSyncTimeout(message()) from None
 

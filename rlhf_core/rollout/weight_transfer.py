@@ -22,7 +22,6 @@ sync ends the run with a message instead of holding its workers forever.
 """
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,6 +43,7 @@ from rlhf_core.rollout.weight_sync import (
     WeightSyncExtension,
     WeightSyncTimeout,
     WeightTransport,
+    on_daemon_thread,
     repack_tied_head,
     within_timeout,
     without_tied_copies,
@@ -119,11 +119,10 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         worker_info = {"master_address": init_info.master_address, "master_port": store.port, "rank_offset": 1,
                        "world_size": init_info.world_size, "packed": False}
         # the workers block in init until every rank has joined: theirs on a side thread, ours here
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as side:
-            joined = side.submit(client.init_weight_transfer_engine, worker_info)
-            engine.model_update_group = _gloo_group(init_info.master_address, store.port, 0, init_info.world_size,
-                                                    init_info.timeout_s, store=store)
-            joined.result()
+        joined = on_daemon_thread(lambda: client.init_weight_transfer_engine(worker_info), "weight-sync-init")
+        engine.model_update_group = _gloo_group(init_info.master_address, store.port, 0, init_info.world_size,
+                                                init_info.timeout_s, store=store)
+        joined.result(timeout=init_info.timeout_s)
         engine._store = store  # the workers' store connections need it alive
         return engine
 

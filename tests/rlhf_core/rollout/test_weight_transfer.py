@@ -80,18 +80,28 @@ def test_within_timeout_returns_or_raises_what_the_work_raised():
         within_timeout(lambda: 1 / 0, 5.0, lambda: "unused")
 
 
-def hung_llm_engine(workers: int = 1) -> RecordingLLM:
-    llm = RecordingLLM(block=threading.Event())  # never set: a worker that never answers
-    parallel = type("Parallel", (), {"world_size": workers, "data_parallel_size": 1})
-    llm.llm_engine = type("Engine", (), {"vllm_config": type("Config", (), {"parallel_config": parallel})})
-    return llm
+@pytest.fixture
+def hung_llm_engine():
+    """A stand-in whose workers never answer, until the test ends: then they are let go, so
+    that no thread of the test is left waiting."""
+    events = []
+
+    def make(workers: int = 1) -> RecordingLLM:
+        events.append(threading.Event())
+        llm = RecordingLLM(block=events[-1])
+        parallel = type("Parallel", (), {"world_size": workers, "data_parallel_size": 1})
+        llm.llm_engine = type("Engine", (), {"vllm_config": type("Config", (), {"parallel_config": parallel})})
+        return llm
+    yield make
+    for event in events:
+        event.set()
 
 
 @pytest.mark.parametrize("transport", [
     lambda: StreamingTransport(GLOO_BACKEND, timeout_s=0.5),
     lambda: SafetensorsFileTransport(timeout_s=0.5),
 ], ids=["stream", "file"])
-def test_a_sync_that_hangs_raises_within_its_timeout_and_says_which_setting(transport):
+def test_a_sync_that_hangs_raises_within_its_timeout_and_says_which_setting(transport, hung_llm_engine):
     transport = transport()
     try:
         start = time.monotonic()
@@ -102,7 +112,7 @@ def test_a_sync_that_hangs_raises_within_its_timeout_and_says_which_setting(tran
         transport.close()
 
 
-def test_a_stream_that_timed_out_takes_no_more_weights():
+def test_a_stream_that_timed_out_takes_no_more_weights(hung_llm_engine):
     transport = StreamingTransport(GLOO_BACKEND, timeout_s=0.3)
     with pytest.raises(WeightSyncTimeout):
         transport.push(hung_llm_engine(), {"w": torch.zeros(3)})
