@@ -6,13 +6,14 @@ workers join a process group with the trainer), then per sync `start_weight_upda
 `update_weights` (the parameters' names, dtypes and shapes; the tensors follow over the group)
 and `finish_weight_update` (the layerwise reload re-runs the model's post-load processing). The
 trainer's half is a `TrainerWeightTransferEngine` that drives those calls through a client and
-broadcasts the tensors one at a time, so no second copy of the model is ever held anywhere.
+broadcasts the tensors one at a time: no file, and no second copy of the weights in the
+engine's dtype (rank 0 still gathers the trainer's full state dict first).
 
 - On GPUs the backend is vLLM's own "nccl" (`NCCLTrainerWeightTransferEngine`, the shape of
   OpenRLHF's `broadcast_to_vllm`): bucketed ("packed") broadcasts from the trainer's GPU.
 - On CPU the same protocol runs over a gloo group: `GLOO_BACKEND`, registered with vLLM's
-  factory when this module is imported (the engine's worker imports it through
-  `WeightSyncExtension`'s module). It is how the CPU tests drive the code path that GPUs take;
+  factory when this module is imported (the engine's worker imports it: `EngineWorkerExtension`,
+  below, is the class vLLM mixes into its workers). It is how the CPU tests drive the code path that GPUs take;
   the safetensors file (`weight_sync.SafetensorsFileTransport`) stays the CPU default, as fast
   at the sizes a CPU trains.
 
