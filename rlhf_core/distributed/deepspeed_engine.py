@@ -83,15 +83,24 @@ class DeepSpeedBackwardAndStep:
 
 def gathered_module_state(engine, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
     """The module's full state dict (fp32, on CPU) on rank 0, None elsewhere. Every rank must
-    call it: under ZeRO-3 the parameters are gathered by a collective. Under ZeRO-1/2 every
-    rank holds the full parameters already."""
+    call it: under ZeRO-3 the parameters are gathered by a collective, one at a time (as
+    DeepSpeed's own 16-bit save and OpenRLHF's `broadcast_to_vllm` do), so a rank's device holds
+    its shards plus one full parameter, never the whole model. Under ZeRO-1/2 every rank holds
+    the full parameters already."""
     module = engine.module
-    if zero_stage == 3:
-        import deepspeed  # noqa: PLC0415
+    if zero_stage != 3:
+        return _cpu_copy(module.state_dict()) if rank == 0 else None
+    import deepspeed  # noqa: PLC0415
 
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return _cpu_copy(module.state_dict()) if rank == 0 else None
-    return _cpu_copy(module.state_dict()) if rank == 0 else None
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():  # the Parameters themselves, shards and all
+        if hasattr(tensor, "ds_id"):  # partitioned by ZeRO-3: every rank takes part in its gather
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                if rank == 0:
+                    out[name] = _cpu_copy({name: tensor})[name]
+        elif rank == 0:  # a buffer: whole on every rank
+            out[name] = _cpu_copy({name: tensor})[name]
+    return out if rank == 0 else None
 
 
 def _cpu_copy(state_dict) -> dict[str, torch.Tensor]:

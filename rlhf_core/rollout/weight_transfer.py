@@ -7,7 +7,8 @@ workers join a process group with the trainer), then per sync `start_weight_upda
 and `finish_weight_update` (the layerwise reload re-runs the model's post-load processing). The
 trainer's half is a `TrainerWeightTransferEngine` that drives those calls through a client and
 broadcasts the tensors one at a time: no file, and no second copy of the weights in the
-engine's dtype (rank 0 still gathers the trainer's full state dict first).
+engine's dtype. The trainer's side sends from a full state dict on rank 0's host (under ZeRO-3
+gathered one parameter at a time: `deepspeed_engine.gathered_module_state`).
 
 - On GPUs the backend is vLLM's own "nccl" (`NCCLTrainerWeightTransferEngine`, the shape of
   OpenRLHF's `broadcast_to_vllm`): bucketed ("packed") broadcasts from the trainer's GPU.
