@@ -81,12 +81,16 @@ demo-loop: setup
 test-tools:
 	bash infra/scripts/install-test-tools.sh
 
+# The suite on TEST_WORKERS pytest-xdist processes (each starts its own session fixtures: a Prefect
+# test server, PostgreSQL, a Ray cluster). Each takes whole modules, so a module's shared pipeline
+# run or server starts once, and the slowest modules go first (rlhf_core/testing/order.py reads the
+# last measured run), so no long module starts at the end. The slow tests wait on processes and
+# servers a good part of the time: on 2 cores two workers keep both busy. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup test-tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The fast set on FAST_WORKERS pytest-xdist processes (each starts its own session fixtures: a
-# Prefect test server, PostgreSQL): 183 s -> 116 s on 2 cores. make test stays one process: its
-# slow tests each take the machine (a Ray cluster, vLLM engines, whole pipelines).
+# The fast set on FAST_WORKERS pytest-xdist processes: 183 s -> 116 s on 2 cores.
 FAST_WORKERS ?= 2
 test-fast: setup test-tools
 	$(PY) -m pytest -m "not slow" -n $(FAST_WORKERS) $(PYTEST_ARGS)

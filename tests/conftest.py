@@ -10,6 +10,7 @@ import yaml
 
 from flows.cli import quiet_telemetry  # noqa: E402
 from rlhf_core.testing.configs import tiny_config_dict
+from rlhf_core.testing.order import longest_modules_first, module_seconds
 from rlhf_core.testing.ports import free_ports as free_ports_
 
 quiet_telemetry()
@@ -22,7 +23,9 @@ SLOW_TIMEOUT_S = 600  # a slow test's limit, its module's pipeline run or cluste
 
 def pytest_collection_modifyitems(items):
     """The slow tests get SLOW_TIMEOUT_S; the others keep the suite's default (pyproject.toml).
-    The `gpu` tests are skipped where torch sees no CUDA device (torch is imported only if there are any)."""
+    The `gpu` tests are skipped where torch sees no CUDA device (torch is imported only if there are any).
+    The slowest modules run first (`longest_modules_first`)."""
+    longest_modules_first(items, module_seconds())
     no_cuda = None
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):

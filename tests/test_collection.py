@@ -57,3 +57,21 @@ def test_the_source_search_finds_a_test_glued_to_a_comment():
     glued = "de" + "f test_hidden(serve):"  # split, so this file defines no such test itself
     text = f"    assert x  # a comment that ends here{glued}\n"
     assert DEFINITION.findall(text) == ["test_hidden"]
+
+
+def test_the_slowest_modules_come_first_each_kept_whole_and_in_order(tmp_path):
+    from rlhf_core.testing.order import longest_modules_first, module_seconds
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    durations = tmp_path / "durations.json"
+    durations.write_text('{"modules": [{"module": "tests/b.py", "total": 300.0}, {"module": "tests/c.py", "total": 5.0}]}')
+    seconds = module_seconds(durations)
+    assert seconds == {"tests/b.py": 300.0, "tests/c.py": 5.0}
+    items = [Item(n) for n in ("tests/a.py::t1", "tests/c.py::t1", "tests/b.py::t2", "tests/b.py::t1", "tests/c.py::t0")]
+    longest_modules_first(items, seconds)
+    assert [i.nodeid for i in items] == ["tests/b.py::t2", "tests/b.py::t1", "tests/c.py::t1", "tests/c.py::t0",
+                                         "tests/a.py::t1"]  # unmeasured (a new module) last
+    assert module_seconds(tmp_path / "none.json") == {} and module_seconds(tmp_path) == {}
