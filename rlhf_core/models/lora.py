@@ -111,5 +111,16 @@ def merged_policy(path: Path | str, cfg: LoRAConfig, state_dict: dict[str, torch
     `state_dict` (named as the training model names them: with LoRA, the PeftModel's names),
     and with LoRA the adapters merged into the base weights."""
     model = load_policy_for_training(path, cfg)
-    model.load_state_dict(state_dict)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = sorted(set(missing) - tied_aliases(model))  # a tied head is the embeddings' tensor, loaded under their name
+    if missing or unexpected:
+        raise RuntimeError(f"the trained weights do not fit the model in {path}: missing {missing}, "
+                           f"unexpected {sorted(unexpected)}")
     return model.merge_and_unload() if cfg.enabled else model
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """The names under which a parameter appears a second time (a head tied to the embeddings).
+    `named_parameters()`, and so DeepSpeed's gather of the full parameters, lists each once."""
+    return ({name for name, _ in model.named_parameters(remove_duplicate=False)}
+            - {name for name, _ in model.named_parameters()})

@@ -11,7 +11,7 @@ from rlhf_core.models.llama import build_policy, load_policy, save_pretrained_at
 from rlhf_core.models.lora import (
     check_target_modules, load_policy_for_training, merged_policy, merged_state_dict, reference_view, with_lora,
 )
-from rlhf_core.tokenizer import train_tokenizer
+from rlhf_core.tokenizer import load_tokenizer, train_tokenizer
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
 
@@ -57,18 +57,32 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_with_them_off(bas
     assert not torch.allclose(adapted, reference)
 
 
-def test_the_merged_policy_computes_what_the_adapted_one_does(base_dir):
+@pytest.fixture(scope="module")
+def tied_base_dir(base_dir, tmp_path_factory):
+    """The base with its output head tied to the embeddings (SmolLM2, Qwen2 small models)."""
+    model = load_policy(base_dir)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    return save_pretrained_atomic(model, load_tokenizer(base_dir), tmp_path_factory.mktemp("lora") / "tied")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_merged_policy_computes_what_the_adapted_one_does(base_dir, tied_base_dir, tied):
+    path = tied_base_dir if tied else base_dir
     cfg = LoRAConfig(enabled=True, rank=4, alpha=8.0)
-    model = with_lora(load_policy(base_dir), cfg).eval()
+    model = with_lora(load_policy(path), cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(0.1 * torch.randn_like(p))
         adapted = model(input_ids=_ids()).logits
+    # as DeepSpeed's full-parameter gather names them: a tied head once, under the embeddings' name
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    merged = merged_policy(base_dir, cfg, state).eval()
+    assert ("base_model.model.lm_head.weight" in state) is not tied
+    merged = merged_policy(path, cfg, state).eval()
     assert type(merged).__name__ == "LlamaForCausalLM"
-    assert set(merged.state_dict()) == set(load_policy(base_dir).state_dict())  # a plain model: no adapter keys
+    assert set(merged.state_dict()) == set(load_policy(path).state_dict())  # a plain model: no adapter keys
+    assert (merged.lm_head.weight is merged.model.embed_tokens.weight) is tied
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=_ids()).logits, adapted, rtol=1e-5, atol=1e-5)
 
@@ -127,3 +141,11 @@ def test_lora_settings_that_do_not_apply_are_refused():
         PolicyConfig(algorithm="grpo", zero_stage=3, lora={"enabled": True})
     assert PolicyConfig(algorithm="grpo", lora={"enabled": True}).lora.enabled
     assert PolicyConfig(algorithm="dpo", lora={"enabled": True, "target_modules": ["q_proj"]}).lora.rank == 8
+
+
+def test_trained_weights_that_miss_more_than_a_tied_head_are_refused_naming_them(tied_base_dir):
+    cfg = LoRAConfig(enabled=True, rank=4)
+    state = {n: p.detach().clone() for n, p in with_lora(load_policy(tied_base_dir), cfg).named_parameters()}
+    del state["base_model.model.model.norm.weight"]
+    with pytest.raises(RuntimeError, match=r"missing \['base_model.model.model.norm.weight'\], unexpected \[\]"):
+        merged_policy(tied_base_dir, cfg, state)
