@@ -97,14 +97,18 @@ def gathered_module_state(engine, zero_stage: int, rank: int) -> dict[str, torch
         if hasattr(tensor, "ds_id"):  # partitioned by ZeRO-3: every rank takes part in its gather
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
                 if rank == 0:
-                    out[name] = _cpu_copy({name: tensor})[name]
+                    out[name] = _cpu_tensor(tensor)
         elif rank == 0:  # a buffer: whole on every rank
-            out[name] = _cpu_copy({name: tensor})[name]
+            out[name] = _cpu_tensor(tensor)
     return out if rank == 0 else None
 
 
 def _cpu_copy(state_dict) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().cpu().clone() for k, v in state_dict.items()}
+    return {k: _cpu_tensor(v) for k, v in state_dict.items()}
+
+
+def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().float().cpu().clone()
 
 
 def full_fp32_parameters(engine, rank: int) -> dict[str, torch.Tensor] | None:
