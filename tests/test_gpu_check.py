@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 # What a GPU machine does not have; `sitecustomize` runs at the start of every Python process
 # whose path holds it, so the blocks hold in the script and in the pytest it starts alike.
@@ -15,6 +17,7 @@ ABSENT_ON_GPU_MACHINES = ("ray", "deepspeed", "vllm", "prefect", "mlflow")
 BLOCKER = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None  # `import name` raises ImportError\n"
 
 
+@pytest.mark.slow  # a pytest inside a subprocess, and a GRPO step at a 0.5B model's shape: not in `make test-fast`
 def test_the_dry_run_passes_on_the_cpu_without_the_engines_and_names_the_gpu_shape(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(names=ABSENT_ON_GPU_MACHINES))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "CUDA_VISIBLE_DEVICES": ""}

@@ -44,7 +44,7 @@ from rlhf_core.distributed.fault_injection import kill_if_due, nan_if_due
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
 from rlhf_core.distributed.policy_metrics import step_metrics
 from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
-from rlhf_core.distributed.stage import record_attempt, start_worker
+from rlhf_core.distributed.stage import agreed_precision, record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.lora import load_policy_for_training, merged_state_dict, reference_view
@@ -57,7 +57,7 @@ from rlhf_core.models.value import value_model_from
 from rlhf_core.rng import derive_seed
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.circuit_breaker import should_trip
-from rlhf_core.training.precision import computing_in, resolve_precision
+from rlhf_core.training.precision import computing_in
 from rlhf_core.training.policy_step import (
     PolicyBatch,
     algorithm_spec,
@@ -150,19 +150,8 @@ def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
                      member_stats=members, audit=audit)
     if worker.rank == 0 and cfg.rounds.enabled and reward_model is not None:
         w.annotator = policy_rounds.annotator_for(w)
-    w.precision = _agreed_precision(cfg, loop.runtime.use_gpu, worker.rank, worker.world)
+    w.precision = agreed_precision("policy", cfg.precision, loop.runtime.use_gpu, worker)
     return w
-
-
-def _agreed_precision(cfg: PolicyConfig, use_gpu: bool, rank: int, world: int) -> str:
-    """`policy.precision` resolved on rank 0 (auto measures there) and given to every rank, so
-    that no two ranks compute in different precisions."""
-    chosen = [resolve_precision(cfg.precision, use_gpu) if rank == 0 else None]
-    if world > 1:
-        dist.broadcast_object_list(chosen, src=0)
-    if rank == 0:
-        print(f"policy: computing in {chosen[0]} (policy.precision: {cfg.precision})", flush=True)
-    return chosen[0]
 
 
 def _engine(deepspeed, model: torch.nn.Module, cfg: PolicyConfig, learning_rate: float, use_gpu: bool):

@@ -45,12 +45,13 @@ from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.epochs import run_epochs
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
-from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
+from rlhf_core.distributed.stage import StageRuntime, agreed_precision, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.models.reward import (
     AUDIT_DIR, member_mean, reward_model_from_base, reward_stats, save_reward_model, score_pairs_members,
 )
 from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.precision import Precision, computing_in
 from rlhf_core.training.stage_types import MetricsCallback, StageFailed
 
 ENGINE_TAG = "engine"
@@ -236,6 +237,7 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
     cfg, runtime = loop.cfg, loop.runtime
     worker = start_worker(runtime, cfg.seed)
     rank, world = worker.rank, worker.world
+    precision = agreed_precision("reward", cfg.precision, runtime.use_gpu, worker)
     train: TokenizedPairs = ray.get(loop.train)
 
     per_rank_batch = cfg.micro_batch_size * cfg.grad_accum_steps
@@ -256,22 +258,23 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
         engine, stage="reward", engine_tag=ENGINE_TAG, runtime=runtime, rank=rank, world=world, seed=cfg.seed,
         num_rows=len(train), per_rank_batch=per_rank_batch, steps_epoch=steps_epoch, total_steps=total_steps,
         checkpoint_every=cfg.checkpoint_every,
-        step_fn=lambda indices, meter: _optimizer_step(engine, train, indices, cfg, meter, loop.weights),
+        step_fn=lambda indices, meter: _optimizer_step(engine, train, indices, cfg, meter, loop.weights, precision),
         metrics_fn=lambda gathered: _step_metrics(gathered, engine, cfg, train.truncated),
     )
 
     state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:
         return None
-    return _evaluate_and_save(state_dict, engine.module.config, loop, pos)
+    return _evaluate_and_save(state_dict, engine.module.config, loop, pos, precision)
 
 
 def _optimizer_step(
     engine, pairs: TokenizedPairs, indices: list[int], cfg: RewardConfig, meter: WorkerMeter,
-    weights: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None, precision: Precision = "fp32",
 ) -> tuple[list[float], float]:
     """One optimizer step over `grad_accum_steps` micro-batches of this rank's `indices`
-    (each ensemble member's pairs weighted by its bootstrap `weights`, (N, K)).
+    (each ensemble member's pairs weighted by its bootstrap `weights`, (N, K)), the forward
+    passes in `precision` (the loss in fp32).
 
     -> ([loss, accuracy, margin, chosen mean, rejected mean, grad norm] averaged over the
     micro-batches, seconds). DeepSpeed steps the optimizer at the accumulation boundary.
@@ -285,9 +288,10 @@ def _optimizer_step(
         batch = collate_pairs(pairs, micro)
         w = weights[micro].to(engine.device) if weights is not None else None  # (B, K)
         with meter.compute():  # the forward pass: this worker's own compute, no collectives
-            rewards = engine(
-                input_ids=batch.input_ids.to(engine.device), attention_mask=batch.attention_mask.to(engine.device)
-            ).logits.float()  # (2B, K)
+            with computing_in(precision, engine.device):
+                rewards = engine(
+                    input_ids=batch.input_ids.to(engine.device), attention_mask=batch.attention_mask.to(engine.device)
+                ).logits.float()  # (2B, K)
             loss, m = ensemble_bradley_terry_loss(rewards[: batch.num_pairs], rewards[batch.num_pairs :], w, cfg.margin)
         engine.backward(loss)
         if cfg.zero_stage == 0 and engine.is_gradient_accumulation_boundary():
@@ -321,7 +325,8 @@ def _step_metrics(gathered: list[Any], engine, cfg: RewardConfig, truncated: int
 
 
 def _evaluate_and_save(
-    state_dict: dict[str, torch.Tensor], model_config, loop: RewardWorkerInputs, pos: DataPosition
+    state_dict: dict[str, torch.Tensor], model_config, loop: RewardWorkerInputs, pos: DataPosition,
+    precision: Precision,
 ) -> dict[str, Any]:
     """Rank 0: held-out accuracy and loss, normalisation stats, HF save. -> the run summary."""
     model = AutoModelForSequenceClassification.from_config(model_config, dtype=torch.float32)
@@ -344,6 +349,7 @@ def _evaluate_and_save(
         "zero_stage": cfg.zero_stage,
         "num_workers": cfg.num_workers,
         "max_length": cfg.max_length,
+        "precision": precision,  # what the training passes computed in
         "ensemble_size": cfg.ensemble_size,
         "member_stats": [[m.mean, m.std] for m in members],
         "member_eval_accuracy": (members_chosen > members_rejected).float().mean(1).tolist(),

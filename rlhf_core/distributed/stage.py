@@ -47,6 +47,7 @@ from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
 from rlhf_core.models.memory import MachineMemory
 from rlhf_core.rng import seed_everything
+from rlhf_core.training.precision import resolve_precision
 from rlhf_core.training.stage_types import MetricsCallback
 
 @dataclass(frozen=True)
@@ -181,6 +182,17 @@ def start_worker(runtime: StageRuntime, seed: int, torch_threads: int | None = N
     deepspeed.init_distributed(dist_backend="nccl" if runtime.use_gpu else "gloo")  # wraps Ray Train's group
     seed_everything(seed)
     return Worker(deepspeed, rank, world)
+
+
+def agreed_precision(stage: str, requested: str, use_gpu: bool, worker: Worker) -> str:
+    """`<stage>.precision` resolved on rank 0 (auto measures there) and given to every rank, so
+    that no two ranks compute in different precisions. A resumed attempt resolves it again."""
+    chosen = [resolve_precision(requested, use_gpu) if worker.rank == 0 else None]
+    if worker.world > 1:
+        torch.distributed.broadcast_object_list(chosen, src=0)
+    if worker.rank == 0:
+        print(f"{stage}: computing in {chosen[0]} ({stage}.precision: {requested})", flush=True)
+    return chosen[0]
 
 
 def record_attempt(runtime: StageRuntime, rank: int, resumed_from: int | None) -> None:

@@ -20,7 +20,7 @@ SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 # training recipe are the demo's.
 K8S_KEYS = {
     "name", "output_dir",
-    "reward.use_gpu", "policy.use_gpu", "policy.precision",
+    "reward.use_gpu", "reward.precision", "policy.use_gpu", "policy.precision",
     "gates.auto_promote", "serving.enabled",
     "feedback.host", "feedback.salt_file",
     "monitoring.host", "monitoring.port", "monitoring.advertise_host", "monitoring.targets_dir",
