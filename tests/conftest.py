@@ -21,10 +21,16 @@ REPO = Path(__file__).resolve().parents[1]
 SLOW_TIMEOUT_S = 600  # a slow test's limit, its module's pipeline run or cluster start included
 
 
-def pytest_collection_modifyitems(items):
+COLLECTED = pytest.StashKey[frozenset]()  # every test id this session collected, before -m/-k deselect any
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hooks deselect by -m, -k or --deselect
+def pytest_collection_modifyitems(config, items):
     """The slow tests get SLOW_TIMEOUT_S; the others keep the suite's default (pyproject.toml).
     The `gpu` tests are skipped where torch sees no CUDA device (torch is imported only if there are any).
-    The slowest modules run first (`longest_modules_first`)."""
+    The slowest modules run first (`longest_modules_first`). What was collected is kept for
+    tests/test_collection.py."""
+    config.stash[COLLECTED] = frozenset(item.nodeid for item in items)
     longest_modules_first(items, module_seconds())
     no_cuda = None
     for item in items:

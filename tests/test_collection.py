@@ -31,24 +31,35 @@ def written() -> dict[str, set[str]]:
     return found
 
 
-def collected() -> dict[str, set[str]]:
-    """Test function names per file, as `pytest --collect-only` finds them (parameters dropped)."""
+def by_file(node_ids) -> dict[str, set[str]]:
+    """Test function names per file from pytest's test ids (parameters and classes dropped)."""
+    found = defaultdict(set)
+    for node_id in node_ids:
+        if "::" in node_id:
+            path, *_, name = node_id.split("::")
+            found[path].add(name.split("[", 1)[0])
+    return found
+
+
+def collected(config: pytest.Config) -> dict[str, set[str]]:
+    """Test function names per file, as pytest collects the whole tree: this session's own
+    collection when it was of the whole tree (`make test`, `make test-fast`: tests/conftest.py
+    keeps it before -m or -k deselect anything), else a `pytest --collect-only` of it."""
+    [conftest] = [p for p in config.pluginmanager.get_plugins() if getattr(p, "__file__", None) == str(TESTS / "conftest.py")]
+    whole_tree = [Path(a).resolve() for a in config.args] in ([TESTS], [REPO]) and not any(
+        config.getoption(o) for o in ("ignore", "ignore_glob", "deselect"))
+    if whole_tree and conftest.COLLECTED in config.stash:
+        return by_file(config.stash[conftest.COLLECTED])
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    found = defaultdict(set)
-    for line in out.stdout.splitlines():
-        if "::" in line:
-            path, *_, name = line.split("::")
-            found[path].add(name.split("[", 1)[0])
-    return found
+    return by_file(line for line in out.stdout.splitlines())
 
 
-@pytest.mark.slow  # a pytest in a subprocess: `make test` runs it, `make test-fast` does not
-def test_every_test_function_in_the_tree_is_collected():
-    got = collected()
+def test_every_test_function_in_the_tree_is_collected(pytestconfig):
+    got = collected(pytestconfig)
     missing = {path: sorted(names - got.get(path, set())) for path, names in written().items()}
     assert {path: names for path, names in missing.items() if names} == {}
 
