@@ -6,8 +6,8 @@ from mlflow.tracking import MlflowClient
 from monitoring.sink import MlflowMetricsSink
 
 
-def test_sink_pickles_and_logs_by_step_keeping_nan(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+def test_sink_pickles_and_logs_by_step_keeping_nan(tmp_path, mlflow_store):
+    uri = mlflow_store
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("t", artifact_location=(tmp_path / "a").as_uri()))
     sink = MlflowMetricsSink(uri, run.info.run_id)

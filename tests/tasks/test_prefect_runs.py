@@ -42,10 +42,10 @@ def test_only_a_flow_run_still_in_the_state_its_dead_process_left_is_marked():
 # -- against a real Prefect server and MLflow store -------------------------------------------
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, mlflow_store):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    client = MlflowClient(mlflow_store)
     return client, client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
 
 

@@ -3,8 +3,8 @@ from mlflow.tracking import MlflowClient
 from tasks.registry import register_model_version
 
 
-def test_each_registration_is_a_new_version_with_its_lineage(tmp_path):
-    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+def test_each_registration_is_a_new_version_with_its_lineage(tmp_path, mlflow_store):
+    client = MlflowClient(mlflow_store)
     exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
@@ -35,9 +35,9 @@ from tasks.registry import (  # noqa: E402
 
 
 @pytest.fixture
-def registry(tmp_path):
+def registry(tmp_path, mlflow_store):
     """`policy` with versions 1-3 (all passed the gates) and no aliases."""
-    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    client = MlflowClient(mlflow_store)
     exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

@@ -38,7 +38,7 @@ def test_a_data_validation_error_survives_pickling_with_its_report():
     assert (str(exc), exc.report_path) == ("bad", Path("/r.md"))
 
 
-def test_runs_left_running_by_a_dead_process_are_closed_as_killed_and_no_others(tmp_path):
+def test_runs_left_running_by_a_dead_process_are_closed_as_killed_and_no_others(tmp_path, mlflow_store):
     import socket
     import subprocess
     import sys
@@ -49,7 +49,7 @@ def test_runs_left_running_by_a_dead_process_are_closed_as_killed_and_no_others(
     from tasks.run_start import close_abandoned_runs
     from tasks.tracking import OWNER_TAG
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    client = MlflowClient(mlflow_store)
     exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = f"{socket.gethostname()}:{gone.stdout.strip()}:12345"
@@ -111,10 +111,10 @@ def test_a_failed_stage_is_not_journalled(tmp_path):
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, mlflow_store):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    client = MlflowClient(mlflow_store)
     return client, client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
 
 
