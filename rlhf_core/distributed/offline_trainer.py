@@ -51,6 +51,7 @@ from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
+from rlhf_core.models.logits import logits_from
 from rlhf_core.models.lora import load_policy_for_training, merged_policy
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.preference_step import FIGURES, Rows, offline_loss
@@ -58,6 +59,7 @@ from rlhf_core.training.stage_types import MetricsCallback, StageFailed
 
 ENGINE_TAG = "actor"
 EVAL_BATCH = 256  # prompts per generate call at the end
+KL_ROWS = 16  # sampled answers per forward pass of the KL at the end: (16, answer length, vocabulary) logits
 
 
 @dataclass(frozen=True)
@@ -304,12 +306,15 @@ def sampled_kl(model, reference, tokenizer, prompts: list[str], max_new_tokens: 
             answer = (after_eos == 0) | ((after_eos == 1) & (generated == tokenizer.eos_token_id))
             attention = torch.cat([enc["attention_mask"], answer.long()], dim=1)
             positions = (attention.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
-            diff = []
-            for m in (model, reference):
-                logits = m(input_ids=out, attention_mask=attention, position_ids=positions).logits
-                logits = logits[:, width - 1 : -1].float()
-                diff.append(logprobs_from_logits(logits / temperature, generated))
-            total += sequence_logprobs(diff[0] - diff[1], answer).sum().item()
+            for j in range(0, out.shape[0], KL_ROWS):  # the head only at the answer's columns, a few rows at a time
+                rows = slice(j, j + KL_ROWS)
+                diff = []
+                for m in (model, reference):
+                    logits, offset = logits_from(m, out[rows], attention[rows], width - 1, position_ids=positions[rows])
+                    logits = logits[:, width - 1 - offset : -1].float()
+                    diff.append(logprobs_from_logits(logits / temperature, generated[rows]))
+                    del logits
+                total += sequence_logprobs(diff[0] - diff[1], answer[rows]).sum().item()
     finally:
         tokenizer.padding_side = side
     return total / len(prompts)

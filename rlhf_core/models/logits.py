@@ -26,11 +26,13 @@ def keeps_logits(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def logits_from(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int) -> tuple[torch.Tensor, int]:
+def logits_from(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The logits of columns `first`..L-1 at least, and the column of the returned [:, 0]:
     (B, L - first, V) and `first` when the model can skip the others, else (B, L, V) and 0
-    (the same values either way)."""
+    (the same values either way). `position_ids` for left-padded rows, as `generate` numbers them."""
+    extra = {"position_ids": position_ids} if position_ids is not None else {}
     if keeps_logits(model):
         keep = input_ids.shape[1] - first
-        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits, first
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits, 0
+        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **extra).logits, first
+    return model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits, 0

@@ -129,6 +129,41 @@ def test_sampled_kl_of_a_policy_to_itself_is_zero(demo):
     assert sampled_kl(model, model, tok, demo["eval_prompts"][:16], 4, 1.0, seed=0) == pytest.approx(0, abs=1e-9)
 
 
+class _FullLogits(torch.nn.Module):
+    """A policy whose forward takes no `logits_to_keep`: the head runs at every column."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.wrapped = model
+
+    def forward(self, input_ids, attention_mask, position_ids=None):
+        return self.wrapped(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    def generate(self, **kwargs):
+        return self.wrapped.generate(**kwargs)
+
+
+@torch.no_grad()
+def test_the_sampled_kl_in_row_chunks_at_the_answer_columns_equals_one_whole_pass(demo, monkeypatch):
+    """The KL at the end reads the head at the answers' columns only, KL_ROWS answers at a time:
+    the same figure as one pass over every column of every row (which held (200, L, V) logits
+    twice over for a 49k vocabulary)."""
+    from rlhf_core.distributed import offline_trainer
+
+    model, tok = load_policy(demo["sft"]).eval(), load_tokenizer(demo["sft"])
+    other = load_policy(demo["sft"]).eval()
+    generator = torch.Generator().manual_seed(0)
+    for p in other.parameters():
+        p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    prompts = demo["eval_prompts"][:40]  # more than KL_ROWS: several chunks, the last one short
+    assert len(prompts) % offline_trainer.KL_ROWS and len(prompts) > 2 * offline_trainer.KL_ROWS
+    chunked = sampled_kl(model, other, tok, prompts, 4, 1.0, seed=0)
+    monkeypatch.setattr(offline_trainer, "KL_ROWS", 10_000)
+    whole = sampled_kl(_FullLogits(model), _FullLogits(other), tok, prompts, 4, 1.0, seed=0)
+    assert abs(whole) > 1e-3  # the two policies differ
+    assert chunked == pytest.approx(whole, rel=1e-5)
+
+
 def test_kto_unpairs_each_pair_into_one_labelled_answer():
     rows = [{"id": f"p{i}", "prompt": f"{i}+1=", "chosen": f"{i + 1:03d}", "rejected": "000"} for i in range(40)]
     examples = unpaired_examples(rows, desirable_share=0.25, seed=3)
