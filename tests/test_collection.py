@@ -55,7 +55,7 @@ def collected(config: pytest.Config) -> dict[str, set[str]]:
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return by_file(line for line in out.stdout.splitlines())
+    return by_file(out.stdout.splitlines())
 
 
 def test_every_test_function_in_the_tree_is_collected(pytestconfig):
