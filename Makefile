@@ -25,7 +25,12 @@ PYTEST_ARGS ?=
 # checking that torch sees the GPU. On a CPU machine it ends by building DeepSpeed's CPU collectives op
 # (~35 s once, instead of in every stage).
 SEES_A_GPU := import torch, sys; torch.cuda.is_available() or sys.exit('torch ' + torch.__version__ + ' sees no GPU')
+# A new .venv takes about 5 GiB, and pip unpacks wheels beside it: refuse early, not halfway.
+SETUP_DISK_GIB ?= 7
 $(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -x $(PY) || { free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	  [ "$$free" -ge $(SETUP_DISK_GIB) ] || { echo "error: a new $(VENV) needs about $(SETUP_DISK_GIB) GiB free on\
+	 $$(df -P . | awk 'NR==2 {print $$6}'), which has $$free GiB: free some space and run make again" >&2; exit 1; }; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
 	$(PY) -m pip $(if $(ON_GPU),--isolated) install --quiet -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
