@@ -66,7 +66,8 @@ def run(seed: int, algorithm: str, work: Path, model: Path) -> dict:
     raw["serving"] = {"enabled": False}
     # a store of its own: with one store the seed run first is the next one's champion, and the
     # gates then compare two trained policies (seed 2 was undecided against seed 1's that way)
-    raw["tracking"] = {"tracking_uri": f"sqlite:///{work / f'mlflow-{name}.db'}", "experiment": "chat-gain"}
+    raw["tracking"] = {**raw.get("tracking", {}), "tracking_uri": f"sqlite:///{work / f'mlflow-{name}.db'}",
+                       "experiment": "chat-gain"}
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(raw))
     start = time.perf_counter()

@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     pro.add_argument("--deploy", action="store_true", help="serve it right away (deploy-champion)")
     _config_args(pro)
 
-    dep = sub.add_parser("deploy", help="serve models:/policy@champion (deploy-champion flow)")
+    dep = sub.add_parser("deploy", help="serve the champion of tracking.registered_model (deploy-champion flow)")
     _config_args(dep)
 
     rb = sub.add_parser("rollback", help="move champion back to the previous version and serve it")

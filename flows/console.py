@@ -106,9 +106,10 @@ def prefect_ui_url() -> str | None:
     return (PREFECT_UI_URL.value() or "").rstrip("/") or None
 
 
-def print_deployment(stage: dict[str, Any], cfg, state_dir: Path) -> None:
-    """Where the deployed champion serves, its API key, and a request to try it."""
-    print(f"Serving:     policy v{stage['version']} at {stage['endpoint']}/v1  (model {stage['served_model_name']!r})")
+def print_deployment(stage: dict[str, Any], cfg, state_dir: Path, config_path: str | None = None) -> None:
+    """Where the deployed champion serves, its API key, a request to try it and how to stop it
+    (`config_path`, the run's config: named unless it is the default)."""
+    print(f"Serving:     {cfg.tracking.registered_model} v{stage['version']} at {stage['endpoint']}/v1  (model {stage['served_model_name']!r})")
     print(f"Sample:      {stage['sample']}")
     print(f"API key:     ${cfg.serving.api_key_env}, else the file {state_dir}/api_key")
     chat = stage.get("chat", False)  # a chat model is asked through its template, as in the sample
@@ -118,7 +119,10 @@ def print_deployment(stage: dict[str, Any], cfg, state_dir: Path) -> None:
           f"-H \"Authorization: Bearer $(cat {state_dir}/api_key)\" \\")
     print(f"               -H 'Content-Type: application/json' -d '{{\"model\": \"{stage['served_model_name']}\", "
           f"{asked}, \"temperature\": 0}}'")
-    print("Stop it:     rlhf serving stop")
+    from rlhf_core.config.default import DEFAULT_CONFIG
+
+    named = config_path is not None and Path(config_path).resolve() != Path(DEFAULT_CONFIG).resolve()
+    print(f"Stop it:     rlhf serving stop{f' --config {config_path}' if named else ''}")
 
 
 def print_failure(summary: dict[str, Any], exit_code: int, log_path: Path | None) -> None:

@@ -27,7 +27,8 @@ def evaluate_flow(
     """Evaluate a registered policy version against its reference policy and the champion.
 
     Args:
-        candidate: a version number of `policy`, or an alias (`challenger`, `champion`).
+        candidate: a version number of `tracking.registered_model` (default `policy`), or an alias
+            (`challenger`, `champion`).
         config_path: pipeline config whose eval data and `gates` thresholds apply.
         overrides: `key.path=value` items applied on top of the file.
     """
@@ -35,11 +36,11 @@ def evaluate_flow(
     run = start_pipeline_run(cfg, config_source=str(config_path), flow_name="evaluate")
     summary = summary_header(run, "evaluate", str(config_path))
     with recorded_outcome(run, summary) as stages:
-        registered = fetch_registered_candidate(candidate, run)
+        registered = fetch_registered_candidate(candidate, cfg, run)
         pretrained = prepare_pretrained(cfg, run.out_dir) if cfg.model.pretrained is not None else None
         prompts, answers = PreparedData.of(prepare_data(cfg, run.out_dir, pretrained), cfg).eval_set  # rendered as in training
         evaluation = record_stage(stages, "evaluate", evaluate_candidate, registered.candidate, prompts, answers, cfg, run)
-        record_gate_verdict(registered.version, evaluation, run)
+        record_gate_verdict(registered.version, evaluation, cfg, run)
         summary["candidate_version"] = registered.version
         if not evaluation.passed:
             d = evaluation.decision

@@ -35,7 +35,7 @@ def run_flow(fn, log_path: Path, cfg=None, **kwargs) -> int:
         return 1
     print_summary(summary)
     if cfg is not None and "deploy" in summary.get("stages", {}):
-        print_deployment(summary["stages"]["deploy"], cfg, serving_state_dir(cfg))
+        print_deployment(summary["stages"]["deploy"], cfg, serving_state_dir(cfg), kwargs.get("config_path"))
     return 3 if summary.get("status") in ("rejected", "undecided") else 0
 
 

@@ -3,7 +3,8 @@ or `rlhf`) and what the alert receiver starts. They only move registry aliases a
 processes, so their imports stay light (no torch, no transformers): an incident's rollback
 starts in seconds. The `evaluate` flow, which loads models, is in `flows.evaluate`.
 
-- `deploy-champion` serves `models:/policy@champion` (blue/green; see `tasks.deploy`).
+- `deploy-champion` serves `models:/<tracking.registered_model>@champion` (blue/green; see
+  `tasks.deploy`).
 - `rollback` moves `champion` back for an incident and redeploys; asking again for the same
   incident does nothing.
 """
@@ -20,7 +21,8 @@ from tasks.deploy import deploy_champion, move_champion_back, record_rollback
 
 @flow(name="deploy-champion", log_prints=True)
 def deploy_champion_flow(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Serve `models:/policy@champion` with vLLM's OpenAI-compatible server (blue/green).
+    """Serve the champion of `tracking.registered_model` (default `policy`) with vLLM's
+    OpenAI-compatible server (blue/green).
 
     Args:
         config_path: pipeline config; its `serving` section says where and how to serve.

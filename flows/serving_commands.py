@@ -13,14 +13,16 @@ def promote_command(args, cfg) -> int:
     from tasks.tracking import tracking_client
 
     try:
-        p = promote(tracking_client(cfg), args.version, args.by, args.reason, force=args.force)
+        p = promote(tracking_client(cfg), args.version, args.by, args.reason, force=args.force,
+                    name=cfg.tracking.registered_model)
     except RegistryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if p.changed:
-        print(f"policy v{p.version} is now the champion (previous: {'v' + p.previous if p.previous else 'none'})")
+        print(f"{cfg.tracking.registered_model} v{p.version} is now the champion "
+              f"(previous: {'v' + p.previous if p.previous else 'none'})")
     else:
-        print(f"policy v{p.version} already is the champion")
+        print(f"{cfg.tracking.registered_model} v{p.version} already is the champion")
     if args.deploy:
         flows, log = flow_module("flows.serving", args, cfg)
         return run_plain_flow(flows.deploy_champion_flow, log, config_path=args.config, overrides=args.overrides)
@@ -66,7 +68,7 @@ def _ensure_serving(args, cfg, state_dir: Path) -> int:
     current = server.current_endpoint(state_dir)
     serving = current.version if current is not None and server.health(current.url) else None
     try:  # what serves goes on whatever the registry says
-        champion = None if serving else champion_version(tracking_client(cfg))
+        champion = None if serving else champion_version(tracking_client(cfg), cfg.tracking.registered_model)
     except RegistryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -82,12 +84,12 @@ def _ensure_serving(args, cfg, state_dir: Path) -> int:
 
 
 def _registry_champion(cfg) -> tuple[str | None, str]:
-    """(the `policy` version with alias champion, "") or (None, why it is unknown)."""
+    """(the version of `tracking.registered_model` with alias champion, "") or (None, why it is unknown)."""
     from tasks.registry import CHAMPION, by_alias
     from tasks.tracking import tracking_client
 
     try:
-        version = by_alias(tracking_client(cfg), CHAMPION)
+        version = by_alias(tracking_client(cfg), CHAMPION, cfg.tracking.registered_model)
     except Exception as e:  # noqa: BLE001 - the status of what serves must not depend on the registry
         return None, f"{type(e).__name__}: {e}"
-    return (str(version.version), "") if version is not None else (None, "no policy version is champion")
+    return (str(version.version), "") if version is not None else (None, f"no version of {cfg.tracking.registered_model} is champion")

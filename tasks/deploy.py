@@ -1,6 +1,6 @@
 """Prefect tasks that serve the champion and roll it back.
 
-`deploy_champion` serves `models:/policy@champion` with vLLM's OpenAI-compatible server
+`deploy_champion` serves `models:/<tracking.registered_model>@champion` with vLLM's OpenAI-compatible server
 (`rlhf_core.serving.server.deploy`: blue/green, health check and smoke completion before
 the new server takes over; a failed deploy leaves the old one serving). `rollback_champion`
 moves `champion` back for an incident (once per incident) and redeploys. `serving_plan` is
@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from rlhf_core.config import PipelineConfig
 from rlhf_core.serving import server
 from tasks.registry import (
-    CHAMPION, POLICY, RegistryError, RollbackPlan, by_alias, complete_rollback, fetch_version, now_iso, start_rollback,
+    CHAMPION, RegistryError, RollbackPlan, by_alias, complete_rollback, fetch_version, now_iso, start_rollback,
 )
 from tasks.tracking import resolve_tracking_uri
 
@@ -43,12 +43,12 @@ class Deployment:
                 "sample": f"{self.sample_prompt!r} -> {self.sample_completion!r}", "seconds": round(self.seconds, 1)}
 
 
-def _publish(d: Deployment, state_dir) -> None:
+def _publish(d: Deployment, state_dir, name: str) -> None:
     create_markdown_artifact(
         key="deployed-endpoint",
         description="The endpoint serving the champion",
         markdown="\n".join([
-            f"# Serving `{POLICY}` v{d.version}",
+            f"# Serving `{name}` v{d.version}",
             "",
             "| | |",
             "|---|---|",
@@ -96,12 +96,12 @@ def deploy_champion(cfg: PipelineConfig) -> Deployment:
     champion, else serves the new one, so that the registry and what serves agree at the end.
     """
     log = get_run_logger()
-    client = MlflowClient(resolve_tracking_uri(cfg))
+    client, name = MlflowClient(resolve_tracking_uri(cfg)), cfg.tracking.registered_model
     served = []
     for _ in range(MAX_CHAMPION_MOVES + 1):
-        champion = by_alias(client, CHAMPION)
+        champion = by_alias(client, CHAMPION, name)
         if champion is None:
-            raise RegistryError(f"{POLICY} has no {CHAMPION}: promote a version first (`rlhf promote VERSION`)")
+            raise RegistryError(f"{name} has no {CHAMPION}: promote a version first (`rlhf promote VERSION`)")
         if served and served[-1].version == str(champion.version):
             first, last = served[0], served[-1]
             return last if len(served) == 1 else replace(last, changed=any(d.changed for d in served),
@@ -116,8 +116,8 @@ def deploy_champion(cfg: PipelineConfig) -> Deployment:
 
 
 def _serve(client: MlflowClient, champion, cfg: PipelineConfig, log) -> Deployment:
-    """Serve `champion` (a `policy` model version), or check that it already serves."""
-    version = str(champion.version)
+    """Serve `champion` (a version of `tracking.registered_model`), or check that it already serves."""
+    version, name = str(champion.version), cfg.tracking.registered_model
     state_dir = server.state_dir_for(cfg.serving, cfg.output_dir)
     key = server.resolve_api_key(cfg.serving, state_dir)
     current = server.current_endpoint(state_dir)
@@ -127,20 +127,20 @@ def _serve(client: MlflowClient, champion, cfg: PipelineConfig, log) -> Deployme
         d = Deployment(version, current.url, current.served_model_name, cfg.serving.smoke_prompt, text,
                        current.version, changed=False, seconds=0.0, api_key_env=cfg.serving.api_key_env,
                        chat=server.has_chat_template(current.model_dir))
-        _publish(d, state_dir)
+        _publish(d, state_dir, name)
         return d
     if current is not None and not champion.tags.get("previous_champion") and current.version != version:
         # promoted by hand in the MLflow UI: what served until now is what a rollback returns to
-        client.set_model_version_tag(POLICY, version, "previous_champion", current.version)
-    model_dir = fetch_version(client.tracking_uri, version, state_dir / "models")
-    result = server.deploy(model_dir, version, cfg.serving, state_dir)
-    client.set_model_version_tag(POLICY, version, "serving.endpoint", result.endpoint.url)
-    client.set_model_version_tag(POLICY, version, "serving.deployed_at", now_iso())
+        client.set_model_version_tag(name, version, "previous_champion", current.version)
+    model_dir = fetch_version(client.tracking_uri, version, state_dir / "models", name)
+    result = server.deploy(model_dir, version, cfg.serving, state_dir, served_model_name=f"{name}-v{version}")
+    client.set_model_version_tag(name, version, "serving.endpoint", result.endpoint.url)
+    client.set_model_version_tag(name, version, "serving.deployed_at", now_iso())
     d = Deployment(version, result.endpoint.url, result.endpoint.served_model_name, cfg.serving.smoke_prompt,
                    result.smoke_completion, None if result.previous is None else result.previous.version,
                    changed=True, seconds=result.seconds, api_key_env=cfg.serving.api_key_env,
                    chat=server.has_chat_template(result.endpoint.model_dir))
-    _publish(d, state_dir)
+    _publish(d, state_dir, name)
     log.info("policy v%s serves at %s (%.0f s to healthy)", version, d.url, d.seconds)
     return d
 
@@ -163,7 +163,7 @@ def move_champion_back(
 ) -> RollbackPlan:
     uri = resolve_tracking_uri(cfg)
     client = MlflowClient(uri)
-    plan = start_rollback(client, incident, reason, requested_by, to_version)
+    plan = start_rollback(client, incident, reason, requested_by, to_version, name=cfg.tracking.registered_model)
     if plan.action == "move":
         mlflow.set_tracking_uri(uri)
         exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -179,7 +179,8 @@ def move_champion_back(
 @task(name="record-rollback")
 def record_rollback(cfg: PipelineConfig, plan: RollbackPlan, deployment: Deployment | None) -> dict:
     client = MlflowClient(resolve_tracking_uri(cfg))
-    record = plan.record if deployment is None else complete_rollback(client, plan, deployment.version)
+    record = plan.record if deployment is None else complete_rollback(
+        client, plan, deployment.version, name=cfg.tracking.registered_model)
     create_markdown_artifact(
         key="rollback",
         description=f"Rollback for incident {plan.incident}",

@@ -7,7 +7,8 @@ artifact `gate-decision`, and to `gate_report.json` in the run's output director
 policy also answers the regression suites (`gates.regression_suites`; the demo's generated
 into `<run>/data`); the report names each suite with the accuracies and the interval.
 
-`register_candidate` turns a passing candidate into a version of `policy` with its lineage,
+`register_candidate` turns a passing candidate into a version of the config's registered
+policy model (`tracking.registered_model`, default `policy`) with its lineage,
 gate report and model card (`README.md` in its model directory, `rlhf_core.eval.model_card`),
 gives it the alias `challenger`, and promotes it to `champion` when `gates.auto_promote` is
 on. A rejected candidate is not registered: the pipeline ends with status `rejected` and the
@@ -32,7 +33,7 @@ from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import current_audit_dir
 from rlhf_core.tokenizer import load_tokenizer
 from tasks.registry import (
-    CHALLENGER, CHAMPION, POLICY, REWARD_MODEL, by_alias, fetch_version, get_version, promote, register_model_version,
+    CHALLENGER, CHAMPION, by_alias, fetch_version, get_version, promote, register_model_version,
 )
 from tasks.tracking import PipelineRun, stage_run
 
@@ -144,14 +145,15 @@ def evaluate_candidate(
     candidate: Candidate, prompts: list[str], answers: list[str] | None, cfg: PipelineConfig, run: PipelineRun
 ) -> Evaluation:
     log = get_run_logger()
-    client = run.client
-    champion = by_alias(client, CHAMPION)
+    client, name = run.client, cfg.tracking.registered_model
+    champion = by_alias(client, CHAMPION, name)
     champion_version = None if champion is None else str(champion.version)
     with stage_run(run, "evaluate", {**candidate.lineage, "champion.version": champion_version or ""}) as stage_id:
         scorer, audit = scorers_for(candidate.reward_dir, cfg.reward.max_length, candidate.audit_dir)
         champion_policy = None
         if champion is not None:
-            champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion"))
+            champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion",
+                                                                   name))
         suites = regression_suites(cfg, run.out_dir, prompts, tokenizer_dir=candidate.reference_dir)
         n = min(cfg.gates.eval_prompts, len(prompts))
         result = evaluate(
@@ -215,11 +217,12 @@ def _write_model_card(evaluation: Evaluation, cfg: PipelineConfig, run: Pipeline
 
 @task(name="register-candidate")
 def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: PipelineRun) -> Registration:
-    """Register a passing candidate as `policy` (alias `challenger`); promote it if configured."""
+    """Register a passing candidate as a version of `tracking.registered_model` (alias
+    `challenger`); promote it if configured."""
     if not evaluation.passed:
         raise ValueError("a rejected candidate is never registered")  # the flow does not call this then
     log = get_run_logger()
-    client = run.client
+    client, name = run.client, cfg.tracking.registered_model
     lineage = evaluation.candidate.lineage
     c = evaluation.result.candidate.figures
     client.log_artifact(lineage["policy.run_id"], str(evaluation.report_path), artifact_path="gate")
@@ -234,17 +237,17 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
         "eval.kl_to_reference": f"{c.kl_to_reference:.4f}",
     }
     version = register_model_version(
-        client, POLICY, lineage["policy.run_id"], "model", tags,
+        client, name, lineage["policy.run_id"], "model", tags,
         description=f"{lineage.get('algorithm', 'RL')} policy; gate passed vs "
                     f"{'champion v' + evaluation.champion_version if evaluation.champion_version else 'reference only'}",
     )
-    client.set_registered_model_alias(POLICY, CHALLENGER, version)
-    client.set_tag(run.run_id, "registered_model", f"{POLICY}/{version}")
+    client.set_registered_model_alias(name, CHALLENGER, version)
+    client.set_tag(run.run_id, "registered_model", f"{name}/{version}")
     previous = None
     promoted = False
     if cfg.gates.auto_promote:
         promotion = promote(client, version, requested_by=f"pipeline:{run.run_id}", reason="gates.auto_promote",
-                            expected_champion=evaluation.champion_version)  # the one it was judged against
+                            name=name, expected_champion=evaluation.champion_version)  # the one it was judged against
         promoted, previous = True, promotion.previous
         log.info("policy v%s promoted to %s (previous champion: %s)", version, CHAMPION, previous or "none")
     else:
@@ -258,32 +261,33 @@ LINEAGE_TAGS = ("dataset.fingerprint", "base_model.run_id", "reward_model.versio
 
 @dataclass(frozen=True)
 class RegisteredCandidate:
-    """A registered `policy` version, downloaded with its reference policy and reward model."""
+    """A registered policy version, downloaded with its reference policy and reward model."""
 
     version: str
     candidate: Candidate
 
 
 @task(name="fetch-registered-candidate", retries=2, retry_delay_seconds=2)
-def fetch_registered_candidate(name_or_alias: str, run: PipelineRun) -> RegisteredCandidate:
-    """Download a `policy` version (number or alias), the SFT policy it started from and the
-    reward model it was trained against, under the run's output directory."""
-    client = run.client
-    version = get_version(client, name_or_alias)
+def fetch_registered_candidate(name_or_alias: str, cfg: PipelineConfig, run: PipelineRun) -> RegisteredCandidate:
+    """Download a version (number or alias) of `tracking.registered_model`, the SFT policy it
+    started from and the reward model it was trained against, under the run's output directory."""
+    client, name = run.client, cfg.tracking.registered_model
+    version = get_version(client, name_or_alias, name)
     tags = version.tags
     reference_dir = run.out_dir / "reference"
     if not reference_dir.exists():
         client.download_artifacts(tags["base_model.run_id"], "model", str(run.out_dir))
         (run.out_dir / "model").rename(reference_dir)
-    model_dir = fetch_version(run.tracking_uri, str(version.version), run.out_dir / "candidate")
-    reward_dir = fetch_version(run.tracking_uri, tags["reward_model.version"], run.out_dir / "reward", REWARD_MODEL)
+    model_dir = fetch_version(run.tracking_uri, str(version.version), run.out_dir / "candidate", name)
+    reward_dir = fetch_version(run.tracking_uri, tags["reward_model.version"], run.out_dir / "reward",
+                               cfg.tracking.registered_reward_model)
     candidate = Candidate(model_dir, reference_dir, reward_dir, current_audit_dir(model_dir, reward_dir),
                           {k: v for k, v in tags.items() if k in LINEAGE_TAGS} | {"pipeline.run_id": run.run_id})
     return RegisteredCandidate(str(version.version), candidate)
 
 
 @task(name="record-gate-verdict", retries=2, retry_delay_seconds=2)
-def record_gate_verdict(version: str, evaluation: Evaluation, run: PipelineRun) -> None:
+def record_gate_verdict(version: str, evaluation: Evaluation, cfg: PipelineConfig, run: PipelineRun) -> None:
     """Tag the registered version with the verdict (`gate.*`), so `rlhf promote` can refuse it."""
     client = run.client
     for key, value in {"gate.passed": str(evaluation.passed).lower(),
@@ -291,4 +295,4 @@ def record_gate_verdict(version: str, evaluation: Evaluation, run: PipelineRun) 
                        "gate.reasons": "; ".join((*evaluation.decision.reasons, *evaluation.decision.undecided)),
                        "gate.vs_champion": evaluation.champion_version or "none",
                        "eval.run_id": evaluation.run_id}.items():
-        client.set_model_version_tag(POLICY, version, key, value)
+        client.set_model_version_tag(cfg.tracking.registered_model, version, key, value)

@@ -34,7 +34,6 @@ from rlhf_core.feedback.export import FeedbackDataset, build_dataset, text_view
 from rlhf_core.feedback.store import FeedbackStore
 from rlhf_core.serving.gateway import store_url
 from rlhf_core.training.preference_rounds import contract_filter
-from tasks.registry import POLICY
 from tasks.tracking import _experiment_id, git_commit, tracking_client
 
 MANIFEST = "manifest.json"
@@ -60,10 +59,11 @@ def export_root(cfg: PipelineConfig) -> Path:
     return Path(cfg.feedback.export_dir or Path(cfg.output_dir) / "feedback").resolve()
 
 
-def rolled_back_versions(client) -> set[str]:
-    """Policy versions a rollback moved `champion` away from (tag `rolled_back_by_incident`)."""
+def rolled_back_versions(client, name: str) -> set[str]:
+    """Versions of the registered policy `name` that a rollback moved `champion` away from (tag
+    `rolled_back_by_incident`)."""
     try:
-        versions = client.search_model_versions(f"name='{POLICY}'")
+        versions = client.search_model_versions(f"name='{name}'")
     except mlflow.exceptions.MlflowException:
         return set()
     return {str(v.version) for v in versions if "rolled_back_by_incident" in (v.tags or {})}
@@ -130,7 +130,7 @@ def collect_feedback(cfg: PipelineConfig) -> FeedbackExport:
             logger.info("no new feedback since %s", last["version"] if last else "the start")
             return FeedbackExport("nothing_new")
         f = cfg.feedback
-        ds = build_dataset(ratings, choices, rolled_back=rolled_back_versions(tracking_client(cfg)),
+        ds = build_dataset(ratings, choices, rolled_back=rolled_back_versions(tracking_client(cfg), cfg.tracking.registered_model),
                            max_user_share=f.max_user_share, min_user_flood=f.min_user_flood)
         ds = _contract(ds, cfg)
         version = "feedback-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")

@@ -1,8 +1,9 @@
 """The MLflow model registry: versions, the `challenger` / `champion` aliases, promotion and
 the rollback bookkeeping.
 
-The registry is the source of truth for what should serve: `models:/policy@champion`.
-What is recorded, so that a person in the MLflow UI and the rollback flow agree:
+The registry is the source of truth for what should serve: `models:/<name>@champion`, where
+`name` is the config's `tracking.registered_model` (`POLICY` by default; its reward models go
+to `tracking.registered_reward_model`, `REWARD_MODEL` by default). What is recorded, so that a person in the MLflow UI and the rollback flow agree:
 
 - A version that passed the gates carries `gate.passed=true` and the gate report; only such
   a version is ever given `challenger` by the pipeline.
@@ -36,8 +37,8 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-POLICY = "policy"
-REWARD_MODEL = "reward-model"
+POLICY = "policy"  # the default of tracking.registered_model
+REWARD_MODEL = "reward-model"  # the default of tracking.registered_reward_model
 CHALLENGER = "challenger"
 CHAMPION = "champion"
 _INCIDENT_ID = re.compile(r"^[A-Za-z0-9_.\-:]{1,120}$")

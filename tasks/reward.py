@@ -15,11 +15,10 @@ from rlhf_core.data.pairs import steps_per_epoch
 from rlhf_core.distributed.reward_trainer import RewardModels, RewardTrainResult, train_reward_models
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
-from tasks.registry import REWARD_MODEL, register_model_version
+from tasks.registry import register_model_version
 from tasks.sft import BasePolicy
 from tasks.tracking import PipelineRun, flatten, stage_run
 
-REGISTERED_NAME = REWARD_MODEL
 
 
 @dataclass(frozen=True)
@@ -117,12 +116,13 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
             "reward/seconds": result.seconds,
         })
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
+        name = cfg.tracking.registered_reward_model
         version = register_model_version(
-            client, REGISTERED_NAME, stage_id, "model",
+            client, name, stage_id, "model",
             tags={**lineage, "eval_accuracy": f"{result.eval_accuracy:.4f}"},
             description=f"Bradley-Terry reward model, held-out pairwise accuracy {result.eval_accuracy:.3f}",
         )
-        client.set_tag(stage_id, "registered_model", f"{REGISTERED_NAME}/{version}")
+        client.set_tag(stage_id, "registered_model", f"{name}/{version}")
         client.set_tag(run.run_id, "reward_model.version", version)
         create_markdown_artifact(key="reward-model-metrics", markdown=_report(models, version),
                                  description="Reward-model training")

@@ -286,6 +286,12 @@ class TrackingConfig(_Strict):
     tracking_uri: str | None = Field(
         None, description='MLflow tracking URI; null: $MLFLOW_TRACKING_URI, else SQLite mlflow.db in the working directory.')
     experiment: str = Field("rlhf-pipeline", description='MLflow experiment of the runs.')
+    registered_model: str = Field("policy", min_length=1, description=(
+        "The registry's name for the policies this config trains; its aliases champion and challenger say what "
+        "serves and what waits for review. Configs that train different models on one tracking server need "
+        "different names, else one model's candidate is judged against, and replaces, the other's champion."))
+    registered_reward_model: str = Field("reward-model", min_length=1, description=(
+        "The registry's name for the reward models this config trains (a policy version's lineage names one)."))
 
 
 class PipelineConfig(_Strict):

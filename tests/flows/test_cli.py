@@ -243,19 +243,49 @@ def test_serving_status_says_when_what_serves_is_not_the_registrys_champion(tmp_
         server.wait()
 
 
-def _registry(tmp_path: Path, versions: int, champion: str | None = None):
-    """A real MLflow store with `policy` v1..v<versions> (no files) and `champion` on one of them."""
+def _registry(tmp_path: Path, versions: int, champion: str | None = None, name: str = "policy"):
+    """A real MLflow store with `name` v1..v<versions> (no files) and `champion` on one of them."""
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri, registry_uri=uri)
     if versions:
-        client.create_registered_model("policy")
+        client.create_registered_model(name)
         for _ in range(versions):
-            client.create_model_version("policy", str(tmp_path))
+            client.create_model_version(name, str(tmp_path))
     if champion is not None:
-        client.set_registered_model_alias("policy", "champion", champion)
+        client.set_registered_model_alias(name, "champion", champion)
     return client, uri
+
+
+def test_two_configs_with_their_own_registered_models_share_a_store_without_touching_each_other(tmp_path, capsys):
+    """`tracking.registered_model` names the lineage a config promotes, rolls back and serves:
+    the chat model's promotion and rollback leave the demo's `policy` champion alone."""
+    from prefect.logging import disable_run_logger
+
+    from flows.serving_commands import _registry_champion
+    from rlhf_core.config import load_config
+    from rlhf_core.config.default import DEFAULT_CONFIG
+    from tasks.deploy import move_champion_back
+    from tasks.feedback import rolled_back_versions
+
+    client, uri = _registry(tmp_path, 2, champion="2")
+    _registry(tmp_path, 3, champion="1", name="chat-policy")
+    chat = ["--set", f"tracking.tracking_uri={uri}", "--set", "tracking.registered_model=chat-policy"]
+    assert main(["promote", "3", "--by", "bob", *chat]) == 0
+    assert "chat-policy v3 is now the champion (previous: v1)" in capsys.readouterr().out
+
+    def champions() -> tuple[int, int]:
+        return tuple(client.get_model_version_by_alias(n, "champion").version for n in ("policy", "chat-policy"))
+
+    assert champions() == (2, 3)
+    cfg = load_config(DEFAULT_CONFIG, [f"tracking.tracking_uri={uri}", "tracking.registered_model=chat-policy"])
+    assert _registry_champion(cfg) == ("3", "")
+    with disable_run_logger():
+        plan = move_champion_back.fn(cfg, "INC-7", "KL spike", "alertmanager:rlhf", None)
+    assert (plan.from_version, plan.to_version, champions()) == ("3", "1", (2, 1))
+    assert rolled_back_versions(client, "chat-policy") == {"3"} and rolled_back_versions(client, "policy") == set()
+    assert "rolled_back_from" not in client.get_model_version("policy", "1").tags
 
 
 def test_promote_refuses_a_rolled_back_version_unless_forced_with_a_reason(tmp_path, capsys):

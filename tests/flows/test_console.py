@@ -121,3 +121,22 @@ def test_the_try_it_line_asks_a_chat_model_through_its_template(capsys, chat, pa
     assert f"curl -s http://127.0.0.1:8100{path} " in out
     body = json.loads(re.search(r"-d '(\{.*\})'", out).group(1))  # the request body is valid JSON
     assert key in body and body["model"] == "policy-v1"
+
+
+def test_the_deployment_block_names_the_registered_model_and_the_config_that_stops_it(capsys):
+    """A config with a lineage of its own (configs/chat.yaml) is named in `Serving:` and in the
+    `Stop it:` command, which with the default config needs no --config."""
+    from pathlib import Path
+
+    from flows.console import print_deployment
+    from rlhf_core.config import PipelineConfig
+    from rlhf_core.config.default import DEFAULT_CONFIG
+
+    stage = {"version": "2", "endpoint": "http://127.0.0.1:8110", "served_model_name": "chat-policy-v2", "sample": "x"}
+    cfg = PipelineConfig.model_validate({"tracking": {"registered_model": "chat-policy"}, "sft": {"enabled": True}})
+    print_deployment(stage, cfg, Path("/state"), "configs/chat.yaml")
+    out = capsys.readouterr().out
+    assert "Serving:     chat-policy v2 at http://127.0.0.1:8110/v1" in out
+    assert "Stop it:     rlhf serving stop --config configs/chat.yaml\n" in out
+    print_deployment(stage, PipelineConfig(), Path("/state"), DEFAULT_CONFIG)
+    assert "Stop it:     rlhf serving stop\n" in capsys.readouterr().out
