@@ -19,6 +19,7 @@ from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import normalise, score
 from rlhf_core.rng import derive_seed
 from rlhf_core.training.policy_step import prompt_indices
+from rlhf_core.training.precision import computing_in
 
 SYNC_CHECK_PROMPTS = 32
 ROUND_CHUNK = 1000  # the seeds of a round's draws: chunks no step's generation uses
@@ -180,13 +181,14 @@ def evaluate(w: PolicyWorker, step: int) -> dict[str, float]:
     out: dict[str, float] = {"step": step}
     if answers:
         out["eval/accuracy"] = answer_accuracy(prompts, responses, answers, w.loop.answer_checker)
-    if w.reward_model is not None:
-        raw = score(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)
-        out["eval/rm_score"] = normalise(raw, w.rm_stats).mean().item()
-    if w.audit is not None:
-        audit_model, audit_tokenizer, audit_stats = w.audit
-        raw = score(audit_model, audit_tokenizer, prompts, responses, max_length=w.max_length)
-        out["eval/audit_score"] = normalise(raw, audit_stats).mean().item()
+    with computing_in(w.precision, w.actor.device):  # the precision the training steps score in
+        if w.reward_model is not None:
+            raw = score(w.reward_model, w.reward_tokenizer, prompts, responses, max_length=w.max_length)
+            out["eval/rm_score"] = normalise(raw, w.rm_stats).mean().item()
+        if w.audit is not None:
+            audit_model, audit_tokenizer, audit_stats = w.audit
+            raw = score(audit_model, audit_tokenizer, prompts, responses, max_length=w.max_length)
+            out["eval/audit_score"] = normalise(raw, audit_stats).mean().item()
     out["eval/response_length"] = sum(len(r) for r in responses) / max(len(responses), 1)
     out["eval/samples"] = [[p, r] for p, r in zip(prompts[:EVAL_SAMPLES], responses[:EVAL_SAMPLES])]
     out["eval/seconds"] = time.perf_counter() - start

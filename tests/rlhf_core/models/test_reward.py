@@ -65,6 +65,20 @@ def test_padding_changes_nothing(base, reward_model):
     torch.testing.assert_close(small_batches, batched, rtol=1e-5, atol=1e-6)
 
 
+def test_scores_under_bf16_autocast_come_back_float32_near_the_fp32_ones(base, reward_model):
+    """The policy stage scores in its trainer's precision (`computing_in`): under bf16 autocast
+    the scores are float32 tensors within bf16's rounding of the fp32 ones."""
+    from rlhf_core.training.precision import computing_in
+
+    _, _, tok = base
+    fp32 = score(reward_model, tok, PROMPTS, RESPONSES, max_length=32)
+    with computing_in("bf16"):
+        bf16 = score(reward_model, tok, PROMPTS, RESPONSES, max_length=32)
+    assert bf16.dtype == torch.float32 and bf16.shape == fp32.shape
+    assert not torch.equal(bf16, fp32)  # computed in bf16, not passed through
+    torch.testing.assert_close(bf16, fp32, rtol=0.02, atol=0.01 * float(fp32.abs().max()))
+
+
 def test_max_length_cuts_the_text(base, reward_model):
     _, _, tok = base
     full = encode_pair_text(tok, "9+9=", "1234567")
