@@ -98,6 +98,10 @@ def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | N
         engine_tokens=min(info.context_length or cfg.reward.max_length, cfg.reward.max_length + cfg.policy.max_new_tokens),
     )
     problems += _gpu_problems(cfg, info, reward)
+    reward_layers = info.num_layers if reward == policy else inspect_pretrained(reward, "reward.base_model").num_layers
+    if cfg.reward.frozen_layers > reward_layers:
+        problems.append(f"reward.frozen_layers is {cfg.reward.frozen_layers} but the reward model's backbone has "
+                        f"{reward_layers} decoder layers; freeze at most {reward_layers}")
     if problems:
         raise PretrainedError("\n".join(problems))
     get_run_logger().info("pretrained %s: %s, %.1fM parameters, context %s", cfg.model.pretrained, info.model_type,

@@ -48,7 +48,7 @@ from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.stage import StageRuntime, agreed_precision, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.models.reward import (
-    AUDIT_DIR, member_mean, reward_model_from_base, reward_stats, save_reward_model, score_pairs_members,
+    AUDIT_DIR, freeze_lower_layers, member_mean, reward_model_from_base, reward_stats, save_reward_model, score_pairs_members,
 )
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.precision import Precision, computing_in
@@ -243,7 +243,8 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
     per_rank_batch = cfg.micro_batch_size * cfg.grad_accum_steps
     steps_epoch = steps_per_epoch(len(train), cfg.global_batch_size)
     total_steps = steps_epoch * cfg.epochs
-    model = reward_model_from_base(loop.base_dir, seed=cfg.seed, num_members=cfg.ensemble_size)
+    model = freeze_lower_layers(reward_model_from_base(loop.base_dir, seed=cfg.seed, num_members=cfg.ensemble_size),
+                                cfg.frozen_layers)
     engine, *_ = worker.deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],

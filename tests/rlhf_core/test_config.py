@@ -98,3 +98,11 @@ def test_a_pretrained_path_under_home_is_expanded_and_a_hub_id_kept(monkeypatch,
     monkeypatch.setenv("HOME", str(tmp_path))
     assert parse_config({"model": {"pretrained": "~/models/m"}}).model.pretrained == str(tmp_path / "models/m")
     assert parse_config({"model": {"pretrained": "org/name"}}).model.pretrained == "org/name"
+
+
+def test_frozen_reward_layers_beyond_the_demo_model_are_refused():
+    from rlhf_core.config import PipelineConfig
+
+    with pytest.raises(ValueError, match=r"reward.frozen_layers is 5 but the model has 4 layers \(model.num_layers\)"):
+        PipelineConfig.model_validate({"model": {"num_layers": 4}, "reward": {"frozen_layers": 5}})
+    assert PipelineConfig.model_validate({"model": {"num_layers": 4}, "reward": {"frozen_layers": 4}}).reward.frozen_layers == 4

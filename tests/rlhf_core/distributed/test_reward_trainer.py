@@ -253,12 +253,15 @@ def test_bootstrap_weights_are_one_draw_per_pair_and_member():
 @pytest.mark.slow
 def test_an_ensemble_and_its_audit_model_train_together(ray_cluster, pairs, tiny_base, tmp_path):
     """Three heads on one backbone, each on its own bootstrap, plus an audit model on a
-    disjoint share of the prompts, saved inside the ensemble's directory."""
+    disjoint share of the prompts, saved inside the ensemble's directory; with the embeddings and
+    the first layer frozen (`frozen_layers`), which both models save as the backbone had them."""
+    from safetensors.torch import load_file
+
     from rlhf_core.distributed.reward_trainer import train_reward_models
     from rlhf_core.models.reward import audit_model_dir, load_reward_model, member_stats, read_reward_meta
 
     train, held = pairs
-    cfg = CFG.model_copy(update={"ensemble_size": 3, "audit_share": 0.3, "epochs": 1})
+    cfg = CFG.model_copy(update={"ensemble_size": 3, "audit_share": 0.3, "epochs": 1, "frozen_layers": 1})
     models = train_reward_models(train, held, tiny_base, cfg, tmp_path / "rm", tmp_path / "ray", run_name="ens")
     assert models.proxy_pairs + models.audit_pairs == len(train) and models.audit_pairs > 0
     assert len(models.proxy.member_eval_accuracy) == 3 and models.audit.member_eval_accuracy
@@ -273,3 +276,11 @@ def test_an_ensemble_and_its_audit_model_train_together(ray_cluster, pairs, tiny
     prompts = [r["prompt"] for r in held[:32]]
     members = score_members(model, tok, prompts, [r["chosen"] for r in held[:32]], cfg.max_length)
     assert members.shape == (3, 32) and not torch.allclose(members[0], members[1])  # the heads differ
+
+    backbone = load_file(str(tiny_base / "model.safetensors"))
+    for saved_dir in (tmp_path / "rm", audit_model_dir(tmp_path / "rm")):
+        saved = load_file(str(saved_dir / "model.safetensors"))
+        for name, tensor in saved.items():
+            if name.startswith(("model.embed_tokens.", "model.layers.0.")):
+                assert torch.equal(tensor, backbone[name]), name  # frozen: the backbone's, bit for bit
+        assert not torch.equal(saved["model.layers.1.mlp.down_proj.weight"], backbone["model.layers.1.mlp.down_proj.weight"])

@@ -79,6 +79,25 @@ def test_scores_under_bf16_autocast_come_back_float32_near_the_fp32_ones(base, r
     torch.testing.assert_close(bf16, fp32, rtol=0.02, atol=0.01 * float(fp32.abs().max()))
 
 
+def test_frozen_layers_keep_their_weights_out_of_the_backward_pass(base):
+    """`reward.frozen_layers`: the embeddings and the lowest N layers get no gradient; the rest
+    and the head do. More layers than the backbone has is refused, naming both numbers."""
+    from rlhf_core.models.reward import freeze_lower_layers
+
+    path, _, tok = base
+    model = freeze_lower_layers(reward_model_from_base(path, seed=0), 1)
+    ids = torch.tensor([encode_pair_text(tok, "25+25=", "50")])
+    model(input_ids=ids).logits.sum().backward()
+    frozen = {n for n, p in model.named_parameters() if p.grad is None}
+    assert frozen == {n for n, _ in model.named_parameters() if n.startswith(("model.embed_tokens.", "model.layers.0."))}
+    assert all(not p.requires_grad for n, p in model.named_parameters() if n in frozen)
+    assert model.model.layers[1].self_attn.q_proj.weight.grad is not None and model.score.weight.grad is not None
+    untouched = freeze_lower_layers(reward_model_from_base(path, seed=0), 0)
+    assert all(p.requires_grad for p in untouched.parameters())
+    with pytest.raises(ValueError, match="reward.frozen_layers is 3 but the backbone has 2 decoder layers"):
+        freeze_lower_layers(untouched, 3)
+
+
 def test_max_length_cuts_the_text(base, reward_model):
     _, _, tok = base
     full = encode_pair_text(tok, "9+9=", "1234567")
