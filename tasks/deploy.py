@@ -123,7 +123,7 @@ def _serve(client: MlflowClient, champion, cfg: PipelineConfig, log) -> Deployme
     current = server.current_endpoint(state_dir)
     if current is not None and current.version == version and server.health(current.url):
         text = server.smoke(current, key, cfg.serving)
-        log.info("policy v%s already serves at %s", version, current.url)
+        log.info("%s v%s already serves at %s", name, version, current.url)
         d = Deployment(version, current.url, current.served_model_name, cfg.serving.smoke_prompt, text,
                        current.version, changed=False, seconds=0.0, api_key_env=cfg.serving.api_key_env,
                        chat=server.has_chat_template(current.model_dir))
@@ -141,7 +141,7 @@ def _serve(client: MlflowClient, champion, cfg: PipelineConfig, log) -> Deployme
                    changed=True, seconds=result.seconds, api_key_env=cfg.serving.api_key_env,
                    chat=server.has_chat_template(result.endpoint.model_dir))
     _publish(d, state_dir, name)
-    log.info("policy v%s serves at %s (%.0f s to healthy)", version, d.url, d.seconds)
+    log.info("%s v%s serves at %s (%.0f s to healthy)", name, version, d.url, d.seconds)
     return d
 
 

@@ -249,9 +249,9 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
         promotion = promote(client, version, requested_by=f"pipeline:{run.run_id}", reason="gates.auto_promote",
                             name=name, expected_champion=evaluation.champion_version)  # the one it was judged against
         promoted, previous = True, promotion.previous
-        log.info("policy v%s promoted to %s (previous champion: %s)", version, CHAMPION, previous or "none")
+        log.info("%s v%s promoted to %s (previous champion: %s)", name, version, CHAMPION, previous or "none")
     else:
-        log.info("policy v%s is the %s; promote it with `rlhf promote %s` or in the MLflow UI", version, CHALLENGER, version)
+        log.info("%s v%s is the %s; promote it with `rlhf promote %s` or in the MLflow UI", name, version, CHALLENGER, version)
     return Registration(version, promoted, previous)
 
 
