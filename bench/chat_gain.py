@@ -16,6 +16,7 @@ Needs the converted model (`make chat-model`). Writes bench/results/chat_gain.js
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -84,6 +85,8 @@ def run(seed: int, algorithm: str, work: Path, model: Path) -> dict:
     stages = summary["stages"]
     policy, reward, gates = stages.get("policy", {}), stages.get("reward", {}), stages.get("evaluate", {})
     row = {"seed": seed, "algorithm": algorithm, "status": summary["status"], "exit": done.returncode,
+           # which configs/chat.yaml ran: rows of earlier sweeps are kept beside this one's
+           "chat_yaml_sha256": hashlib.sha256((REPO / "configs" / "chat.yaml").read_bytes()).hexdigest()[:12],
            "reward_accuracy": reward.get("eval_accuracy"),
            "accuracy_before": policy.get("accuracy_before"), "accuracy_after": policy.get("accuracy_after"),
            "gates": gates.get("status"), "gate_accuracy": gates.get("accuracy"),
