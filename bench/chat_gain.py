@@ -50,7 +50,7 @@ def estimates(config: Path) -> dict[str, float]:
                             with_critic=cfg.policy.algorithm == "ppo", reward_parameters=info.num_parameters, kv_cache=kv)
     reward = reward_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, workers=cfg.reward.num_workers,
                                 micro_batch_size=cfg.reward.micro_batch_size, max_length=cfg.reward.max_length,
-                                frozen_layers=cfg.reward.frozen_layers, zero_stage=cfg.reward.zero_stage)
+                                frozen_layers=cfg.reward.frozen_layers)
     return {"policy_stage_gib": round(policy / 2**30, 2), "reward_stage_gib": round(reward / 2**30, 2)}
 
 

@@ -220,7 +220,7 @@ def refusal(stage: str, cfg: Any, model_dir: str | None, machine: MachineMemory)
     parameters, layers, width = shape
     need = reward_stage_bytes(parameters, layers, width, workers=cfg.num_workers,
                               micro_batch_size=cfg.micro_batch_size, max_length=cfg.max_length,
-                              frozen_layers=cfg.frozen_layers, zero_stage=cfg.zero_stage)
+                              frozen_layers=cfg.frozen_layers)
     subject = (f"{stage}: out of memory, not started: the stage ({parameters / 1e6:.0f}M parameters on {cfg.num_workers} "
                f"workers, micro-batches of {2 * cfg.micro_batch_size} sequences of up to {cfg.max_length} tokens, "
                f"{gib(need / cfg.num_workers)} GiB a worker)")

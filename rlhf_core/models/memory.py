@@ -74,13 +74,14 @@ def activation_bytes(tokens: int, num_layers: int, hidden_size: int) -> int:
 
 def reward_stage_bytes(
     parameters: int, num_layers: int, hidden_size: int, *, workers: int, micro_batch_size: int, max_length: int,
-    frozen_layers: int = 0, zero_stage: int = 2,
+    frozen_layers: int = 0,
 ) -> int:
     """An estimate of the reward stage's resident bytes, all workers together.
 
     Each worker holds the model's weights (4 bytes a parameter) and, for the parameters that
-    train, their gradients, ZeRO's gradient buffers (none at stage 0) and its shard of AdamW's
-    two moments (8 / workers); the activations of one micro-batch (chosen and rejected: 2 x
+    train, their gradients, a flat copy of them (ZeRO's buffers; at stage 0 DeepSpeed's
+    all-reduce bucket: a worker measured the same 4 bytes) and its shard of AdamW's two moments
+    (8 / workers); the activations of one micro-batch (chosen and rejected: 2 x
     micro_batch_size sequences of up to max_length tokens) in the layers that train; and
     `WORKER_OVERHEAD`. With `frozen_layers` the trainable share is taken as the layers' share,
     the frozen embeddings counted as trainable (an upper bound). The ensemble's score heads are
@@ -88,8 +89,7 @@ def reward_stage_bytes(
     beside it: neither adds to the peak."""
     trained_layers = num_layers - min(frozen_layers, num_layers)
     trainable = parameters * trained_layers // num_layers if frozen_layers else parameters
-    per_trainable = 4 + (4 if zero_stage > 0 else 0)  # gradients, ZeRO's buffers
-    per_worker = (parameters * 4 + trainable * per_trainable + trainable * 8 // workers + WORKER_OVERHEAD
+    per_worker = (parameters * 4 + trainable * 8 + trainable * 8 // workers + WORKER_OVERHEAD
                   + activation_bytes(2 * micro_batch_size * max_length, trained_layers, hidden_size))
     return workers * per_worker
 

@@ -205,7 +205,7 @@ def memory_problems(info: PretrainedInfo, policy_need: int, workers: int, machin
     if reward is not None:
         need = reward_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, workers=reward.num_workers,
                                   micro_batch_size=reward.micro_batch_size, max_length=reward.max_length,
-                                  frozen_layers=reward.frozen_layers, zero_stage=reward.zero_stage)
+                                  frozen_layers=reward.frozen_layers)
         found.append(memory_refusal(
             f"{where}: the reward stage ({size} on {reward.num_workers} workers, micro-batches of "
             f"{2 * reward.micro_batch_size} sequences of up to {reward.max_length} tokens)",

@@ -24,17 +24,14 @@ def test_reward_stage_bytes_closed_form():
     assert activation_bytes(128, 3, 8) == 128 * 3 * 8 * ACTIVATION_BYTES
 
 
-def test_reward_stage_bytes_with_frozen_layers_and_zero_stage_0():
-    # 1 of 4 layers frozen: weights for all 1.2M, gradients (ZeRO-2: and buffers) and AdamW for
-    # 3/4 of them, activations of the 3 layers that train; ZeRO-0 keeps no gradient buffers
+def test_reward_stage_bytes_with_frozen_layers():
+    # 1 of 4 layers frozen: weights for all 1.2M, gradients, their flat copy and AdamW for 3/4 of
+    # them, activations of the 3 layers that train
     trainable = 1_200_000 * 3 // 4
     activations = 128 * 3 * 8 * ACTIVATION_BYTES
-    zero2 = 4 * 1_200_000 + 8 * trainable + 8 * trainable + activations + WORKER_OVERHEAD
-    assert reward_stage_bytes(1_200_000, 4, 8, workers=1, micro_batch_size=4, max_length=16, frozen_layers=1) == zero2
-    zero0 = zero2 - 4 * trainable
-    assert reward_stage_bytes(1_200_000, 4, 8, workers=1, micro_batch_size=4, max_length=16, frozen_layers=1,
-                              zero_stage=0) == zero0
-    # nothing frozen at stage 2: the closed form above, 12 bytes a parameter and AdamW's 8
+    expected = 4 * 1_200_000 + 8 * trainable + 8 * trainable + activations + WORKER_OVERHEAD
+    assert reward_stage_bytes(1_200_000, 4, 8, workers=1, micro_batch_size=4, max_length=16, frozen_layers=1) == expected
+    # nothing frozen: the closed form above, 12 bytes a parameter and AdamW's 8
     assert reward_stage_bytes(10**6, 3, 8, workers=1, micro_batch_size=4, max_length=16) == (
         20 * 10**6 + 128 * 3 * 8 * ACTIVATION_BYTES + WORKER_OVERHEAD)
 
