@@ -5,7 +5,8 @@ A suite (`gates.regression_suites`) is a JSONL file of `{"prompt": ..., "answer"
 (`rlhf_core.data.synthetic.DEMO_SUITES`). `load_suites` reads and checks every suite before
 anything trains: a missing file, or a row that is not JSON, not an object, or lacks a
 non-blank text `prompt` or `answer`, fails with every problem named by file and line in one
-message. `correct` scores a policy's answers row by row (0/1) with the suite's checker, a
+message. An `answer` may also be a list of the answers accepted ("small", "little"): a
+response right for any of them is right. `correct` scores a policy's answers row by row (0/1) with the suite's checker, a
 verifiable reward of `rlhf_core.training.verifiable` (`answer_exact_match` compares with the
 row's answer, white space stripped).
 
@@ -44,10 +45,10 @@ class RegressionSuite:
     checker: str
     margin: float
     prompts: list[str]  # conversational ones (lists of messages) until `rendered`
-    answers: list[str]
+    answers: list[str | list[str]]  # a list: the answers accepted, any one is right
 
 
-def read_suite(path: str | Path) -> tuple[list[str], list[str]]:
+def read_suite(path: str | Path) -> tuple[list[str], list[str | list[str]]]:
     """(prompts, answers) of a suite file. Blank lines are skipped, as in every JSONL the
     pipeline reads; any other bad row raises `SuiteFormatError` naming `path:line` (up to
     `SHOWN_PROBLEMS` of them, and how many more)."""
@@ -94,8 +95,12 @@ def _parse_row(raw: bytes) -> tuple[dict | None, str | None]:
             if problem is not None:
                 return None, problem
             continue
+        if key == "answer" and isinstance(row[key], list):  # the answers accepted, any one is right
+            if not row[key] or not all(isinstance(a, str) and a.strip() for a in row[key]):
+                return None, "answer as a list must hold one or more non-blank texts"
+            continue
         if not isinstance(row[key], str):
-            return None, f"{key} must be text, got {type(row[key]).__name__}"
+            return None, f"{key} must be text or (answer) a list of texts, got {type(row[key]).__name__}"
         if not row[key].strip():
             return None, f"{key} is empty"
     return row, None

@@ -129,13 +129,22 @@ def score_verifiable(fn: Any, prompts: Sequence[str], responses: Sequence[str],
     return fn(prompts, responses)
 
 
-def check_answers(prompts: Sequence[str], predictions: Sequence[str], answers: Sequence[str],
+def check_answers(prompts: Sequence[str], predictions: Sequence[str], answers: Sequence[str | list[str]],
                   checker: str | None = None, where: str = "data.answer_checker") -> list[bool]:
     """Per row, whether the prediction answers its prompt right: without `checker`, it equals the
     answer after stripping white space; with one (a name in `VERIFIABLE_REWARDS`, or
-    module:function, scoring 0 or 1 per row), the checker says so."""
+    module:function, scoring 0 or 1 per row), the checker says so. An answer given as a list
+    holds the answers accepted: the row is right when the prediction is right for any of them."""
     if not len(prompts) == len(predictions) == len(answers):
         raise ValueError(f"{len(prompts)} prompts, {len(predictions)} predictions, {len(answers)} answers")
+    if any(isinstance(a, list) for a in answers):  # one row per accepted answer, then any per row
+        rows = [(i, alt) for i, a in enumerate(answers) for alt in (a if isinstance(a, list) else [a])]
+        each = check_answers([prompts[i] for i, _ in rows], [predictions[i] for i, _ in rows],
+                             [alt for _, alt in rows], checker, where)
+        right = [False] * len(answers)
+        for (i, _), ok in zip(rows, each):
+            right[i] = right[i] or ok
+        return right
     if checker is None:
         return [p.strip() == a.strip() for p, a in zip(predictions, answers)]
     fn = resolve_verifiable_reward(checker)

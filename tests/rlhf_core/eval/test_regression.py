@@ -49,7 +49,10 @@ def test_a_good_suite_is_read_in_order_skipping_blank_lines_and_a_byte_order_mar
     ('{"answer": "003"}', "prompt is missing"),
     ('{"prompt": "  ", "answer": "003"}', "prompt is empty"),
     ('{"prompt": "01+02=", "answer": ""}', "answer is empty"),
-    ('{"prompt": "01+02=", "answer": 3}', "answer must be text, got int"),
+    ('{"prompt": "01+02=", "answer": 3}', "answer must be text or (answer) a list of texts, got int"),
+    ('{"prompt": "01+02=", "answer": []}', "answer as a list must hold one or more non-blank texts"),
+    ('{"prompt": "01+02=", "answer": ["003", " "]}', "answer as a list must hold one or more non-blank texts"),
+    ('{"prompt": "01+02=", "answer": ["003", 3]}', "answer as a list must hold one or more non-blank texts"),
     (b'{"prompt": "\xff", "answer": "003"}', "not valid UTF-8"),
     ('{"prompt": [], "answer": "Paris"}', "prompt is an empty list of messages"),
     ('{"prompt": [{"role": "user"}], "answer": "Paris"}', "prompt message 0 must be an object with text role and content"),
@@ -158,6 +161,21 @@ def test_answers_are_checked_row_by_row_with_the_suites_checker():
     assert correct(suite, [" 003 ", "031", "022"]) == [True, False, False]  # against the rows' answers
     by_prompt = suite_of(suite.prompts, suite.answers, checker="addition_exact_match")
     assert correct(by_prompt, [" 003 ", "031", "022"]) == [True, False, True]  # against the sum itself
+
+
+def test_a_row_with_several_accepted_answers_is_right_when_any_one_is_said(tmp_path):
+    """"What is the opposite of big?" is answered by "small" and by "little": a list of answers
+    is read as it is written, and each checker judges every accepted answer."""
+    path = write(tmp_path / "s.jsonl", json.dumps({"prompt": "What is the opposite of big?", "answer": ["small", "little"]}),
+                 json.dumps({"prompt": "What is the capital of France?", "answer": "Paris"}))
+    prompts, answers = read_suite(path)
+    assert answers == [["small", "little"], "Paris"]
+    suite = suite_of(prompts, answers, checker="answer_in_response")
+    responses = ["The opposite of big is little.", "The capital of France is Paris."]
+    assert correct(suite, responses) == [True, True]
+    assert correct(suite, ["The opposite of big is large.", "Lyon."]) == [False, False]
+    exact = suite_of(["1+1=", "2+2="], [["2", "two"], "4"])
+    assert correct(exact, ["two", "4"]) == [True, True] and correct(exact, ["3", "four"]) == [False, False]
 
 
 def test_a_checker_that_does_not_score_0_or_1_is_refused(monkeypatch):
