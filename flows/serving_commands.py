@@ -51,7 +51,7 @@ def serving_command(args, cfg) -> int:
     if champion is None:
         print(f"could not compare with the registry's champion: {why}", file=sys.stderr)
     elif champion != current.version:
-        print(f"serving policy v{current.version}, but the registry's champion is v{champion}: "
+        print(f"serving {current.served_model_name}, but the registry's champion is v{champion}: "
               f"`rlhf deploy` serves the champion; if v{current.version} should serve, "
               f"`rlhf promote {current.version}` makes the registry say so", file=sys.stderr)
         return 4 if healthy else 1

@@ -166,7 +166,7 @@ class Stopped:
 
     def __str__(self) -> str:
         if self.endpoint is not None:
-            return f"stopped policy v{self.endpoint.version} at {self.endpoint.url}"
+            return f"stopped {self.endpoint.served_model_name} at {self.endpoint.url}"
         if self.orphans is not None:
             o = self.orphans
             return (f"ended {len(o.pids)} orphaned process{'es' if len(o.pids) != 1 else ''} of the last server, "

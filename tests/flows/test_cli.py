@@ -234,7 +234,7 @@ def test_serving_status_says_when_what_serves_is_not_the_registrys_champion(tmp_
         assert main(args) == 4
         out = capsys.readouterr()
         assert json.loads(out.out)["champion"] == "2"
-        assert "serving policy v1, but the registry's champion is v2: `rlhf deploy`" in out.err
+        assert "serving policy-v1, but the registry's champion is v2: `rlhf deploy`" in out.err
         client.set_registered_model_alias("policy", "champion", "1")
         assert main(args) == 0
         assert capsys.readouterr().err == ""
