@@ -60,15 +60,16 @@ def reward_model_from_base(base_dir: Path | str, seed: int = 0, num_members: int
 def freeze_lower_layers(model: PreTrainedModel, layers: int) -> PreTrainedModel:
     """Freeze the backbone's embeddings and its lowest `layers` decoder layers (`reward.frozen_layers`;
     0: nothing). Autograd then stops the backward pass above them. -> `model`."""
+    if layers == 0:  # any architecture, whatever it names its layers
+        return model
     decoder = getattr(model.base_model, "layers", None)
     if decoder is None:
         raise ValueError(f"reward.frozen_layers: {type(model).__name__} has no decoder layers to freeze")
     if layers > len(decoder):
         raise ValueError(f"reward.frozen_layers is {layers} but the backbone has {len(decoder)} decoder layers")
-    if layers:
-        model.base_model.get_input_embeddings().requires_grad_(False)
-        for layer in decoder[:layers]:
-            layer.requires_grad_(False)
+    model.base_model.get_input_embeddings().requires_grad_(False)
+    for layer in decoder[:layers]:
+        layer.requires_grad_(False)
     return model
 
 

@@ -96,6 +96,12 @@ def test_frozen_layers_keep_their_weights_out_of_the_backward_pass(base):
     assert all(p.requires_grad for p in untouched.parameters())
     with pytest.raises(ValueError, match="reward.frozen_layers is 3 but the backbone has 2 decoder layers"):
         freeze_lower_layers(untouched, 3)
+    from transformers import GPT2Config, GPT2ForSequenceClassification  # names its layers `h`
+
+    gpt2 = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, pad_token_id=0))
+    assert freeze_lower_layers(gpt2, 0) is gpt2 and all(p.requires_grad for p in gpt2.parameters())
+    with pytest.raises(ValueError, match="GPT2ForSequenceClassification has no decoder layers to freeze"):
+        freeze_lower_layers(gpt2, 1)
 
 
 def test_max_length_cuts_the_text(base, reward_model):
