@@ -17,8 +17,8 @@ from prefect import get_run_logger, task
 from rlhf_core.chat import read_chat_template
 from rlhf_core.config import PipelineConfig
 from rlhf_core.models.pretrained import (
-    VLLM_CPU_HEAD_SIZES, PretrainedError, PretrainedInfo, gpu_memory_problem, inspect_pretrained, is_hub_id, materialise,
-    preflight,
+    VLLM_CPU_HEAD_SIZES, PretrainedError, PretrainedInfo, engine_gpu_problem, gpu_memory_problem, inspect_pretrained,
+    is_hub_id, materialise, preflight,
 )
 
 
@@ -66,7 +66,8 @@ def _gpu_problems(cfg: PipelineConfig, info: PretrainedInfo, reward: Path) -> li
                               estimate)
         return []
     get_run_logger().info(estimate)
-    return [problem] if problem else []
+    engines = engine_gpu_problem(info, cfg.policy, gpu) if cfg.policy.rollout.placement == "separate" else None
+    return [p for p in (problem, engines) if p]
 
 
 @task(name="prepare-pretrained")
@@ -96,6 +97,7 @@ def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | N
         # the engine's context is the longest prompt plus a response; the reward model's max_length bounds it
         engine_sequences=cfg.policy.rollouts_per_step,
         engine_tokens=min(info.context_length or cfg.reward.max_length, cfg.reward.max_length + cfg.policy.max_new_tokens),
+        engines=cfg.policy.rollout.num_engines if cfg.policy.rollout.placement == "separate" else 1,
     )
     problems += _gpu_problems(cfg, info, reward)
     reward_layers = info.num_layers if reward == policy else inspect_pretrained(reward, "reward.base_model").num_layers

@@ -1,6 +1,7 @@
 """The configs of policy optimisation: `policy` and its sections (PPO, GRPO, reward shaping,
-the circuit breaker, pipelined rollouts, preference rounds and their judge; the offline
-methods' sections are in `rlhf_core.config.offline`), re-exported by `rlhf_core.config`."""
+the circuit breaker, preference rounds and their judge; the offline methods' sections are in
+`rlhf_core.config.offline`, the rollout engines' and pipelined rollouts' in
+`rlhf_core.config.rollout`), re-exported by `rlhf_core.config`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.config.inputs import Checker, _Strict
 from rlhf_core.config.offline import DPOConfig, KTOConfig, LoRAConfig, OfflineTrainingConfig
+from rlhf_core.config.rollout import RolloutEngineConfig, RolloutPipelineConfig
 
 
 class PPOConfig(_Strict):
@@ -77,50 +79,6 @@ class CircuitBreakerConfig(_Strict):
     max_disagreement: float | None = Field(None, gt=0,
         description="Largest windowed mean std across the reward-model ensemble's members; null: off.")
     audit_window: int = Field(3, ge=1, description='Steps averaged for the over-optimisation checks.')
-
-
-class RolloutPipelineConfig(_Strict):
-    """Pipelined rollouts (`rlhf_core.rollout.pipeline`): the engine generates the next steps'
-    batches while the trainer updates on the current one, taking new weights in flight.
-
-    max_lag 0 is the synchronous loop (generate, then train, then sync). With max_lag k the
-    batch of step s may be sampled by a policy up to k updates older than the one it trains
-    (s - 1 - k instead of s - 1); each token's loss is then weighted by the truncated
-    importance ratio min(pi_old / mu, is_cap) of the trainer's policy to the sampler's.
-    """
-
-    max_lag: int = Field(0, ge=0, le=8,
-        description='Policy updates a rollout batch may lag behind the policy it trains; 0: synchronous.')
-    is_cap: float = Field(2.0, ge=1, description='Truncation of the per-token importance weight of lagged samples.')
-    chunks: int = Field(2, ge=1, description='Generate calls per batch; new weights are taken between them.')
-
-
-class RolloutEngineConfig(_Strict):
-    """The vLLM engine that samples the rollouts: one engine in rank 0's worker, on its device,
-    taking the trainer's weights after every update. Its context (and on CPU its KV cache) is
-    sized from the run's prompts and `max_new_tokens`, not set here."""
-
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "What the engine computes in. auto: bfloat16 on GPU when the trainer computes in bf16 (policy.precision), "
-        "else float32 (on CPU always: the engine's log-probs then match the trainer's within rounding)."))
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description=(
-        "Share of rank 0's GPU memory the engine takes for its weights and KV cache; the trainer's weights, "
-        "optimizer and activations need the rest. Not used on CPU."))
-    enforce_eager: bool | None = Field(None, description=(
-        "true: no CUDA graphs (less memory, slower decoding); null: eager on CPU, CUDA graphs on GPU."))
-    sleep: bool | None = Field(None, description=(
-        "Free the engine's GPU memory (weights and KV cache, vLLM's sleep mode) while the trainer scores and "
-        "updates, taking it back at the weight sync. null: on GPU unless rollouts are pipelined "
-        "(policy.pipeline.max_lag > 0, the engine then generates during the update); never on CPU, where vLLM "
-        "has no sleep mode."))
-    weight_sync: Literal["auto", "file", "stream"] = Field("auto", description=(
-        "How the trainer's weights reach the engine after each update. file: one safetensors file in /dev/shm, "
-        "read back by the engine; stream: broadcast tensor by tensor through vLLM's weight-transfer API (NCCL on "
-        "GPU, gloo on CPU), in the engine's dtype, with no copy of the model on disk or in host memory; "
-        "auto: stream on GPU, file on CPU."))
-    sync_timeout_s: float = Field(300.0, gt=0, description=(
-        "Seconds a weight sync may take before the stage fails with a timeout (a hung transfer otherwise holds "
-        "the run's workers forever)."))
 
 
 JUDGE_TEMPLATE = (
@@ -304,6 +262,18 @@ class PolicyConfig(_Strict):
             raise ValueError("policy.lora with zero_stage 3 is not supported (the stage does not gather the "
                              "sharded frozen base for the merge); use zero_stage 1 or 2: the adapters' optimizer "
                              "state is what ZeRO would shard, and it is small")
+        return self
+
+    @model_validator(mode="after")
+    def _engines_of_their_own_are_separate(self) -> "PolicyConfig":
+        r = self.rollout
+        if r.placement == "colocated" and (r.num_engines > 1 or r.tensor_parallel_size > 1):
+            raise ValueError(f"policy.rollout.num_engines={r.num_engines}, tensor_parallel_size={r.tensor_parallel_size} "
+                             "need engines of their own: set policy.rollout.placement: separate (a colocated engine "
+                             "is one engine on rank 0's device)")
+        if r.placement == "separate" and r.sleep:
+            raise ValueError("policy.rollout.sleep: true with placement: separate: engines of their own share no "
+                             "device with the trainer, so there is nothing to free; set sleep to null or false")
         return self
 
     @model_validator(mode="after")

@@ -111,6 +111,41 @@ def check_cluster(stage: str, num_workers: int, use_gpu: bool | None) -> bool:
     return gpu
 
 
+def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:
+    """The placement group of one engine: a GPU and a CPU per tensor-parallel rank, or on CPU one
+    bundle of that many CPUs (vLLM's CPU workers of one engine share its node's cores)."""
+    if use_gpu:
+        return [{"GPU": 1.0, "CPU": 1.0} for _ in range(tensor_parallel_size)]
+    return [{"CPU": float(tensor_parallel_size)}]
+
+
+def engines_resources(num_engines: int, tensor_parallel_size: int, use_gpu: bool) -> dict[str, float]:
+    """What `num_engines` engines take from the cluster, summed over their bundles."""
+    total: dict[str, float] = {}
+    for bundle in engine_bundles(tensor_parallel_size, use_gpu) * num_engines:
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def check_engine_room(stage: str, num_workers: int, use_gpu: bool, num_engines: int, tensor_parallel_size: int,
+                      resources: dict[str, float] | None = None) -> None:
+    """With rollout engines of their own (`policy.rollout.placement: separate`): raises, naming the
+    settings, if the cluster cannot hold the trainer's workers and the engines together (an
+    engine's placement group would otherwise wait for room that never comes)."""
+    resources = ray.cluster_resources() if resources is None else resources
+    need = engines_resources(num_engines, tensor_parallel_size, use_gpu)
+    need["CPU"] = need.get("CPU", 0.0) + num_workers
+    if use_gpu:
+        need["GPU"] = need.get("GPU", 0.0) + num_workers
+    short = {k: (v, resources.get(k, 0.0)) for k, v in need.items() if v > resources.get(k, 0.0)}
+    if short:
+        have = ", ".join(f"{k} {need_:g} needed, {has:g} in the cluster" for k, (need_, has) in short.items())
+        raise ValueError(f"{stage}.num_workers={num_workers} with policy.rollout.num_engines={num_engines} of "
+                         f"tensor_parallel_size={tensor_parallel_size} (placement: separate): {have}; lower one of them "
+                         "or add nodes")
+
+
 def cuda_unusable(local_only: bool) -> str | None:
     """Why torch here cannot train on GPUs, or None. A CPU build of torch (`make setup` on a
     machine without GPUs) cannot, whatever the hardware: Ray still counts the GPUs through

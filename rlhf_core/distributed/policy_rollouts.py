@@ -39,36 +39,52 @@ class Sample:
 
 
 def start_engine(w: PolicyWorker):
-    """Rank 0: the vLLM engine, started from the SFT policy, its context (and so, on CPU, its
-    KV cache) sized for the longest prompt it will be given plus a response."""
-    from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415  (rank 0 only)
-
-    cfg = w.cfg
+    """Rank 0: the vLLM engine (or, `policy.rollout.placement: separate`, the group of engines),
+    started from the SFT policy, its context (and so, on CPU, its KV cache) sized for the longest
+    prompt it will be given plus a response."""
+    cfg, rollout = w.cfg, w.cfg.rollout
     context = engine_context([len(ids) for ids in w.tokenizer([*w.loop.prompts, *w.loop.eval_prompts])["input_ids"]],
                              cfg.max_new_tokens, w.actor.module.config.max_position_embeddings)
-    settings = engine_settings(cfg.rollout, w.precision, w.device.type)
+    settings = engine_settings(rollout, w.precision, w.device.type)
+    if rollout.placement == "separate":
+        import ray  # noqa: PLC0415
+
+        from rlhf_core.rollout.engine_group import EngineGroup  # noqa: PLC0415  (rank 0 only)
+
+        # the engines may run on other nodes: the streamed sync listens on this node's address
+        transport = weight_transport(rollout, settings["dtype"], w.device, master_address=ray.util.get_node_ip_address())
+        return EngineGroup(w.loop.sft_dir, num_engines=rollout.num_engines, tensor_parallel_size=rollout.tensor_parallel_size,
+                           use_gpu=w.device.type == "cuda", transport=transport, seed=cfg.seed,
+                           max_num_seqs=cfg.rollouts_per_step, max_model_len=context, **settings)
+    from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415  (rank 0 only)
+
     return RolloutEngine(w.loop.sft_dir, seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step, max_model_len=context,
-                         transport=weight_transport(cfg.rollout, settings["dtype"], w.device),
-                         sleep_mode=engine_sleeps(cfg.rollout, cfg.pipeline.max_lag, w.device.type), **settings)
+                         transport=weight_transport(rollout, settings["dtype"], w.device),
+                         sleep_mode=engine_sleeps(rollout, cfg.pipeline.max_lag, w.device.type), **settings)
 
 
 def engine_sleeps(rollout: RolloutEngineConfig, max_lag: int, device_type: str) -> bool:
     """`policy.rollout.sleep`: null sleeps on GPU when the engine is idle during the update (not
     pipelined: a pipelined engine generates during the update; the config refuses sleep: true with it)."""
+    if rollout.placement == "separate":  # engines of their own share no device with the trainer
+        return False
     return rollout.sleep if rollout.sleep is not None else (device_type == "cuda" and max_lag == 0)
 
 
-def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device):
+def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device,
+                     master_address: str | None = None):
     """`policy.rollout.weight_sync` as a transport: a file on CPU by default; streamed over NCCL on a
-    GPU (in the engine's dtype: bf16 halves what crosses), over gloo where a CPU run asks for it."""
+    GPU (in the engine's dtype: bf16 halves what crosses), over gloo where a CPU run asks for it;
+    the stream's trainer end listening on `master_address` (default loopback)."""
     from rlhf_core.rollout.weight_sync import SafetensorsFileTransport  # noqa: PLC0415  (rank 0 only)
     from rlhf_core.rollout.weight_transfer import GLOO_BACKEND, NCCL_BACKEND, StreamingTransport  # noqa: PLC0415
 
     on_gpu = device.type == "cuda"
     if rollout.weight_sync == "file" or (rollout.weight_sync == "auto" and not on_gpu):
         return SafetensorsFileTransport(timeout_s=rollout.sync_timeout_s)
+    where = {"master_address": master_address} if master_address else {}
     return StreamingTransport(NCCL_BACKEND if on_gpu else GLOO_BACKEND, dtype=getattr(torch, engine_dtype),
-                              device=device, timeout_s=rollout.sync_timeout_s)
+                              device=device, timeout_s=rollout.sync_timeout_s, **where)
 
 
 def engine_settings(rollout: RolloutEngineConfig, precision: str, device_type: str) -> dict[str, Any]:

@@ -42,7 +42,7 @@ import ray
 import ray.train
 import torch
 
-from rlhf_core.distributed.cluster import check_cluster, connect_ray, import_deepspeed, torch_trainer
+from rlhf_core.distributed.cluster import check_cluster, check_engine_room, connect_ray, import_deepspeed, torch_trainer
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
 from rlhf_core.models.memory import MachineMemory
@@ -104,6 +104,9 @@ def fit_stage(
         run_dir.mkdir(parents=True, exist_ok=True)
         attempts_file = run_dir / f"{stage}_attempts.jsonl"
         loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), on_metrics, kill_once))
+        rollout = getattr(getattr(loop, "cfg", None), "rollout", None)
+        if rollout is not None and rollout.placement == "separate":
+            check_engine_room(stage, num_workers, gpu, rollout.num_engines, rollout.tensor_parallel_size)
         vm = psutil.virtual_memory()
         machine = MachineMemory(vm.total, vm.available)  # at the stage's start, for the failure block
         cfg = getattr(loop, "cfg", None)

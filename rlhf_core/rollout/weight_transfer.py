@@ -53,7 +53,7 @@ from rlhf_core.rollout.weight_sync import (
 
 GLOO_BACKEND = "rlhf_gloo"
 NCCL_BACKEND = "nccl"
-LOOPBACK = "127.0.0.1"  # the engine's workers run on the trainer's node (colocated in rank 0's worker)
+LOOPBACK = "127.0.0.1"  # a colocated engine's workers run on the trainer's node, in rank 0's worker
 
 
 class EngineWorkerExtension(WeightSyncExtension):
@@ -190,7 +190,11 @@ class StateDictSource(WeightSource):
 
 
 def engine_workers(llm: Any) -> int:
-    """The engine's worker processes: tensor x pipeline parallel, times data-parallel replicas."""
+    """The engine's worker processes: tensor x pipeline parallel, times data-parallel replicas
+    (an engine group's `engine_workers`: over all its engines)."""
+    counted = getattr(llm, "engine_workers", None)
+    if isinstance(counted, int):
+        return counted
     parallel = llm.llm_engine.vllm_config.parallel_config
     return parallel.world_size * parallel.data_parallel_size
 
@@ -198,13 +202,15 @@ def engine_workers(llm: Any) -> int:
 class StreamingTransport(WeightTransport):
     """Streams the state dict into the workers over a process group (`GLOO_BACKEND` on CPU,
     vLLM's `NCCL_BACKEND` on GPUs) in `dtype` (None: the trainer's). The engine must be built
-    with `engine_args()`. The group is set up at the first push."""
+    with `engine_args()`. The group is set up at the first push, the trainer listening on
+    `master_address` (loopback for a colocated engine; the trainer's node address when the
+    engines are Ray actors that may run elsewhere, `engine_group.EngineGroup`)."""
 
     def __init__(self, backend: str = GLOO_BACKEND, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu", timeout_s: float = 300.0):
+                 device: torch.device | str = "cpu", timeout_s: float = 300.0, master_address: str = LOOPBACK):
         if backend not in (GLOO_BACKEND, NCCL_BACKEND):
             raise ValueError(f"weight transport backend {backend!r}: expected {GLOO_BACKEND!r} or {NCCL_BACKEND!r}")
-        self.backend, self.timeout_s = backend, timeout_s
+        self.backend, self.timeout_s, self.master_address = backend, timeout_s, master_address
         self.source = StateDictSource(dtype, device)
         self.trainer: NCCLTrainerWeightTransferEngine | None = None
         self._broken: str | None = None
@@ -225,13 +231,13 @@ class StreamingTransport(WeightTransport):
             client = LLMClient(llm, self.timeout_s)
             world_size = 1 + engine_workers(llm)
             if self.backend == GLOO_BACKEND:
-                info = GlooTrainerInitInfo(rank=0, master_address=LOOPBACK, master_port=0, world_size=world_size,
+                info = GlooTrainerInitInfo(rank=0, master_address=self.master_address, master_port=0, world_size=world_size,
                                            timeout_s=self.timeout_s)
                 self.trainer = GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=self.source)
             else:
                 from vllm.utils.network_utils import get_open_port
 
-                info = NCCLTrainerInitInfo(rank=0, master_address=LOOPBACK, master_port=get_open_port(),
+                info = NCCLTrainerInitInfo(rank=0, master_address=self.master_address, master_port=get_open_port(),
                                            world_size=world_size)
                 self.trainer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=self.source)
         self.trainer.send_weights()

@@ -1,5 +1,5 @@
 """The GPU configs that docs/gpu.md describes: each loads as `rlhf check-config` loads it, puts one
-Ray Train worker on each GPU of its setup in both training stages, and asks for GPUs.
+Ray Train worker or one rollout engine's GPU on each GPU of its setup, and asks for GPUs.
 
 That none restates a value it would have anyway is checked for every shipped config, these
 included, by tests/rlhf_core/test_config_overlays.py. `model.pretrained` names a hub id: loading
@@ -29,9 +29,11 @@ def test_every_gpu_config_shipped_is_one_of_the_setups():
 
 
 @pytest.mark.parametrize("name, gpus", GPU_SETUPS.items(), ids=list(GPU_SETUPS))
-def test_a_gpu_config_validates_with_a_worker_per_gpu_on_gpus(name, gpus):
+def test_a_gpu_config_validates_with_a_worker_or_an_engine_per_gpu_on_gpus(name, gpus):
     cfg = load_config(CONFIGS / name)  # what `rlhf check-config` runs; raises ConfigError when invalid
-    assert (cfg.reward.num_workers, cfg.policy.num_workers) == (gpus, gpus)
+    rollout = cfg.policy.rollout
+    engine_gpus = rollout.num_engines * rollout.tensor_parallel_size if rollout.placement == "separate" else 0
+    assert (cfg.reward.num_workers, cfg.policy.num_workers + engine_gpus) == (gpus, gpus)
     assert cfg.reward.use_gpu is True and cfg.policy.use_gpu is True
     assert cfg.model.pretrained is not None
 
