@@ -93,9 +93,8 @@ class EngineActor:
 
         return engine_workers(self.engine._engine())
 
-    def generate(self, prompts: Sequence[str], kwargs: dict[str, Any]) -> tuple[list[Rollout], dict[str, float]]:
-        rollouts = self.engine.generate(prompts, **kwargs)
-        return rollouts, dict(self.engine.last_metrics)
+    def generate(self, prompts: Sequence[str], kwargs: dict[str, Any]) -> list[Rollout]:
+        return self.engine.generate(prompts, **kwargs)
 
     def collective_rpc(self, method: str, timeout: float | None, args: tuple) -> list[Any]:
         return self.engine._engine().collective_rpc(method, timeout=timeout, args=args)
@@ -204,7 +203,7 @@ class EngineGroup:
             calls.append((a, actor.generate.remote(list(prompts[a:b]), kwargs)))
         rollouts: list[Rollout] = []
         for offset, call in calls:
-            share, _ = ray.get(call)
+            share = ray.get(call)
             rollouts += [replace(r, group=r.group + offset) for r in share]
         seconds = time.perf_counter() - start
         tokens = sum(len(r.response_token_ids) for r in rollouts)

@@ -137,7 +137,7 @@ def test_two_engines_as_ray_actors_answer_as_one_and_follow_streamed_weights(ray
         assert greedy() == greedy_completions(model, tokenizer, prompts, max_new)
         sampled = group.generate(prompts, n=4, seed=11, max_tokens=max_new)
         assert [(r.group, r.index) for r in sampled] == [(g, i) for g in range(len(prompts)) for i in range(4)]
-        whole, _ = ray.get(actors[1].generate.remote(prompts, {"n": 4, "max_tokens": max_new,
+        whole = ray.get(actors[1].generate.remote(prompts, {"n": 4, "max_tokens": max_new,
                                                               "seeds": prompt_seeds(11, len(prompts))}))
         assert [r.response_token_ids for r in whole] == [r.response_token_ids for r in sampled]
 
