@@ -103,6 +103,35 @@ def gathered_module_state(engine, zero_stage: int, rank: int) -> dict[str, torch
     return out if rank == 0 else None
 
 
+def module_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's parameters and buffers by state-dict name, each tensor once (a tied head
+    rides with the embeddings, as `weight_sync.without_tied_copies`): the order every rank gathers in."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((name, tensor))
+    return out
+
+
+def is_partitioned(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "ds_id")  # a ZeRO-3 parameter: its data is a shard until gathered
+
+
+def follow_gathers(module: torch.nn.Module) -> None:
+    """A rank other than 0 while rank 0 streams `weight_transfer.ModuleSource(module)`: the same ZeRO-3 gathers,
+    in the same order, nothing sent. Nothing to do for a module that is not partitioned."""
+    partitioned = [t for _, t in module_entries(module) if is_partitioned(t)]
+    if not partitioned:
+        return
+    import deepspeed  # noqa: PLC0415
+
+    for tensor in partitioned:
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+            pass
+
+
 def _cpu_copy(state_dict) -> dict[str, torch.Tensor]:
     return {k: _cpu_tensor(v) for k, v in state_dict.items()}
 

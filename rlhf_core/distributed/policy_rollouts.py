@@ -71,6 +71,21 @@ def engine_sleeps(rollout: RolloutEngineConfig, max_lag: int, device_type: str) 
     return rollout.sleep if rollout.sleep is not None else (device_type == "cuda" and max_lag == 0)
 
 
+def streams(rollout: RolloutEngineConfig, device_type: str) -> bool:
+    """Whether `policy.rollout.weight_sync` streams the weights (stream; auto on a GPU) rather than
+    writing a file."""
+    return rollout.weight_sync == "stream" or (rollout.weight_sync == "auto" and device_type == "cuda")
+
+
+def syncs_from_the_module(w: PolicyWorker) -> bool:
+    """Every rank: whether the sync streams the trainer's module itself (`weight_transfer.ModuleSource`;
+    rank 0 sends, the others join its ZeRO-3 gathers), so that no copy of the model is made. Not
+    when pipelined (the producer thread syncs a snapshot later, while the ranks train on) nor with
+    LoRA (the engine takes the merged weights, which exist only as a copy)."""
+    cfg = w.cfg
+    return streams(cfg.rollout, w.device.type) and cfg.pipeline.max_lag == 0 and not cfg.lora.enabled
+
+
 def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device,
                      master_address: str | None = None):
     """`policy.rollout.weight_sync` as a transport: a file on CPU by default; streamed over NCCL on a
@@ -80,7 +95,7 @@ def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: to
     from rlhf_core.rollout.weight_transfer import GLOO_BACKEND, NCCL_BACKEND, StreamingTransport  # noqa: PLC0415
 
     on_gpu = device.type == "cuda"
-    if rollout.weight_sync == "file" or (rollout.weight_sync == "auto" and not on_gpu):
+    if not streams(rollout, device.type):
         return SafetensorsFileTransport(timeout_s=rollout.sync_timeout_s)
     where = {"master_address": master_address} if master_address else {}
     return StreamingTransport(NCCL_BACKEND if on_gpu else GLOO_BACKEND, dtype=getattr(torch, engine_dtype),

@@ -41,7 +41,7 @@ from rlhf_core.config import PolicyConfig
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed import policy_rollouts as rollouts
 from rlhf_core.distributed import policy_rounds
-from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, gathered_module_state
+from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, follow_gathers, gathered_module_state
 from rlhf_core.distributed.fault_injection import kill_if_due, nan_if_due
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
 from rlhf_core.distributed.policy_metrics import step_metrics
@@ -85,13 +85,12 @@ def train_loop(loop: PolicyWorkerInputs) -> dict[str, Any] | None:
     record_attempt(loop.runtime, w.rank, saved.step if saved is not None else None)
     state = saved if saved is not None else PolicyState()
     w.meter = WorkerMeter(loop.runtime.use_gpu)
-    if saved is not None:  # every rank: under ZeRO-3 this is a collective
-        state_dict = policy_weights(w)
     try:
         if w.rank == 0:
             w.engine = rollouts.start_engine(w)
-            if saved is not None:
-                w.engine.sync_weights(state_dict)
+        if saved is not None:  # every rank: under ZeRO-3 the weights are gathered, a collective
+            _sync_engine(w)
+        if w.rank == 0:
             if not state.evaluations:
                 state.evaluations.append(rollouts.evaluate(w, 0))
                 loop.runtime.emit(0, rollouts.evaluation_metrics(state.evaluations[-1]))
@@ -176,6 +175,24 @@ def policy_weights(w: PolicyWorker) -> dict[str, torch.Tensor] | None:
     return gathered_module_state(w.actor, w.cfg.zero_stage, w.rank)
 
 
+def _sync_engine(w: PolicyWorker) -> float:
+    """Every rank: the engine takes the actor's weights; rank 0 returns the seconds (0 elsewhere).
+    Streamed from the module itself where the run allows (`rollouts.syncs_from_the_module`: rank 0
+    sends, the others join its ZeRO-3 gathers), else through a copy on rank 0."""
+    if rollouts.syncs_from_the_module(w):
+        if w.rank == 0:
+            return w.engine.sync_weights(w.actor.module)
+        follow_gathers(w.actor.module)
+        return 0.0
+    state_dict = policy_weights(w)
+    return w.engine.sync_weights(state_dict) if w.rank == 0 else 0.0
+
+
+def _sync_check_due(w: PolicyWorker, step: int) -> bool:
+    """The test hook's check of the engine against the trainer, after the first and the last step."""
+    return w.loop.check_sync and step in (1, w.cfg.steps)
+
+
 @contextmanager
 def _timed(timings: dict[str, float], phase: str):
     start = time.perf_counter()
@@ -237,13 +254,17 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
     local |= rollout_metrics(batch)  # the batch as sampled, before the update (old_logprobs are pi_old's)
 
     with _timed(timings, "sync"):  # pipelined: gather and hand over; the producer applies it
-        state_dict = policy_weights(w)
-        sync_s = 0.0
-        if rank == 0 and w.pipeline is not None:
-            w.pipeline.publish(step, state_dict, copy=False)  # policy_weights made a private copy
-            sync_s = w.pipeline.take_sync_seconds()[0]  # applied on the producer thread since the last step
-        elif rank == 0:
-            sync_s = w.engine.sync_weights(state_dict)
+        if rollouts.syncs_from_the_module(w):
+            sync_s = _sync_engine(w)
+            state_dict = policy_weights(w) if _sync_check_due(w, step) else None  # the check's reference
+        else:
+            state_dict = policy_weights(w)
+            sync_s = 0.0
+            if rank == 0 and w.pipeline is not None:
+                w.pipeline.publish(step, state_dict, copy=False)  # policy_weights made a private copy
+                sync_s = w.pipeline.take_sync_seconds()[0]  # applied on the producer thread since the last step
+            elif rank == 0:
+                sync_s = w.engine.sync_weights(state_dict)
 
     gathered: list[Any] = [None] * w.world
     dist.all_gather_object(gathered, (time.perf_counter() - start, local, update, int(batch.attention_mask.sum()),
@@ -267,7 +288,7 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
     state.consumed.append(indices)
     state.kl_controller = w.kl_controller.state_dict()
     if rank == 0:
-        if w.loop.check_sync and step in (1, cfg.steps):
+        if _sync_check_due(w, step):
             with rollouts.engine_at_newest(w):
                 w.sync_checks.append(rollouts.sync_check(w, state_dict, step))
         if step % cfg.eval_every == 0 or step == cfg.steps:

@@ -211,8 +211,9 @@ class EngineGroup:
                                   "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0})
         return rollouts
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> float:
-        """Every engine takes `state_dict` (Hugging Face names); the seconds taken."""
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> float:
+        """Every engine takes `state_dict` (Hugging Face names; or the trainer's module, through a
+        streaming transport, as `RolloutEngine.sync_weights`); the seconds taken."""
         start = time.perf_counter()
         self.transport.push(self.engines, state_dict)
         ray.get([a.reset_prefix_cache.remote() for a in self.actors])

@@ -308,9 +308,11 @@ class RolloutEngine:
         )
         return rollouts
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> float:
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> float:
         """Replace the engine's weights in place with `state_dict` (Hugging Face names, as from
-        `model.state_dict()`). Returns the seconds taken, also in `last_metrics`."""
+        `model.state_dict()`), or, through a streaming transport, with the trainer's module read
+        one parameter at a time (`weight_transfer.ModuleSource`). Returns the seconds taken, also
+        in `last_metrics`."""
         llm = self._engine()
         start = time.perf_counter()
         if self.asleep:  # as verl and OpenRLHF wake a colocated engine: weights first, then the cache

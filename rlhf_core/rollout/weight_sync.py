@@ -150,6 +150,9 @@ class SafetensorsFileTransport(WeightTransport):
         self.timeout_s = timeout_s
 
     def push(self, llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if isinstance(state_dict, torch.nn.Module):
+            raise TypeError("the file transport takes a state dict, not a module (only a streaming transport reads "
+                            "the trainer's module itself)")
         within_timeout(lambda: self._push(llm, state_dict), self.timeout_s, lambda: (
             f"weight sync (file) did not finish within {self.timeout_s:g} s (policy.rollout.sync_timeout_s)"))
 

@@ -7,8 +7,11 @@ workers join a process group with the trainer), then per sync `start_weight_upda
 and `finish_weight_update` (the layerwise reload re-runs the model's post-load processing). The
 trainer's half is a `TrainerWeightTransferEngine` that drives those calls through a client and
 broadcasts the tensors one at a time: no file, and no second copy of the weights in the
-engine's dtype. The trainer's side sends from a full state dict on rank 0's host (under ZeRO-3
-gathered one parameter at a time: `deepspeed_engine.gathered_module_state`).
+engine's dtype. The trainer's side sends either a state dict (`StateDictSource`: a pipelined
+run's snapshot, LoRA's merged weights) or the trainer's module itself (`ModuleSource`): each
+parameter is read where it lives, on the trainer's device, and under ZeRO-3 gathered while it
+is sent, every other rank joining that gather (`deepspeed_engine.follow_gathers`). No rank then
+holds the whole model, and rank 0's host holds none of it.
 
 - On GPUs the backend is vLLM's own "nccl" (`NCCLTrainerWeightTransferEngine`, the shape of
   OpenRLHF's `broadcast_to_vllm`): bucketed ("packed") broadcasts from the trainer's GPU.
@@ -41,6 +44,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
+from rlhf_core.distributed.deepspeed_engine import is_partitioned, module_entries
 from rlhf_core.rollout.weight_sync import (
     WeightSyncExtension,
     WeightSyncTimeout,
@@ -189,6 +193,37 @@ class StateDictSource(WeightSource):
             yield name, tensor.detach().to(device=self.device, dtype=self._wire_dtype(tensor))
 
 
+class ModuleSource(WeightSource):
+    """The trainer's module as the stream's source: each tensor in the wire dtype on `device`,
+    one at a time, a ZeRO-3 parameter gathered (a collective: the other ranks call
+    `deepspeed_engine.follow_gathers` meanwhile) only while it is sent, then released."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype | None, device: torch.device | str = "cpu"):
+        self.entries = module_entries(module)
+        self.dtype, self.device = dtype, torch.device(device)
+
+    def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, self._wire_dtype(t), tuple(t.ds_shape) if is_partitioned(t) else tuple(t.shape))
+                for name, t in self.entries]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        import deepspeed  # noqa: PLC0415 - only a ZeRO-3 module has partitioned parameters
+
+        for name, tensor in self.entries:
+            if is_partitioned(tensor):
+                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                    yield name, self._copy(tensor)  # sent before the generator resumes and releases it
+            else:
+                yield name, self._copy(tensor)
+
+    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        # a copy: a gathered parameter's memory goes back to DeepSpeed when the gather ends
+        return tensor.detach().to(device=self.device, dtype=self._wire_dtype(tensor), copy=True)
+
+
 def engine_workers(llm: Any) -> int:
     """The engine's worker processes: tensor x pipeline parallel, times data-parallel replicas
     (an engine group's `engine_workers`: over all its engines)."""
@@ -218,13 +253,19 @@ class StreamingTransport(WeightTransport):
     def engine_args(self) -> dict[str, Any]:
         return {"weight_transfer_config": {"backend": self.backend}}
 
-    def push(self, llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def push(self, llm: Any, weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
+        """`weights`: a state dict, or the trainer's module itself (`ModuleSource`: every other
+        rank must call `deepspeed_engine.follow_gathers` on its module meanwhile)."""
         if self._broken:
             raise WeightSyncTimeout(self._broken)
-        self.source.set(state_dict)
-        within_timeout(lambda: self._send(llm), self.timeout_s, self._give_up)
+        if isinstance(weights, torch.nn.Module):
+            source: WeightSource = ModuleSource(weights, self.source.dtype, self.source.device)
+        else:
+            self.source.set(weights)
+            source = self.source
+        within_timeout(lambda: self._send(llm, source), self.timeout_s, self._give_up)
 
-    def _send(self, llm: Any) -> None:
+    def _send(self, llm: Any, source: WeightSource) -> None:
         if self.source.device.type == "cuda":  # this thread's device is the trainer's (NCCL binds the current one)
             torch.cuda.set_device(self.source.device)
         if self.trainer is None:
@@ -233,13 +274,14 @@ class StreamingTransport(WeightTransport):
             if self.backend == GLOO_BACKEND:
                 info = GlooTrainerInitInfo(rank=0, master_address=self.master_address, master_port=0, world_size=world_size,
                                            timeout_s=self.timeout_s)
-                self.trainer = GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=self.source)
+                self.trainer = GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
             else:
                 from vllm.utils.network_utils import get_open_port
 
                 info = NCCLTrainerInitInfo(rank=0, master_address=self.master_address, master_port=get_open_port(),
                                            world_size=world_size)
-                self.trainer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=self.source)
+                self.trainer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+        self.trainer.source = source  # this sync's: the state dict's or the module's
         self.trainer.send_weights()
 
     def _give_up(self) -> str:

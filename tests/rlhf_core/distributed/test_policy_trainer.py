@@ -164,8 +164,11 @@ def test_more_workers_than_cluster_cpus_fails_before_training(ray_cluster, demo,
 
 @pytest.mark.slow
 def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, demo, tmp_path):
+    """The weights streamed into the engine over gloo, read from the trainer's module itself
+    (the route a GPU run takes, `weight_transfer.ModuleSource`): no copy of the model is made."""
     sink = JsonlSink(tmp_path / "metrics.jsonl")
-    result = run(demo, tmp_path, on_metrics=sink, _check_sync=True, _nan_at=NanAtStep(rank=0, step=3))
+    cfg = CFG.model_copy(update={"rollout": RolloutEngineConfig(weight_sync="stream")})
+    result = run(demo, tmp_path, cfg, on_metrics=sink, _check_sync=True, _nan_at=NanAtStep(rank=0, step=3))
     check_finite_run(result, CFG)
     assert result.attempts == 1 and result.resumed_from_step is None
     # (a) right after a sync the engine's greedy answers are the trainer's, and the rollouts of

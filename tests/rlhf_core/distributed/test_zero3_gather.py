@@ -3,8 +3,10 @@
 Two CPU processes (gloo, no Ray) hold a tiny Llama with a tied head, partitioned by DeepSpeed
 ZeRO-3. `gathered_module_state` must give rank 0 exactly the whole-model state dict, with
 every gather holding one parameter: a rank's device then never holds the whole model at once,
-which is what lets a model that only fits sharded be synced and saved. Each rank is this file
-run as a script.
+which is what lets a model that only fits sharded be synced and saved. The streamed sync's
+source (`weight_transfer.ModuleSource`, rank 0) and `follow_gathers` (the other ranks) must
+make the same gathers in lockstep, one parameter each, and yield the whole model, as its
+metadata says, with no state dict built. Each rank is this file run as a script.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf_core.distributed.cluster import import_deepspeed
-    from rlhf_core.distributed.deepspeed_engine import deepspeed_config, gathered_module_state
+    from rlhf_core.distributed.deepspeed_engine import deepspeed_config, follow_gathers, gathered_module_state
+    from rlhf_core.rollout.weight_transfer import ModuleSource
 
     deepspeed = import_deepspeed(use_gpu=False)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -51,11 +54,20 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
     deepspeed.zero.GatheredParameters = counting
     try:
         state = gathered_module_state(engine, zero_stage=3, rank=rank)
+        gather_sizes, sizes = sizes, []
+        streamed, meta = None, None
+        if rank == 0:  # what a streamed sync sends, in the order it sends it; bf16 on the wire
+            source = ModuleSource(engine.module, torch.bfloat16)
+            meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
+            streamed = [(name, tensor.dtype, tuple(tensor.shape), tensor.clone()) for name, tensor in source]
+        else:
+            follow_gathers(engine.module)
     finally:
         deepspeed.zero.GatheredParameters = original
     released = all(p.ds_status.name == "NOT_AVAILABLE" for p in partitioned)  # every gather was let go again
-    torch.save({"state": state, "expected": expected, "sizes": sizes, "partitioned": len(partitioned),
-                "released": released}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"state": state, "expected": expected, "sizes": gather_sizes, "stream_sizes": sizes,
+                "streamed": streamed, "meta": meta, "partitioned": len(partitioned), "released": released},
+               os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -81,6 +93,15 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_equal_the_whole_
     for rank in (zero, other):  # the same gathers on both ranks (a collective), each of one parameter
         assert rank["sizes"] and set(rank["sizes"]) == {1} and len(rank["sizes"]) >= rank["partitioned"], rank["sizes"]
     assert zero["sizes"] == other["sizes"]
+
+    # the streamed sync: the same one-parameter gathers on both ranks, each tensor once (the tied
+    # head rides with the embeddings), exactly as the metadata announced, in bf16
+    assert zero["stream_sizes"] == other["stream_sizes"] == [1] * zero["partitioned"]
+    assert [(n, d, s) for n, d, s, _ in zero["streamed"]] == zero["meta"]
+    names = [n for n, *_ in zero["streamed"]]
+    assert "lm_head.weight" not in names and sorted(names) == sorted(set(zero["expected"]) - {"lm_head.weight"})
+    for name, dtype, _, tensor in zero["streamed"]:
+        assert dtype == torch.bfloat16 and torch.equal(tensor, zero["expected"][name].to(torch.bfloat16)), name
 
 
 if __name__ == "__main__":
