@@ -78,12 +78,12 @@ def streams(rollout: RolloutEngineConfig, device_type: str) -> bool:
 
 
 def syncs_from_the_module(w: PolicyWorker) -> bool:
-    """Every rank: whether the sync streams the trainer's module itself (`weight_transfer.ModuleSource`;
-    rank 0 sends, the others join its ZeRO-3 gathers), so that no copy of the model is made. Not
-    when pipelined (the producer thread syncs a snapshot later, while the ranks train on) nor with
-    LoRA (the engine takes the merged weights, which exist only as a copy)."""
+    """Every rank: whether the sync streams the trainer's module itself (`weight_transfer.ModuleSource`:
+    rank 0 sends, the others join its ZeRO-3 gathers; `MergedLoraSource`: a LoRA policy merged one
+    weight at a time), so that no copy of the model is made. Not when pipelined: the producer
+    thread syncs a snapshot later, while the ranks train on."""
     cfg = w.cfg
-    return streams(cfg.rollout, w.device.type) and cfg.pipeline.max_lag == 0 and not cfg.lora.enabled
+    return streams(cfg.rollout, w.device.type) and cfg.pipeline.max_lag == 0
 
 
 def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device,

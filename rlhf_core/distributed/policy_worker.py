@@ -16,9 +16,10 @@ checkpoint's actor weights (`policy_rollouts`). One RL step, every phase timed
                in 2.8 s instead of 5.4, every pairwise decision of 128 pairs the same)
     old_logprobs, ref_logprobs, values, advantages        (`rlhf_core.training.policy_step`)
     update     K epochs of minibatches through DeepSpeed (`update_minibatches`)
-    sync       rank 0 gathers the actor (ZeRO-3: `GatheredParameters`; LoRA: the adapters
-               merged into the base, `merged_state_dict`) and pushes it into the engine in
-               place (`RolloutEngine.sync_weights`)
+    sync       the engine takes the actor's weights in place (`RolloutEngine.sync_weights`):
+               streamed from the module itself, one parameter at a time (ZeRO-3: gathered,
+               every rank joining; LoRA: merged with its adapters), or, to a file transport
+               or a pipeline's producer, as a copy on rank 0 (`policy_weights`)
 
 Pipelined mode (`cfg.pipeline.max_lag > 0`): the generate phase only takes the batch the
 producer thread made ready, the sync phase hands the new weights over (the producer applies

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -68,30 +69,43 @@ def load_policy_for_training(path: Path | str, cfg: LoRAConfig, gradient_checkpo
     return with_lora(model, cfg) if cfg.enabled else model
 
 
-@torch.no_grad()
-def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
-    """The state dict of the plain model that computes what `model` (a PeftModel) computes:
-    every adapted layer's base weight plus its adapters' delta (scaling x B @ A), under the
-    plain model's names, as fp32 CPU copies. `model` itself is left as it is (no merge and
-    unmerge, whose rounding would drift the base weights over a run)."""
+def merged_entries(model: PeftModel, tied_once: bool = False) -> list[tuple[str, torch.Tensor, Any]]:
+    """(plain name, base tensor, its LoRA layer or None) for every tensor of the plain model that
+    `model` (a PeftModel) computes as: what `merged_weights` merges, known without merging. With
+    `tied_once` a tied head (the embeddings' own tensor) is listed once, under the first name."""
     from peft.tuners.lora import LoraLayer  # noqa: PLC0415
 
     base = model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            for adapter in module.active_adapters:
-                delta = module.get_delta_weight(adapter).float().cpu()
-                key = f"{name}.weight"
-                deltas[key] = deltas[key] + delta if key in deltas else delta
-    out: dict[str, torch.Tensor] = {}
-    for key, value in base.state_dict().items():
-        if ".lora_" in key:
+    layers = {f"{name}.weight": module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    seen: set[int] = set()
+    out = []
+    for key, value in base.state_dict(keep_vars=True).items():
+        if ".lora_" in key or (tied_once and id(value) in seen):
             continue
+        seen.add(id(value))
         plain = key.replace(".base_layer.", ".")
-        weight = value.detach().float().cpu()
-        out[plain] = weight + deltas[plain] if plain in deltas else weight.clone()
+        out.append((plain, value, layers.get(plain)))
     return out
+
+
+@torch.no_grad()
+def merged_weights(model: PeftModel, tied_once: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain model's tensors one at a time, in fp32 on the model's device: every adapted
+    layer's base weight plus its adapters' delta (scaling x B @ A). Each is a new tensor;
+    `model` itself is left as it is (no merge and unmerge, whose rounding would drift the base
+    weights over a run)."""
+    for plain, value, layer in merged_entries(model, tied_once):
+        weight = value.detach().to(torch.float32, copy=True)
+        if layer is not None:
+            for adapter in layer.active_adapters:
+                weight += layer.get_delta_weight(adapter).float()
+        yield plain, weight
+
+
+def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
+    """The state dict of the plain model that computes what `model` (a PeftModel) computes,
+    under the plain model's names, as fp32 CPU copies (`merged_weights`)."""
+    return {name: weight.cpu() for name, weight in merged_weights(model)}
 
 
 @contextmanager

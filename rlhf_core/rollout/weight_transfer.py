@@ -8,7 +8,8 @@ and `finish_weight_update` (the layerwise reload re-runs the model's post-load p
 trainer's half is a `TrainerWeightTransferEngine` that drives those calls through a client and
 broadcasts the tensors one at a time: no file, and no second copy of the weights in the
 engine's dtype. The trainer's side sends either a state dict (`StateDictSource`: a pipelined
-run's snapshot, LoRA's merged weights) or the trainer's module itself (`ModuleSource`): each
+run's snapshot) or the trainer's module itself (`ModuleSource`; a LoRA policy's merged on the
+fly, `MergedLoraSource`): each
 parameter is read where it lives, on the trainer's device, and under ZeRO-3 gathered while it
 is sent, every other rank joining that gather (`deepspeed_engine.follow_gathers`). No rank then
 holds the whole model, and rank 0's host holds none of it.
@@ -44,7 +45,10 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
+from peft import PeftModel
+
 from rlhf_core.distributed.deepspeed_engine import is_partitioned, module_entries
+from rlhf_core.models.lora import merged_entries, merged_weights
 from rlhf_core.rollout.weight_sync import (
     WeightSyncExtension,
     WeightSyncTimeout,
@@ -224,6 +228,29 @@ class ModuleSource(WeightSource):
         return tensor.detach().to(device=self.device, dtype=self._wire_dtype(tensor), copy=True)
 
 
+class MergedLoraSource(WeightSource):
+    """A LoRA policy (a PeftModel) as the stream's source: the plain model's tensors, each adapted
+    weight merged with its adapters on the trainer's device as it is sent (`lora.merged_weights`),
+    one at a time: no merged copy of the model is built. LoRA runs under ZeRO-1/2, where every
+    rank holds the whole module: nothing to gather."""
+
+    def __init__(self, model: Any, dtype: torch.dtype | None, device: torch.device | str = "cpu"):
+        self.model, self.dtype, self.device = model, dtype, torch.device(device)
+
+    def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        # merged weights are computed in fp32; without a wire dtype they go as fp32
+        return self.dtype if self.dtype is not None and tensor.is_floating_point() else (
+            torch.float32 if tensor.is_floating_point() else tensor.dtype)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, self._wire_dtype(t), tuple(t.shape))
+                for name, t, _ in merged_entries(self.model, tied_once=True)]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in merged_weights(self.model, tied_once=True):
+            yield name, tensor.to(device=self.device, dtype=self._wire_dtype(tensor))
+
+
 def engine_workers(llm: Any) -> int:
     """The engine's worker processes: tensor x pipeline parallel, times data-parallel replicas
     (an engine group's `engine_workers`: over all its engines)."""
@@ -258,8 +285,10 @@ class StreamingTransport(WeightTransport):
         rank must call `deepspeed_engine.follow_gathers` on its module meanwhile)."""
         if self._broken:
             raise WeightSyncTimeout(self._broken)
-        if isinstance(weights, torch.nn.Module):
-            source: WeightSource = ModuleSource(weights, self.source.dtype, self.source.device)
+        if isinstance(weights, PeftModel):
+            source: WeightSource = MergedLoraSource(weights, self.source.dtype, self.source.device)
+        elif isinstance(weights, torch.nn.Module):
+            source = ModuleSource(weights, self.source.dtype, self.source.device)
         else:
             self.source.set(weights)
             source = self.source

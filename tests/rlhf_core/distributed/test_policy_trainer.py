@@ -236,11 +236,13 @@ def test_grpo_with_lora_trains_adapters_resumes_from_them_and_the_engine_follows
     mixed precision, on two workers. The reference is the actor with its adapters off, so the
     first step's rollouts (B = 0: the adapted policy is the SFT one) have a KL of exactly 0; the
     checkpoints hold the adapters and their optimizer state, not the frozen base, and a killed
-    worker resumes from them; after each sync the engine's greedy answers are the trainer's;
-    the saved model is a plain one."""
+    worker resumes from them; after each sync (streamed over gloo, each weight merged with its
+    adapters as it is sent: no merged copy of the model) the engine's greedy answers are the
+    trainer's; the saved model is a plain one."""
     cfg = CFG.model_copy(update={"num_workers": 2, "learning_rate": 1e-3,
                                  "lora": LoRAConfig(enabled=True, rank=8, alpha=16.0),
-                                 "gradient_checkpointing": True, "precision": "bf16"})
+                                 "gradient_checkpointing": True, "precision": "bf16",
+                                 "rollout": RolloutEngineConfig(weight_sync="stream")})
     kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
     result = run(demo, tmp_path, cfg, _check_sync=True, _kill_once=kill)
     check_finite_run(result, cfg)

@@ -9,7 +9,8 @@ import torch
 from rlhf_core.config import LoRAConfig, ModelConfig, PolicyConfig
 from rlhf_core.models.llama import build_policy, load_policy, save_pretrained_atomic
 from rlhf_core.models.lora import (
-    check_target_modules, load_policy_for_training, merged_policy, merged_state_dict, reference_view, with_lora,
+    check_target_modules, load_policy_for_training, merged_entries, merged_policy, merged_state_dict, merged_weights,
+    reference_view, with_lora,
 )
 from rlhf_core.tokenizer import load_tokenizer, train_tokenizer
 
@@ -117,6 +118,23 @@ def test_the_merged_state_dict_is_peft_s_merge_under_the_plain_names_and_leaves_
     plain.load_state_dict(merged)
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=_ids()).logits, model(input_ids=_ids()).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_weights_come_one_at_a_time_as_the_state_dict_has_them_each_tied_tensor_once(base_dir):
+    """What a streamed sync sends: the merged state dict's tensors, in its order, computed one at
+    a time; with `tied_once` a tied head is left to its embeddings, which the engine loads it from."""
+    torch.manual_seed(0)
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = _moved_adapters(with_lora(load_policy(base_dir), cfg)).eval()
+    merged = merged_state_dict(model)
+    streamed = dict(merged_weights(model))
+    assert list(streamed) == list(merged)
+    for name, tensor in streamed.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, merged[name]), name
+    once = [name for name, _ in merged_weights(model, tied_once=True)]
+    assert [name for name, *_ in merged_entries(model, tied_once=True)] == once
+    tied = model.get_base_model().config.tie_word_embeddings
+    assert once == ([n for n in merged if n != "lm_head.weight"] if tied else list(merged))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(base_dir):

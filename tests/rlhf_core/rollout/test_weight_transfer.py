@@ -238,3 +238,31 @@ def test_a_pipelined_engine_that_should_sleep_is_refused_by_the_config():
 
     with pytest.raises(ValidationError, match="a pipelined engine generates the next batch during the update"):
         PolicyConfig.model_validate({"rollout": {"sleep": True}, "pipeline": {"max_lag": 1}})
+
+
+def test_a_lora_policy_streams_its_merged_weights_as_announced_one_at_a_time(tmp_path):
+    """`MergedLoraSource`: the metadata the engine sizes its buffers from is what iteration sends
+    (names, wire dtype, shapes), each weight the merged state dict's in the wire dtype."""
+    from rlhf_core.config import LoRAConfig, ModelConfig
+    from rlhf_core.models.llama import build_policy, save_pretrained_atomic
+    from rlhf_core.models.lora import load_policy_for_training, merged_state_dict
+    from rlhf_core.rollout.weight_transfer import MergedLoraSource
+    from rlhf_core.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([f"{a:02d}+{b:02d}={a + b:03d}" for a in range(20) for b in range(20)], vocab_size=64)
+    tiny = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
+    path = save_pretrained_atomic(build_policy(tiny, tok, seed=0), tok, tmp_path / "base")
+    model = load_policy_for_training(path, LoRAConfig(enabled=True, rank=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    source = MergedLoraSource(model, torch.bfloat16)
+    sent = list(source)
+    assert [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()] == [
+        (name, t.dtype, tuple(t.shape)) for name, t in sent]
+    merged = merged_state_dict(model)
+    assert {name for name, _ in sent} <= set(merged) and all(".lora_" not in name for name, _ in sent)
+    for name, tensor in sent:
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, merged[name].to(torch.bfloat16)), name
