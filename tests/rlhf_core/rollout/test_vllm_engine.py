@@ -52,15 +52,21 @@ def sft(model, tok, prompts, answers, epochs):
 
 
 def child_processes() -> dict[int, str]:
-    """Live child processes of this process, except multiprocessing's resource tracker
-    (one per parent, started by the first spawn and kept until the parent exits)."""
+    """Live child processes of this process, except multiprocessing's resource tracker (one per
+    parent, started by the first spawn and kept until the parent exits) and the processes of a
+    Ray cluster that another test in this worker started (its helpers come and go on their own:
+    a Ray Train run's placement-group cleaner exits some time after the run)."""
     out = {}
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.status() == psutil.STATUS_ZOMBIE or "resource_tracker" not in " ".join(proc.cmdline()):
-                out[proc.pid] = proc.name()
+            name, cmdline = proc.name(), " ".join(proc.cmdline())
+            zombie = proc.status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
-            pass
+            continue
+        if name.startswith("ray::") or name in ("raylet", "gcs_server") or "/site-packages/ray/" in cmdline:
+            continue
+        if zombie or "resource_tracker" not in cmdline:
+            out[proc.pid] = name
     return out
 
 
