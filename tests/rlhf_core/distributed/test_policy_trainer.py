@@ -199,17 +199,18 @@ def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, de
 
 @pytest.mark.slow
 def test_pipelined_grpo_bounds_the_lag_and_weighs_lagged_tokens(ray_cluster, demo, tmp_path):
-    """max_lag 1, two chunks per batch: the engines sample the next batch while the ranks train.
-    Two engines of their own (Ray actors beside the two workers, each answering a share of every
-    chunk), taking the weights from a file on the node."""
+    """max_lag 1, two chunks per batch: the engine samples the next batch while the ranks train.
+    The engine is one of its own (a Ray actor in a placement group beside the two workers, as
+    `placement: separate` makes them; two engines sharing a batch: test_engine_group.py), taking
+    the weights from a file on the node."""
     cfg = CFG.model_copy(update={"num_workers": 2,
                                  "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2, is_cap=2.0),
-                                 "rollout": RolloutEngineConfig(placement="separate", num_engines=2)})
+                                 "rollout": RolloutEngineConfig(placement="separate")})
     before = set(ray.util.placement_group_table())
     result = run(demo, tmp_path, cfg, _check_sync=True)
     engines = {g["name"]: g["state"] for key, g in ray.util.placement_group_table().items() if key not in before
                and g["name"].startswith("rollout-engine")}
-    assert engines == {"rollout-engine-0": "REMOVED", "rollout-engine-1": "REMOVED"}  # used, then given back
+    assert engines == {"rollout-engine-0": "REMOVED"}  # used, then given back
     check_finite_run(result, cfg)
     history = result.metrics_history
     print("\n".join(f"step {m['step']}: lag {m['pipeline/lag_mean']:.2f} |log pi_old - log mu| "
