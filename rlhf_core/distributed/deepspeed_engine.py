@@ -94,7 +94,7 @@ def gathered_module_state(engine, zero_stage: int, rank: int) -> dict[str, torch
 
     out = {}
     for name, tensor in module.state_dict(keep_vars=True).items():  # the Parameters themselves, shards and all
-        if hasattr(tensor, "ds_id"):  # partitioned by ZeRO-3: every rank takes part in its gather
+        if is_partitioned(tensor):  # every rank takes part in its gather
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
                 if rank == 0:
                     out[name] = _cpu_tensor(tensor)
