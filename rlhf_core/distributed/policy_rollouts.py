@@ -87,7 +87,7 @@ def syncs_from_the_module(w: PolicyWorker) -> bool:
 
 
 def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device,
-                     master_address: str | None = None):
+                     master_address: str = "127.0.0.1"):
     """`policy.rollout.weight_sync` as a transport: a file on CPU by default; streamed over NCCL on a
     GPU (in the engine's dtype: bf16 halves what crosses), over gloo where a CPU run asks for it;
     the stream's trainer end listening on `master_address` (default loopback)."""
@@ -97,9 +97,8 @@ def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: to
     on_gpu = device.type == "cuda"
     if not streams(rollout, device.type):
         return SafetensorsFileTransport(timeout_s=rollout.sync_timeout_s)
-    where = {"master_address": master_address} if master_address else {}
     return StreamingTransport(NCCL_BACKEND if on_gpu else GLOO_BACKEND, dtype=getattr(torch, engine_dtype),
-                              device=device, timeout_s=rollout.sync_timeout_s, **where)
+                              device=device, timeout_s=rollout.sync_timeout_s, master_address=master_address)
 
 
 def engine_settings(rollout: RolloutEngineConfig, precision: str, device_type: str) -> dict[str, Any]:

@@ -8,11 +8,11 @@ and `finish_weight_update` (the layerwise reload re-runs the model's post-load p
 trainer's half is a `TrainerWeightTransferEngine` that drives those calls through a client and
 broadcasts the tensors one at a time: no file, and no second copy of the weights in the
 engine's dtype. The trainer's side sends either a state dict (`StateDictSource`: a pipelined
-run's snapshot) or the trainer's module itself (`ModuleSource`; a LoRA policy's merged on the
-fly, `MergedLoraSource`): each
-parameter is read where it lives, on the trainer's device, and under ZeRO-3 gathered while it
-is sent, every other rank joining that gather (`deepspeed_engine.follow_gathers`). No rank then
-holds the whole model, and rank 0's host holds none of it.
+run's snapshot) or the trainer's module itself (`ModuleSource`; a LoRA policy's weights merged
+as they go, `MergedLoraSource`): each parameter is read where it lives, on the trainer's device,
+and under ZeRO-3 gathered while it is sent, every other rank joining that gather
+(`deepspeed_engine.follow_gathers`). No rank then holds the whole model, and rank 0's host
+holds none of it.
 
 - On GPUs the backend is vLLM's own "nccl" (`NCCLTrainerWeightTransferEngine`, the shape of
   OpenRLHF's `broadcast_to_vllm`): bucketed ("packed") broadcasts from the trainer's GPU.
@@ -174,6 +174,14 @@ class LLMClient:
         self._all("shutdown_weight_transfer_engine")
 
 
+def wire_dtype(dtype: torch.dtype | None, tensor: torch.Tensor, computed: torch.dtype | None = None) -> torch.dtype:
+    """What `tensor` crosses in: the transport's `dtype` for floating point (None: the dtype it is
+    `computed` in, else its own); integers keep theirs."""
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    return dtype or computed or tensor.dtype
+
+
 class StateDictSource(WeightSource):
     """The tensors of the latest state dict handed to `set`, in the wire dtype on `device`,
     each shared storage once (a tied head rides with the embeddings). One tensor is converted
@@ -187,7 +195,7 @@ class StateDictSource(WeightSource):
         self.tensors = without_tied_copies(state_dict)
 
     def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
-        return self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+        return wire_dtype(self.dtype, tensor)
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, self._wire_dtype(t), tuple(t.shape)) for name, t in self.tensors.items()]
@@ -207,7 +215,7 @@ class ModuleSource(WeightSource):
         self.dtype, self.device = dtype, torch.device(device)
 
     def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
-        return self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+        return wire_dtype(self.dtype, tensor)
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, self._wire_dtype(t), tuple(t.ds_shape) if is_partitioned(t) else tuple(t.shape))
@@ -238,9 +246,7 @@ class MergedLoraSource(WeightSource):
         self.model, self.dtype, self.device = model, dtype, torch.device(device)
 
     def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
-        # merged weights are computed in fp32; without a wire dtype they go as fp32
-        return self.dtype if self.dtype is not None and tensor.is_floating_point() else (
-            torch.float32 if tensor.is_floating_point() else tensor.dtype)
+        return wire_dtype(self.dtype, tensor, computed=torch.float32)  # merged weights are computed in fp32
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, self._wire_dtype(t), tuple(t.shape))
