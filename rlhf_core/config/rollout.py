@@ -57,10 +57,11 @@ class RolloutEngineConfig(_Strict):
         "has no sleep mode."))
     weight_sync: Literal["auto", "file", "stream"] = Field("auto", description=(
         "How the trainer's weights reach the engine after each update. file: one safetensors file in /dev/shm, "
-        "read back by the engine; stream: broadcast tensor by tensor through vLLM's weight-transfer API (NCCL on "
-        "GPU, gloo on CPU), in the engine's dtype, each parameter read from the trainer's module (gathered under "
-        "ZeRO-3; LoRA's merged as sent) with no copy of the model (pipelined: from a copy on rank 0's host); "
-        "auto: stream on GPU, file on CPU."))
+        "read back by the engine; stream: tensor by tensor through vLLM's weight-transfer API (on GPU: CUDA IPC "
+        "when the engine is colocated on the trainer's GPU, NCCL to engines of their own; gloo on CPU), in the "
+        "engine's dtype, each parameter read from the trainer's module (gathered under ZeRO-3; LoRA's merged as "
+        "sent) with no copy of the model (pipelined: from a copy on rank 0's host); auto: stream on GPU, file on "
+        "CPU."))
     sync_timeout_s: float = Field(300.0, gt=0, description=(
         "Seconds a weight sync may take before the stage fails with a timeout (a hung transfer otherwise holds "
         "the run's workers forever)."))

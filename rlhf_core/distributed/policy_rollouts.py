@@ -88,17 +88,23 @@ def syncs_from_the_module(w: PolicyWorker) -> bool:
 
 def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device,
                      master_address: str = "127.0.0.1"):
-    """`policy.rollout.weight_sync` as a transport: a file on CPU by default; streamed over NCCL on a
-    GPU (in the engine's dtype: bf16 halves what crosses), over gloo where a CPU run asks for it;
-    the stream's trainer end listening on `master_address` (default loopback)."""
+    """`policy.rollout.weight_sync` as a transport: a file on CPU by default, streamed over gloo where
+    a CPU run asks for it. Streamed on a GPU, in the engine's dtype (bf16 halves what crosses): by
+    CUDA IPC to a colocated engine, which shares rank 0's GPU (NCCL refuses two ranks on one GPU);
+    over NCCL to engines of their own (`placement: separate`), the trainer's end listening on
+    `master_address` (default loopback)."""
     from rlhf_core.rollout.weight_sync import SafetensorsFileTransport  # noqa: PLC0415  (rank 0 only)
     from rlhf_core.rollout.weight_transfer import GLOO_BACKEND, NCCL_BACKEND, StreamingTransport  # noqa: PLC0415
 
-    on_gpu = device.type == "cuda"
     if not streams(rollout, device.type):
         return SafetensorsFileTransport(timeout_s=rollout.sync_timeout_s)
-    return StreamingTransport(NCCL_BACKEND if on_gpu else GLOO_BACKEND, dtype=getattr(torch, engine_dtype),
-                              device=device, timeout_s=rollout.sync_timeout_s, master_address=master_address)
+    dtype, on_gpu = getattr(torch, engine_dtype), device.type == "cuda"
+    if on_gpu and rollout.placement == "colocated":
+        from rlhf_core.rollout.ipc_transfer import IpcTransport  # noqa: PLC0415
+
+        return IpcTransport(dtype=dtype, device=device, timeout_s=rollout.sync_timeout_s)
+    return StreamingTransport(NCCL_BACKEND if on_gpu else GLOO_BACKEND, dtype=dtype, device=device,
+                              timeout_s=rollout.sync_timeout_s, master_address=master_address)
 
 
 def engine_settings(rollout: RolloutEngineConfig, precision: str, device_type: str) -> dict[str, Any]:

@@ -14,8 +14,11 @@ and under ZeRO-3 gathered while it is sent, every other rank joining that gather
 (`deepspeed_engine.follow_gathers`). No rank then holds the whole model, and rank 0's host
 holds none of it.
 
-- On GPUs the backend is vLLM's own "nccl" (`NCCLTrainerWeightTransferEngine`, the shape of
-  OpenRLHF's `broadcast_to_vllm`): bucketed ("packed") broadcasts from the trainer's GPU.
+- To engines on GPUs of their own (`engine_group.EngineGroup`) the backend is vLLM's own "nccl"
+  (`NCCLTrainerWeightTransferEngine`, the shape of OpenRLHF's `broadcast_to_vllm`): bucketed
+  ("packed") broadcasts from the trainer's GPU. A colocated engine shares rank 0's GPU, where
+  NCCL refuses a second rank: it takes CUDA IPC handles instead (`ipc_transfer.IpcTransport`,
+  the same sources and timeout through `TrainerEngineTransport`, below).
 - On CPU the same protocol runs over a gloo group: `GLOO_BACKEND`, registered with vLLM's
   factory when this module is imported (the engine's worker imports it: `EngineWorkerExtension`,
   below, is the class vLLM mixes into its workers). It is how the CPU tests drive the code path that GPUs take;
@@ -28,6 +31,7 @@ sync ends the run with a message instead of holding its workers forever.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,7 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransferEngine, WeightSource
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLTrainerInitInfo,
@@ -267,20 +271,18 @@ def engine_workers(llm: Any) -> int:
     return parallel.world_size * parallel.data_parallel_size
 
 
-class StreamingTransport(WeightTransport):
-    """Streams the state dict into the workers over a process group (`GLOO_BACKEND` on CPU,
-    vLLM's `NCCL_BACKEND` on GPUs) in `dtype` (None: the trainer's). The engine must be built
-    with `engine_args()`. The group is set up at the first push, the trainer listening on
-    `master_address` (loopback for a colocated engine; the trainer's node address when the
-    engines are Ray actors that may run elsewhere, `engine_group.EngineGroup`)."""
+class TrainerEngineTransport(WeightTransport):
+    """What the streamed transports share: each sync's source (a state dict, the trainer's module,
+    a LoRA policy merged as it goes; in `dtype`, None: the trainer's, read on `device`), replayed by
+    one of vLLM's trainer-side engines (`TrainerWeightTransferEngine`, started at the first push by
+    `_start`) on a thread bound to the trainer's device, within `timeout_s`. A push that times out
+    leaves the transfer in an unknown state: the transport then refuses every later push. The
+    engine must be built with `engine_args()`."""
 
-    def __init__(self, backend: str = GLOO_BACKEND, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu", timeout_s: float = 300.0, master_address: str = LOOPBACK):
-        if backend not in (GLOO_BACKEND, NCCL_BACKEND):
-            raise ValueError(f"weight transport backend {backend!r}: expected {GLOO_BACKEND!r} or {NCCL_BACKEND!r}")
-        self.backend, self.timeout_s, self.master_address = backend, timeout_s, master_address
+    def __init__(self, backend: str, *, dtype: torch.dtype | None, device: torch.device | str, timeout_s: float):
+        self.backend, self.timeout_s = backend, timeout_s
         self.source = StateDictSource(dtype, device)
-        self.trainer: NCCLTrainerWeightTransferEngine | None = None
+        self.trainer: TrainerWeightTransferEngine | None = None
         self._broken: str | None = None
 
     def engine_args(self) -> dict[str, Any]:
@@ -291,33 +293,28 @@ class StreamingTransport(WeightTransport):
         rank must call `deepspeed_engine.follow_gathers` on its module meanwhile)."""
         if self._broken:
             raise WeightSyncTimeout(self._broken)
-        if isinstance(weights, PeftModel):
-            source: WeightSource = MergedLoraSource(weights, self.source.dtype, self.source.device)
-        elif isinstance(weights, torch.nn.Module):
-            source = ModuleSource(weights, self.source.dtype, self.source.device)
-        else:
-            self.source.set(weights)
-            source = self.source
+        source = self._source_of(weights)
         within_timeout(lambda: self._send(llm, source), self.timeout_s, self._give_up)
 
+    def _source_of(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> WeightSource:
+        if isinstance(weights, PeftModel):
+            return MergedLoraSource(weights, self.source.dtype, self.source.device)
+        if isinstance(weights, torch.nn.Module):
+            return ModuleSource(weights, self.source.dtype, self.source.device)
+        self.source.set(weights)
+        return self.source
+
     def _send(self, llm: Any, source: WeightSource) -> None:
-        if self.source.device.type == "cuda":  # this thread's device is the trainer's (NCCL binds the current one)
+        if self.source.device.type == "cuda":  # the trainer's, on this thread: NCCL binds it, IPC allocates on it
             torch.cuda.set_device(self.source.device)
         if self.trainer is None:
-            client = LLMClient(llm, self.timeout_s)
-            world_size = 1 + engine_workers(llm)
-            if self.backend == GLOO_BACKEND:
-                info = GlooTrainerInitInfo(rank=0, master_address=self.master_address, master_port=0, world_size=world_size,
-                                           timeout_s=self.timeout_s)
-                self.trainer = GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
-            else:
-                from vllm.utils.network_utils import get_open_port
-
-                info = NCCLTrainerInitInfo(rank=0, master_address=self.master_address, master_port=get_open_port(),
-                                           world_size=world_size)
-                self.trainer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+            self.trainer = self._start(LLMClient(llm, self.timeout_s), source)
         self.trainer.source = source  # this sync's: the state dict's or the module's
         self.trainer.send_weights()
+
+    @abstractmethod
+    def _start(self, client: LLMClient, source: WeightSource) -> TrainerWeightTransferEngine:
+        """The trainer's engine, its handshake with the engine's workers done."""
 
     def _give_up(self) -> str:
         self._broken = (f"weight sync ({self.backend}) did not finish within {self.timeout_s:g} s "
@@ -329,6 +326,33 @@ class StreamingTransport(WeightTransport):
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None
+
+
+class StreamingTransport(TrainerEngineTransport):
+    """Streams the state dict into the workers over a process group (`GLOO_BACKEND` on CPU,
+    vLLM's `NCCL_BACKEND` on GPUs) in `dtype` (None: the trainer's). The group is set up at the
+    first push, the trainer listening on `master_address` (loopback for a colocated engine; the
+    trainer's node address when the engines are Ray actors that may run elsewhere,
+    `engine_group.EngineGroup`)."""
+
+    def __init__(self, backend: str = GLOO_BACKEND, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu", timeout_s: float = 300.0, master_address: str = LOOPBACK):
+        if backend not in (GLOO_BACKEND, NCCL_BACKEND):
+            raise ValueError(f"weight transport backend {backend!r}: expected {GLOO_BACKEND!r} or {NCCL_BACKEND!r}")
+        super().__init__(backend, dtype=dtype, device=device, timeout_s=timeout_s)
+        self.master_address = master_address
+
+    def _start(self, client: LLMClient, source: WeightSource) -> TrainerWeightTransferEngine:
+        world_size = 1 + engine_workers(client.llm)
+        if self.backend == GLOO_BACKEND:
+            info = GlooTrainerInitInfo(rank=0, master_address=self.master_address, master_port=0, world_size=world_size,
+                                       timeout_s=self.timeout_s)
+            return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+        from vllm.utils.network_utils import get_open_port
+
+        info = NCCLTrainerInitInfo(rank=0, master_address=self.master_address, master_port=get_open_port(),
+                                   world_size=world_size)
+        return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
 
 
 if GLOO_BACKEND not in WeightTransferEngineFactory._registry:

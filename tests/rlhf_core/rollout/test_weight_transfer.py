@@ -19,6 +19,7 @@ from rlhf_core.rollout.weight_transfer import (
     LLMClient,
     StateDictSource,
     StreamingTransport,
+    TrainerEngineTransport,
 )
 
 
@@ -132,7 +133,7 @@ def test_the_engine_is_built_for_the_streamed_backend():
 
 @pytest.mark.parametrize("weight_sync, device, expected", [
     ("auto", "cpu", ("file", None)),
-    ("auto", "cuda", (NCCL_BACKEND, torch.bfloat16)),
+    ("auto", "cuda", ("ipc", torch.bfloat16)),  # a colocated engine: tests/rlhf_core/rollout/test_ipc_transfer.py
     ("stream", "cpu", (GLOO_BACKEND, torch.bfloat16)),
     ("file", "cuda", ("file", None)),
 ])
@@ -144,7 +145,7 @@ def test_the_run_gets_the_transport_its_config_and_device_ask_for(weight_sync, d
             transport.backend, transport.source.dtype)
         assert got == expected
         assert transport.timeout_s == 42
-        if isinstance(transport, StreamingTransport):
+        if isinstance(transport, TrainerEngineTransport):
             assert transport.source.device == torch.device(device)  # tensors go out from the trainer's device
     finally:
         transport.close()
