@@ -37,12 +37,14 @@ STAGES = ("validate", "sft", "reward", "policy", "evaluate", "register", "deploy
 
 def chaos_config(base: dict, ports: list[int]) -> dict:
     """`base` (the tests' tiny config) made killable: gates loose, auto-promotion and serving on;
-    20 reward steps per epoch-set and 60 policy steps, of well under a second each here, with
-    checkpoints every 4 and 2 steps (Ray Train commits a checkpoint about a second after it is
-    written: enough steps that a kill lands between the first checkpoint and the end)."""
+    80 reward steps and 24 policy steps, of well under a second each on an idle machine (0.3 and
+    1.8 s under the test suite's load), with checkpoints every 4 and 2 steps. Ray Train commits a
+    checkpoint about a second after it is written and the kill follows within 0.2 s of the
+    commit: the steps left after the first checkpoint (76 and 22) leave the kill many seconds
+    before the stage's end."""
     raw = json.loads(json.dumps(base))
-    raw["reward"].update(epochs=40, checkpoint_every=4)
-    raw["policy"].update(steps=60, checkpoint_every=2, eval_every=60)
+    raw["reward"].update(epochs=16, checkpoint_every=4)
+    raw["policy"].update(steps=24, checkpoint_every=2, eval_every=24)
     raw["gates"] = {"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
                     "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,
                     "max_degenerate_rate": 1.0, "max_kl": 1000.0}

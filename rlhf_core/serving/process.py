@@ -55,6 +55,10 @@ GiB = 1 << 30
 SERVER_PREFILL_TOKENS = 2048  # vLLM's default token budget of a step for its server on CPU
 LOG_TAIL_LINES = 20
 KILL_GRACE_S = 30.0
+# A server that never passed its health check (its deploy failed, or died) has no requests to
+# finish: SIGTERM gets this long before SIGKILL. A vLLM server still loading its model can
+# ignore SIGTERM until it has (measured: the whole 30 s drain time, on a killed deploy).
+UNSERVED_GRACE_S = 5.0
 
 
 def server_command(model_dir: Path, name: str, port: int, max_model_len: int, cfg: ServingConfig) -> list[str]:

@@ -61,6 +61,7 @@ from rlhf_core.serving.process import (
     KILL_GRACE_S,
     SERVER_MODULE,
     SERVER_PREFILL_TOKENS,
+    UNSERVED_GRACE_S,
     first_error,
     launch,
     log_summary,
@@ -216,7 +217,7 @@ def _stop_new_server(proc: subprocess.Popen, state_dir: Path) -> str:
     """Stop the server of a failed deploy; "" once it is gone, else what went wrong (the intent
     record stays, so the next deploy tries again)."""
     try:
-        stop_process_group(proc.pid)
+        stop_process_group(proc.pid, UNSERVED_GRACE_S)
         proc.wait(timeout=10)
     except (ServingError, subprocess.TimeoutExpired) as e:
         log.error("could not stop the failed server (pid %d): %s", proc.pid, e)
@@ -241,8 +242,8 @@ def _stop_abandoned(state_dir: Path) -> None:
     for pgid in sorted(groups):
         log.warning("a deploy of %s died before it finished; stopping the server it started (process group %d)",
                     abandoned.served_model_name, pgid)
-        stop_process_group(pgid)
-    if abandoned is not None and abandoned.pid > 1 and end_server(abandoned):  # its API server died alone
+        stop_process_group(pgid, UNSERVED_GRACE_S)
+    if abandoned is not None and abandoned.pid > 1 and end_server(abandoned, UNSERVED_GRACE_S):  # its API server died alone
         groups.add(abandoned.pid)
     if abandoned is not None:
         append_history(state_dir, "abandoned", abandoned, None, stopped_process_groups=sorted(groups))
