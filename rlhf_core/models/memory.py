@@ -33,6 +33,17 @@ ACTIVATION_BYTES = 80
 GPU_PROCESS_OVERHEAD = 3 * 2**30
 
 
+# The staging buffer of a CUDA IPC weight sync (vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES), grown to
+# the largest tensor where one is larger (rlhf_core/rollout/ipc_transfer.py).
+IPC_BUFFER_BYTES = 1 << 30
+
+
+def ipc_buffer_bytes(info: Any) -> int:
+    """The IPC sync's staging buffer on rank 0's GPU for a model of `info`'s shape: at least the
+    embedding matrix in bf16, the largest tensor of the models the pipeline trains."""
+    return max(IPC_BUFFER_BYTES, info.vocab_size * info.hidden_size * 2)
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 

@@ -30,6 +30,7 @@ from rlhf_core.models.memory import (
     advice,
     gib,
     gpu_policy_bytes,
+    ipc_buffer_bytes,
     kv_block_bytes,
     kv_cache_blocks,
     memory_refusal,
@@ -237,6 +238,13 @@ def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int
     sleeps = not separate and (policy.rollout.sleep if policy.rollout.sleep is not None else policy.pipeline.max_lag == 0)
     if sleeps:  # the engine's memory is free during the update, the trainer's passes are done while it generates
         need = max(need - parts["engine"], need - parts["activations"] - parts["logits"])
+    # a streamed sync to a colocated engine (CUDA IPC) stages the weights in a buffer on this GPU,
+    # the trainer's passes done and the engine awake (a sleeping one has woken its weights only):
+    # the peak only where the buffer outweighs what the update holds
+    buffer = 0 if separate or policy.rollout.weight_sync == "file" else ipc_buffer_bytes(info)
+    engine_at_sync = engine_weight_bytes(info, policy) if sleeps else parts["engine"]
+    need = max(need, sum(parts.values()) - parts["activations"] - parts["logits"] - parts["engine"] + engine_at_sync
+               + buffer)
     estimate = (f"rank 0's GPU in the policy stage: about {gib(need)} GiB of {gib(gpu_bytes)} ("
                 + ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
                 + (", the engine asleep during the update" if sleeps else "") + ")")
@@ -249,14 +257,21 @@ def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int
     return f"{where}: {estimate}, more than the device holds\n{advice(ways)}", estimate
 
 
+def engine_weight_bytes(info: PretrainedInfo, policy: PolicyConfig) -> int:
+    """An engine's weights on GPU: fp32 where `policy.rollout.dtype` (or, on auto, the trainer's
+    precision) is, else bf16."""
+    rollout = policy.rollout
+    fp32 = rollout.dtype == "float32" or (rollout.dtype == "auto" and policy.precision == "fp32")
+    return info.num_parameters * (4 if fp32 else 2)
+
+
 def engine_gpu_problem(info: PretrainedInfo, policy: PolicyConfig, gpu_bytes: int,
                        where: str = "model.pretrained") -> str | None:
     """For engines of their own (`policy.rollout.placement: separate`): a refusal when one engine's
     share of the weights (split over `tensor_parallel_size` GPUs) takes more than 80% of the memory
     it may use on each (`gpu_memory_utilization` of `gpu_bytes`), leaving its KV cache no room."""
     rollout = policy.rollout
-    fp32 = rollout.dtype == "float32" or (rollout.dtype == "auto" and policy.precision == "fp32")
-    weights = info.num_parameters * (4 if fp32 else 2) / rollout.tensor_parallel_size
+    weights = engine_weight_bytes(info, policy) / rollout.tensor_parallel_size
     usable = rollout.gpu_memory_utilization * gpu_bytes
     if weights <= 0.8 * usable:
         return None

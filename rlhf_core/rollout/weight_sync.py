@@ -24,7 +24,10 @@ Transports:
   and sends only its path; each worker reads it back. One write and one read per sync,
   small next to a generation step for models that fit on a CPU.
 - `weight_transfer.StreamingTransport`: no files; the tensors are broadcast to the workers
-  through vLLM's weight-transfer API (NCCL on GPUs, gloo on CPU), one at a time.
+  through vLLM's weight-transfer API (NCCL to engines on GPUs of their own, gloo on CPU), one
+  at a time.
+- `ipc_transfer.IpcTransport`: no files; a colocated engine on rank 0's GPU maps the tensors
+  from a staging buffer by CUDA IPC, through the same API (NCCL refuses two ranks on one GPU).
 """
 from __future__ import annotations
 

@@ -170,3 +170,35 @@ def test_the_one_gpu_config_fits_an_h100_and_a_smaller_gpu_is_refused_with_what_
     for change in ("policy.rollout.gpu_memory_utilization=0.5", "policy.micro_batch_size=4", "policy.lora.enabled=false",
                    "policy.zero_stage=2"):
         assert change in problem, change
+
+
+def test_the_ipc_sync_buffer_is_vllms_and_sets_the_gpu_peak_only_where_it_outweighs_the_update():
+    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+    from rlhf_core.config.loading import load_config
+    from rlhf_core.models.memory import IPC_BUFFER_BYTES, ipc_buffer_bytes
+    from rlhf_core.models.pretrained import gpu_memory_problem
+
+    assert IPC_BUFFER_BYTES == DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    info = qwen_05b_info()
+    assert ipc_buffer_bytes(info) == IPC_BUFFER_BYTES  # 151,936 x 896 in bf16 is 272 MB
+    big_vocab = info.__class__(**{**info.__dict__, "vocab_size": 1_000_000})
+    assert ipc_buffer_bytes(big_vocab) == 1_000_000 * 896 * 2
+
+    repo = Path(__file__).resolve().parents[3]
+    cfg = load_config(repo / "configs" / "gpu-1xh100-0.5b.yaml")
+    _, streamed = gpu_memory_problem(info, cfg, 40 * 2**30, reward_parameters=494_000_000)
+    about = lambda estimate: float(estimate.split("about ")[1].split(" GiB")[0])  # noqa: E731
+    assert about(streamed) == 33.1  # the generation's peak: the sync's buffer changes nothing
+
+    # an engine awake throughout and an update holding almost nothing (one short sequence a micro-batch,
+    # checkpointed): the sync, with its 1 GiB buffer, is the peak; a file sync has none
+    def small(weight_sync: str):
+        policy = cfg.policy.model_copy(update={
+            "micro_batch_size": 1, "max_new_tokens": 8, "gradient_checkpointing": True,
+            "rollout": cfg.policy.rollout.model_copy(update={"sleep": False, "weight_sync": weight_sync})})
+        reward = cfg.reward.model_copy(update={"max_length": 16})
+        return about(gpu_memory_problem(info, cfg.model_copy(update={"policy": policy, "reward": reward}), 80 * 2**30,
+                                        reward_parameters=494_000_000)[1])
+
+    assert 0.5 < small("stream") - small("file") <= 1.0
