@@ -246,3 +246,50 @@ def test_bf16_autocast_multiplies_in_bf16_and_keeps_weights_logprobs_and_gradien
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
     assert {p.dtype for p in model.parameters()} == {torch.float32} and on(device, *grads)
+
+
+# ----------------------------------------------------------------------------- weight sync by CUDA IPC
+
+IPC_READER = """
+import pickle, sys
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+args, offsets = pickle.load(sys.stdin.buffer)
+args = list(args)
+args[6] = 0  # the receiver's device index, as vLLM's IPC engine overwrites it
+buffer = rebuild_cuda_tensor(*args)
+parts = [buffer[start:end].clone().float().cpu() for start, end in offsets]
+pickle.dump([p.tolist() for p in parts], sys.stdout.buffer)
+"""
+
+
+@pytest.mark.gpu
+def test_a_packed_bf16_buffer_shared_by_its_cuda_ipc_handle_reads_back_whole_in_another_process():
+    """What the colocated engine's weight sync rests on (rlhf_core/rollout/ipc_transfer.py, vLLM's
+    packed IPC mode): tensors copied into one bf16 staging buffer, exported with torch's
+    `reduce_tensor`, rebuilt in another process with the device index at argument 6 replaced,
+    and sliced back by offsets. Run with torch alone, in a process of its own."""
+    import pickle
+    import subprocess
+    import sys
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(37, 11, generator=gen), torch.randn(5, generator=gen), torch.randn(64, 3, generator=gen)]
+    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=torch.bfloat16, device="cuda")
+    offsets, start = [], 0
+    for t in tensors:
+        buffer[start:start + t.numel()].copy_(t.flatten())
+        offsets.append((start, start + t.numel()))
+        start += t.numel()
+    torch.cuda.synchronize()
+    _, args = reduce_tensor(buffer)
+    assert isinstance(args[6], int) and args[6] == buffer.device.index  # the argument vLLM overwrites
+    read = subprocess.run([sys.executable, "-c", IPC_READER], input=pickle.dumps((args, offsets)), capture_output=True,
+                          timeout=120)
+    assert read.returncode == 0, read.stderr.decode()[-2000:]
+    for got, t in zip(pickle.loads(read.stdout), tensors):
+        assert got == t.flatten().to(torch.bfloat16).float().tolist()
+    del buffer
+    torch.cuda.ipc_collect()
