@@ -97,6 +97,7 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
 
     raw = tiny_config_factory(tmp_path)
     raw["gates"].update(LOOSE_GATES)
+    raw["reward"]["num_workers"] = 1  # two runs at once on two cores: a second worker each only adds start-up
     raw["serving"] = {"ports": free_ports(2), "smoke_prompt": "12+34="}
     raw["tracking"]["tracking_uri"] = mlflow_server.url
     config = tmp_path / "both.yaml"
