@@ -26,18 +26,21 @@ SIZES = {
 }
 
 
-def machine() -> dict:
+def machine(engine: bool = True) -> dict:
+    """The machine a result was measured on; `engine`: with vLLM's version (a GPU check's machine has no vLLM)."""
     cpu = "unknown"
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    import vllm  # noqa: PLC0415
+    info = {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    if engine:
+        import vllm  # noqa: PLC0415
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem, 1), "python": platform.python_version(),
-            "torch": torch.__version__, "vllm": vllm.__version__,
-            "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        info["vllm"] = vllm.__version__
+    return info
 
 
 def newest_demo_run() -> Path | None:

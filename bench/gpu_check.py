@@ -10,8 +10,8 @@ peft alone (no Ray, DeepSpeed, vLLM, Prefect or MLflow: a GPU machine may have n
    (`frozen_on`), fused AdamW. Rollouts come from Hugging Face `generate` (sampling, a group of
    answers per prompt; the rollout engine, vLLM, is not there) and are scored by a dummy
    verifiable reward, the share of even token ids in the answer: there is no reward model.
-   Printed per step: time in generate, logprobs (old and reference), update and the rest,
-   generated tokens/s, and peak GPU memory per phase. Step 1 includes CUDA's warm-up.
+   Printed per step: time in generate, logprobs (old and reference), update and the rest, tokens/s and
+   peak GPU memory per phase (step 1 includes CUDA's warm-up); then the peak beside the preflight's.
 
 Without a CUDA device, or with --dry-run, it is a dry run: everything on the CPU, the device
 tests' CUDA cases skipped, and one step on a tiny Llama so that the code path runs; it prints
@@ -21,8 +21,8 @@ to gpu_check.json.
     make gpu-check                           # python bench/gpu_check.py from the repository root
     python bench/gpu_check.py --dry-run      # on the CPU, in well under a minute
 
-Needs pytest, pyyaml and pydantic (the configs) beside torch and transformers. Exit status 0
-when the tests pass and every step's checks hold, 1 otherwise, 2 when a package is missing.
+Needs pytest, pyyaml and pydantic (the configs) beside torch and transformers. Exit status 0 when
+the tests pass and every step's checks hold, 1 otherwise, 2 when a package is missing.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import argparse
 import copy
 import math
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -39,7 +38,6 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,10 +47,11 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from bench.common import write_json  # noqa: E402 - torch only: the machine's vLLM is asked for in save(), not here
+from bench.common import machine as common_machine, write_json  # noqa: E402 - torch and psutil only
 
 try:
     from rlhf_core.config import PolicyConfig
+    from rlhf_core.models.memory import GpuPolicyShape, gpu_policy_bytes
     from rlhf_core.models.placement import frozen_on
     from rlhf_core.training.policy_step import (
         PolicyBatch, TorchBackwardAndStep, algorithm_spec, batched_logprobs, build_batch, compute_advantages,
@@ -209,13 +208,15 @@ def phase(record: dict, name: str, device: torch.device) -> Iterator[None]:
     if cuda:
         torch.cuda.synchronize(device)
         record["peak_gib"][name] = torch.cuda.max_memory_allocated(device) / 2**30
+        free, total = torch.cuda.mem_get_info(device)  # the device's view: CUDA context and allocator cache too
+        record["in_use_gib"][name] = (total - free) / 2**30
     record["seconds"][name] = time.perf_counter() - start
 
 
 def grpo_step(actor, reference, optimizer, prompts, plan: Plan, cfg: PolicyConfig, precision: str, step: int) -> dict:
     """One GRPO step through `rlhf_core.training.policy_step`, in the policy worker's order."""
     device, spec = actor.device, algorithm_spec(cfg)
-    record: dict = {"seconds": {}, "peak_gib": {}}
+    record: dict = {"seconds": {}, "peak_gib": {}, "in_use_gib": {}}
     start = time.perf_counter()
     with phase(record, "generate", device):
         rollouts = generate(actor, prompts, plan, cfg, precision)
@@ -238,15 +239,10 @@ def grpo_step(actor, reference, optimizer, prompts, plan: Plan, cfg: PolicyConfi
     total = time.perf_counter() - start
     generated = int(batch.response_mask.sum())
     metrics = {**rollout_metrics(batch), **update, "score_mean": batch.scores.mean().item()}
-    return {
-        "step": step,
-        "seconds": {**record["seconds"], "total": total},
-        "peak_gpu_memory_gib": record["peak_gib"] or None,
-        "generated_tokens": generated,
-        "generated_tokens_per_s": generated / record["seconds"]["generate"],
-        "metrics": metrics,
-        "failed_checks": step_checks(actor, reference, optimizer, batch, metrics, before),
-    }
+    return {"step": step, "seconds": {**record["seconds"], "total": total},
+            "peak_gpu_memory_gib": record["peak_gib"] or None, "gpu_memory_in_use_gib": record["in_use_gib"] or None,
+            "generated_tokens": generated, "generated_tokens_per_s": generated / record["seconds"]["generate"],
+            "metrics": metrics, "failed_checks": step_checks(actor, reference, optimizer, batch, metrics, before)}
 
 
 def watched_weights(actor) -> dict[str, torch.Tensor]:
@@ -278,6 +274,27 @@ def step_checks(actor, reference, optimizer, batch: PolicyBatch, metrics: dict, 
     if unmoved := sorted(k for k, w in watched_weights(actor).items() if torch.equal(w.detach(), before[k])):
         failed.append(f"the update left these weights unchanged: {unmoved}")
     return failed
+
+
+def memory_summary(plan: Plan, steps: list[dict]) -> dict:
+    """The measured peaks beside the preflight's GPU arithmetic (`gpu_policy_bytes`, no engine) for this
+    check's step: an fp32 actor with AdamW, its reference frozen, a micro-batch of the longest rows. GiB."""
+    peaks = [v for s in steps for v in (s["peak_gpu_memory_gib"] or {}).values()]
+    if not peaks:
+        return {"peak_gpu_memory_gib": None}
+    in_use, m, n = max(v for s in steps for v in s["gpu_memory_in_use_gib"].values()), plan.model, parameter_count(plan)
+    parts = {k: b / 2**30 for k, b in gpu_policy_bytes(GpuPolicyShape(
+        parameters=n, num_layers=m["num_hidden_layers"], hidden_size=m["hidden_size"], frozen_parameters=n,
+        kv_width=m["num_key_value_heads"] * m["hidden_size"] // m["num_attention_heads"], vocab_size=m["vocab_size"],
+        intermediate_size=m["intermediate_size"], micro_batch_size=plan.micro_batch, response_tokens=plan.new_tokens,
+        sequence_tokens=plan.prompt_tokens[1] + plan.new_tokens)).items()}
+    total = sum(parts.values())
+    print(f"\npeak GPU memory (torch.cuda.max_memory_allocated): {max(peaks):.2f} GiB; the device's memory in use "
+          f"(its context and the allocator's cache too) at most {in_use:.2f} GiB\nthe preflight's estimate of this "
+          f"step: {total:.2f} GiB (" + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) + f"): {total / in_use:.2f} "
+          f"of the memory in use; without its overhead {(total - parts['overhead']) / max(peaks):.2f} of the peak")
+    return {"peak_gpu_memory_gib": max(peaks), "gpu_memory_in_use_gib": in_use,
+            "preflight_estimate_gib": {**parts, "total": total}}
 
 
 def run_grpo(plan: Plan, device: torch.device) -> dict:
@@ -312,7 +329,7 @@ def print_step(result: dict, device: torch.device) -> None:
           f"{result['generated_tokens']} tokens generated, {result['generated_tokens_per_s']:,.0f} tokens/s")
     if result["peak_gpu_memory_gib"]:
         print("  peak GPU memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in result["peak_gpu_memory_gib"].items()))
-    print(f"  pg_loss {m['pg_loss']:.4f}, grad_norm {m['grad_norm']:.3f}, kl {m['kl']:.2e}, approx_kl "
+    print(f"  pg_loss {m['pg_loss']:.4f}, grad_norm {m['grad_norm']:.3f}, kl per answer {m['kl']:.2e}, approx_kl "
           f"{m['approx_kl']:.2e}, logprob_diff (generate vs trainer) {m['logprob_diff']:.2e}, "
           f"score_mean {m['score_mean']:.3f}, response_length {m['response_length']:.1f}")
     for failure in result["failed_checks"]:
@@ -323,13 +340,7 @@ def print_step(result: dict, device: torch.device) -> None:
 
 
 def machine(device: torch.device) -> dict:
-    cpu = "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    info = common_machine(engine=False) | {"transformers": transformers.__version__}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda}
@@ -345,8 +356,7 @@ def main() -> int:
     args = parser.parse_args()
     dry_run = args.dry_run or not torch.cuda.is_available()
     plan = DRY_PLAN if dry_run else GPU_PLAN
-    if args.steps is not None:
-        plan = replace(plan, steps=args.steps)
+    plan = plan if args.steps is None else replace(plan, steps=args.steps)
     device = torch.device("cpu" if dry_run else "cuda")
     out = args.out or RESULTS / ("gpu_check_dryrun.json" if dry_run else "gpu_check.json")
     if dry_run:
@@ -372,14 +382,11 @@ def main() -> int:
         failed = [f"GRPO: {grpo['error']}"]
     if tests["returncode"] != 0:
         failed.insert(0, f"device tests: pytest exited {tests['returncode']} ({tests['summary']})")
-    peaks = [v for s in grpo["steps"] for v in (s["peak_gpu_memory_gib"] or {}).values()]
     payload = {"machine": machine(device), "dry_run": dry_run, "device": device.type,
                "model": {"shape": plan.name, **plan.model, "parameters": parameter_count(plan)},
                "batch": {f.name: getattr(plan, f.name) for f in fields(plan) if f.name not in ("name", "model")},
-               "tests": tests, "grpo": grpo, "peak_gpu_memory_gib": max(peaks) if peaks else None, "failed": failed}
+               "tests": tests, "grpo": grpo, **memory_summary(plan, grpo["steps"]), "failed": failed}
     write_json(out, payload)
-    if peaks:
-        print(f"\npeak GPU memory (torch.cuda.max_memory_allocated): {max(peaks):.2f} GiB")
     kind = "dry run (CPU figures)" if dry_run else "GPU check"
     print(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
     if failed:

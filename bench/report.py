@@ -227,13 +227,34 @@ def resume(results: Path) -> list[str]:
                             ("saved_share", "saved share", ".0%"), ("steps", "resumed from step", "")])]
 
 
+def gpu_check(results: Path) -> list[str]:
+    if (r := load("gpu_check", results)) is None:
+        return not_run("gpu_check", "gpu_check.py` on a machine with a CUDA device: `make gpu-check")
+    rows = [{"step": s["step"], **s["seconds"], "tokens_per_s": s["generated_tokens_per_s"],
+             "peak": max(s["peak_gpu_memory_gib"].values()), "in_use": max(s["gpu_memory_in_use_gib"].values()),
+             "prob_diff": s["metrics"]["prob_diff"], "logprob_diff": s["metrics"]["logprob_diff"]} for s in r["grpo"]["steps"]]
+    est, shape = r["preflight_estimate_gib"], r["model"]
+    return [measured_on(r, "gpu_check"), "",
+            f"Device tests: {r['tests']['summary']}. GRPO on a random-weight Llama of {shape['shape']} "
+            f"({shape['parameters'] / 1e6:.0f}M parameters), {r['batch']['prompts']} prompts x {r['batch']['group']} "
+            f"answers of up to {r['batch']['new_tokens']} tokens:", "",
+            md_table(rows, [("step", "step", ""), ("generate", "generate s", ".2f"), ("logprobs", "logprobs s", ".2f"),
+                            ("update", "update s", ".2f"), ("total", "step s", ".2f"),
+                            ("tokens_per_s", "generated tokens/s", ",.0f"), ("peak", "peak allocated GiB", ".2f"),
+                            ("in_use", "device in use GiB", ".2f"), ("prob_diff", "prob diff", ".1e"),
+                            ("logprob_diff", "logprob diff", ".1e")]), "",
+            f"The preflight's arithmetic for the same step (`gpu_policy_bytes`): {est['total']:.2f} GiB ("
+            + ", ".join(f"{k} {v:.2f}" for k, v in est.items() if k != "total")
+            + f"), {est['total'] / r['gpu_memory_in_use_gib']:.2f} of the device memory in use."]
+
+
 SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
     "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
     "resume": resume, "dpo_vs_grpo": dpo_vs_grpo, "policy_memory": policy_memory,
-    "response_logits": response_logits,
+    "response_logits": response_logits, "gpu_check": gpu_check,
 }
 
 

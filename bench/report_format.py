@@ -38,6 +38,8 @@ def measured_on(result: dict, name: str) -> str:
         parts.append(f"{m['cores']} cores")
     if m.get("ram_gib"):
         parts.append(f"{m['ram_gib']} GiB")
+    if m.get("gpu"):
+        parts.append(f"{m['gpu']} (CUDA {m.get('cuda')})")
     parts += [f"{label} {m[key]}" for key, label in (("python", "Python"), ("torch", "torch"), ("vllm", "vLLM"))
               if m.get(key)]
     return f"Measured on {', '.join(parts)} (`bench/results/{name}.json`)."

@@ -29,7 +29,8 @@ ACTIVATION_BYTES = 80
 
 
 # Per GPU: the CUDA context, the caching allocator's slack and DeepSpeed's buffers (docs/gpu.md
-# assumes the same figure; a GPU run's measured peak belongs here once one is at hand).
+# assumes the same figure). On an H100 the first two took 2.0 GiB beyond the allocated peak of a
+# 387M-parameter GRPO step without DeepSpeed (`make gpu-check`, docs/benchmarks.md).
 GPU_PROCESS_OVERHEAD = 3 * 2**30
 
 
