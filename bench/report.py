@@ -230,22 +230,27 @@ def resume(results: Path) -> list[str]:
 def gpu_check(results: Path) -> list[str]:
     if (r := load("gpu_check", results)) is None:
         return not_run("gpu_check", "gpu_check.py` on a machine with a CUDA device: `make gpu-check")
-    rows = [{"step": s["step"], **s["seconds"], "tokens_per_s": s["generated_tokens_per_s"],
+    runs = [(name, run) for name, run in (("plain torch", r["grpo"]), ("DeepSpeed", r.get("grpo_deepspeed"))) if run]
+    rows = [{"trainer": name, "step": s["step"], **s["seconds"], "tokens_per_s": s["generated_tokens_per_s"],
              "peak": max(s["peak_gpu_memory_gib"].values()), "in_use": max(s["gpu_memory_in_use_gib"].values()),
-             "prob_diff": s["metrics"]["prob_diff"], "logprob_diff": s["metrics"]["logprob_diff"]} for s in r["grpo"]["steps"]]
-    est, shape = r["preflight_estimate_gib"], r["model"]
+             "logprob_diff": s["metrics"]["logprob_diff"]} for name, run in runs for s in run["steps"]]
+    shape, batch = r["model"], r["batch"]
+    estimates = [f"- {name}: {run['memory']['preflight_estimate_gib']['total']:.2f} GiB, "
+                 f"{run['memory']['preflight_estimate_gib']['total'] / run['memory']['gpu_memory_in_use_gib']:.2f} "
+                 f"of the {run['memory']['gpu_memory_in_use_gib']:.2f} GiB in use" for name, run in runs]
+    parts = runs[0][1]["memory"]["preflight_estimate_gib"]
     return [measured_on(r, "gpu_check"), "",
             f"Device tests: {r['tests']['summary']}. GRPO on a random-weight Llama of {shape['shape']} "
-            f"({shape['parameters'] / 1e6:.0f}M parameters), {r['batch']['prompts']} prompts x {r['batch']['group']} "
-            f"answers of up to {r['batch']['new_tokens']} tokens:", "",
-            md_table(rows, [("step", "step", ""), ("generate", "generate s", ".2f"), ("logprobs", "logprobs s", ".2f"),
-                            ("update", "update s", ".2f"), ("total", "step s", ".2f"),
-                            ("tokens_per_s", "generated tokens/s", ",.0f"), ("peak", "peak allocated GiB", ".2f"),
-                            ("in_use", "device in use GiB", ".2f"), ("prob_diff", "prob diff", ".1e"),
+            f"({shape['parameters'] / 1e6:.0f}M parameters), {batch['prompts']} prompts x {batch['group']} answers "
+            f"of up to {batch['new_tokens']} tokens:", "",
+            md_table(rows, [("trainer", "trainer", ""), ("step", "step", ""), ("generate", "generate s", ".2f"),
+                            ("logprobs", "logprobs s", ".2f"), ("update", "update s", ".2f"),
+                            ("total", "step s", ".2f"), ("tokens_per_s", "generated tokens/s", ",.0f"),
+                            ("peak", "peak allocated GiB", ".2f"), ("in_use", "device in use GiB", ".2f"),
                             ("logprob_diff", "logprob diff", ".1e")]), "",
-            f"The preflight's arithmetic for the same step (`gpu_policy_bytes`): {est['total']:.2f} GiB ("
-            + ", ".join(f"{k} {v:.2f}" for k, v in est.items() if k != "total")
-            + f"), {est['total'] / r['gpu_memory_in_use_gib']:.2f} of the device memory in use."]
+            "The preflight's arithmetic for the same step (`gpu_policy_bytes`: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if k != "total") + " GiB) against each run:",
+            *estimates]
 
 
 SECTIONS: dict[str, Callable[[Path], list[str]]] = {

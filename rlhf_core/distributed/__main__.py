@@ -1,8 +1,8 @@
 """`python -m rlhf_core.distributed build-ops`: build DeepSpeed's just-in-time ops into this
-environment's cache (`cluster.extensions_dir`), once, at set-up time."""
+environment's cache (`deepspeed_engine.extensions_dir`), once, at set-up time."""
 import sys
 
-from rlhf_core.distributed.cluster import build_deepspeed_ops, extensions_dir
+from rlhf_core.distributed.deepspeed_engine import build_deepspeed_ops, extensions_dir
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["build-ops"]:

@@ -3,7 +3,6 @@ and DeepSpeed imported the same way on every worker. (Seeding and RNG state: `rl
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -180,49 +179,3 @@ def torch_trainer(
             worker_runtime_env={"env_vars": env} if env else {},
         ),
     )
-
-
-def extensions_dir() -> Path:
-    """Where DeepSpeed's just-in-time ops are built and cached: inside this Python environment.
-
-    torch's default (~/.cache/torch_extensions) is shared by every environment of the user,
-    and its build files name the environment's absolute paths, so two checkouts used in turn
-    rebuild each other's ops; on CPU DeepSpeed builds its shared-memory collectives op in every
-    training process, about 35 s on two cores when the cache is stale."""
-    return Path(sys.prefix) / "torch_extensions"
-
-
-def import_deepspeed(use_gpu: bool):
-    """Import DeepSpeed in a training worker: on its CPU accelerator without GPUs (it picks the
-    accelerator on first import), with ops cached per environment (`extensions_dir`).
-
-    DeepSpeed's autotuner imports MLflow whenever it is installed, to log autotuning results we
-    never ask for: a third of DeepSpeed's import time, paid by every training worker of every
-    stage. A process that has not imported MLflow imports DeepSpeed with MLflow hidden (the
-    autotuner then records that it has none), and MLflow imports normally afterwards."""
-    if not use_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
-    hide_mlflow = "mlflow" not in sys.modules and "deepspeed" not in sys.modules
-    if hide_mlflow:
-        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError while this holds
-    try:
-        import deepspeed  # noqa: PLC0415
-    finally:
-        if hide_mlflow:
-            del sys.modules["mlflow"]
-    return deepspeed
-
-
-def build_deepspeed_ops() -> float:
-    """Build (or find in the cache) the ops DeepSpeed loads at start-up on this machine's
-    accelerator; run by `make setup` so that the first training stage does not pay for it.
-    Returns the seconds taken."""
-    import time  # noqa: PLC0415
-
-    start = time.perf_counter()
-    import_deepspeed(use_gpu=False)
-    from deepspeed.comm.torch import build_shm_op  # noqa: PLC0415
-
-    build_shm_op()
-    return time.perf_counter() - start

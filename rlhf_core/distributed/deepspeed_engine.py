@@ -1,14 +1,20 @@
-"""What the trainers do with a DeepSpeed engine: its config, one backward-and-step of a
-pre-normalised loss, and the full weights gathered from the ranks."""
+"""What the trainers do with DeepSpeed: its import and ops cache, an engine's config, one
+backward-and-step of a pre-normalised loss, and the full weights gathered from the ranks."""
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhf_core.training.policy_step import StepOutcome, guard_nonfinite
 from rlhf_core.training.sft import warmup_cosine
+
+if TYPE_CHECKING:
+    from rlhf_core.config import PolicyConfig
 
 
 def saved_dtype(use_gpu: bool) -> torch.dtype | None:
@@ -43,6 +49,18 @@ def deepspeed_config(
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def policy_engine(deepspeed, model: torch.nn.Module, cfg: PolicyConfig, learning_rate: float, use_gpu: bool):
+    """A DeepSpeed engine of the actor or the critic whose optimizer holds the trainable parameters only (with
+    LoRA: the adapters): one optimizer step per minibatch, a constant `learning_rate`, no weight decay."""
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=deepspeed_config(
+                                          train_batch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
+                                          grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm,
+                                          zero_stage=cfg.zero_stage, learning_rate=learning_rate, weight_decay=0.0,
+                                          use_gpu=use_gpu))
+    return engine
 
 
 def warmup_cosine_lr(optimizer: torch.optim.Optimizer, total: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -154,3 +172,49 @@ def full_fp32_parameters(engine, rank: int) -> dict[str, torch.Tensor] | None:
         if rank == 0:
             out[name] = full.detach().float().cpu().clone()
     return out if rank == 0 else None
+
+
+def extensions_dir() -> Path:
+    """Where DeepSpeed's just-in-time ops are built and cached: inside this Python environment.
+
+    torch's default (~/.cache/torch_extensions) is shared by every environment of the user,
+    and its build files name the environment's absolute paths, so two checkouts used in turn
+    rebuild each other's ops; on CPU DeepSpeed builds its shared-memory collectives op in every
+    training process, about 35 s on two cores when the cache is stale."""
+    return Path(sys.prefix) / "torch_extensions"
+
+
+def import_deepspeed(use_gpu: bool):
+    """Import DeepSpeed in a training worker: on its CPU accelerator without GPUs (it picks the
+    accelerator on first import), with ops cached per environment (`extensions_dir`).
+
+    DeepSpeed's autotuner imports MLflow whenever it is installed, to log autotuning results we
+    never ask for: a third of DeepSpeed's import time, paid by every training worker of every
+    stage. A process that has not imported MLflow imports DeepSpeed with MLflow hidden (the
+    autotuner then records that it has none), and MLflow imports normally afterwards."""
+    if not use_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    hide_mlflow = "mlflow" not in sys.modules and "deepspeed" not in sys.modules
+    if hide_mlflow:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError while this holds
+    try:
+        import deepspeed  # noqa: PLC0415
+    finally:
+        if hide_mlflow:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
+def build_deepspeed_ops() -> float:
+    """Build (or find in the cache) the ops DeepSpeed loads at start-up on this machine's
+    accelerator; run by `make setup` so that the first training stage does not pay for it.
+    Returns the seconds taken."""
+    import time  # noqa: PLC0415
+
+    start = time.perf_counter()
+    import_deepspeed(use_gpu=False)
+    from deepspeed.comm.torch import build_shm_op  # noqa: PLC0415
+
+    build_shm_op()
+    return time.perf_counter() - start

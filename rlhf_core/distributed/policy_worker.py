@@ -121,12 +121,12 @@ def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
     worker = start_worker(loop.runtime, cfg.seed, torch_threads=1 if cfg.pipeline.max_lag > 0 else None)
     spec = algorithm_spec(cfg)
     tokenizer = load_tokenizer(loop.sft_dir)
-    actor = _engine(worker.deepspeed, load_policy_for_training(loop.sft_dir, cfg.lora, cfg.gradient_checkpointing),
-                    cfg, cfg.learning_rate, loop.runtime.use_gpu)
+    use_gpu, policy_engine = loop.runtime.use_gpu, deepspeed_engine.policy_engine
+    model = load_policy_for_training(loop.sft_dir, cfg.lora, cfg.gradient_checkpointing)
+    actor = policy_engine(worker.deepspeed, model, cfg, cfg.learning_rate, use_gpu)
     critic = None
     if spec.uses_critic:
-        critic = _engine(worker.deepspeed, value_model_from(loop.sft_dir), cfg, cfg.ppo.critic_learning_rate,
-                         loop.runtime.use_gpu)
+        critic = policy_engine(worker.deepspeed, value_model_from(loop.sft_dir), cfg, cfg.ppo.critic_learning_rate, use_gpu)
     # with LoRA the reference is the actor with its adapters off (`reference_view`): no copy
     device = actor.device
     reference = None if cfg.lora.enabled else frozen_on(load_policy(loop.sft_dir), device)
@@ -154,18 +154,6 @@ def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
         w.annotator = policy_rounds.annotator_for(w)
     w.precision = agreed_precision("policy", cfg.precision, loop.runtime.use_gpu, worker)
     return w
-
-
-def _engine(deepspeed, model: torch.nn.Module, cfg: PolicyConfig, learning_rate: float, use_gpu: bool):
-    """A DeepSpeed engine of the actor or the critic whose optimizer holds the trainable parameters only (with
-    LoRA: the adapters): one optimizer step per minibatch, a constant `learning_rate`, no weight decay."""
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=deepspeed_engine.deepspeed_config(
-                                          train_batch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
-                                          grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm,
-                                          zero_stage=cfg.zero_stage, learning_rate=learning_rate, weight_decay=0.0,
-                                          use_gpu=use_gpu))
-    return engine
 
 
 def policy_weights(w: PolicyWorker) -> dict[str, torch.Tensor] | None:

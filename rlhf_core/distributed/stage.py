@@ -42,7 +42,8 @@ import ray
 import ray.train
 import torch
 
-from rlhf_core.distributed.cluster import check_cluster, check_engine_room, connect_ray, import_deepspeed, torch_trainer
+from rlhf_core.distributed.cluster import check_cluster, check_engine_room, connect_ray, torch_trainer
+from rlhf_core.distributed.deepspeed_engine import import_deepspeed
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
 from rlhf_core.models.memory import MachineMemory

@@ -29,8 +29,9 @@ ACTIVATION_BYTES = 80
 
 
 # Per GPU: the CUDA context, the caching allocator's slack and DeepSpeed's buffers (docs/gpu.md
-# assumes the same figure). On an H100 the first two took 2.0 GiB beyond the allocated peak of a
-# 387M-parameter GRPO step without DeepSpeed (`make gpu-check`, docs/benchmarks.md).
+# assumes the same figure). On an H100 the device's memory in use went 2.0 GiB (plain torch) and
+# 5.5 GiB (DeepSpeed, ZeRO-2) beyond the allocated peak of a 387M-parameter GRPO step whose rollouts
+# came from `generate` in the same process (`make gpu-check`, docs/benchmarks.md): one measurement.
 GPU_PROCESS_OVERHEAD = 3 * 2**30
 
 

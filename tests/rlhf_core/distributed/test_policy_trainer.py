@@ -17,7 +17,7 @@ import ray.cloudpickle
 import torch
 
 from rlhf_core.config import LoRAConfig, PolicyConfig, RolloutEngineConfig, RolloutPipelineConfig
-from rlhf_core.distributed import policy_worker
+from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
 from rlhf_core.models.llama import load_policy
@@ -82,7 +82,7 @@ def check_finite_run(result, cfg: PolicyConfig) -> None:
 
 
 def test_the_actors_engine_takes_one_optimizer_step_per_minibatch(monkeypatch):
-    """`_engine` hands DeepSpeed the policy config's batching: 32 sequences a step on 2 workers
+    """`policy_engine` hands DeepSpeed the policy config's batching: 32 sequences a step on 2 workers
     of 8 a micro-batch is 2 accumulation steps; only trainable parameters reach the optimizer."""
     cfg = CFG.model_copy(update={"num_workers": 2, "minibatch_size": 32, "micro_batch_size": 8, "zero_stage": 3})
     seen = {}
@@ -95,7 +95,7 @@ def test_the_actors_engine_takes_one_optimizer_step_per_minibatch(monkeypatch):
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model[0].requires_grad_(False)
-    assert policy_worker._engine(FakeDeepSpeed, model, cfg, 1e-5, use_gpu=False) == "engine"
+    assert deepspeed_engine.policy_engine(FakeDeepSpeed, model, cfg, 1e-5, use_gpu=False) == "engine"
     ds = seen["config"]
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == cfg.grad_accum_steps == 2

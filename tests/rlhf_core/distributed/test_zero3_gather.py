@@ -29,7 +29,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhf_core.distributed.cluster import import_deepspeed
+    from rlhf_core.distributed.deepspeed_engine import import_deepspeed
     from rlhf_core.distributed.deepspeed_engine import deepspeed_config, follow_gathers, gathered_module_state
     from rlhf_core.rollout.weight_transfer import ModuleSource
 
