@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +54,25 @@ def run_plain_flow(fn, log_path: Path, **kwargs) -> int:
     return 0
 
 
+def exit_on_sigterm() -> None:
+    """Let a SIGTERM (`kill`, a container's stop, a scheduler's cancel) end this process through
+    Python's exit, while it still has the default handler, which ends it on the spot. The exit
+    runs the atexit handler that stops Prefect's temporary server; without it the server (a
+    uvicorn process) stays up with no parent. A flow that starts installs Prefect's own handler
+    for its run and puts this one back after it."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stopped)
+
+
+def _stopped(signum: int, frame) -> None:
+    print(f"rlhf: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def flow_module(module: str, args, cfg) -> tuple[Any, Path]:
     """Import a flow module with Prefect's temporary server starting meanwhile; then send the
     log to a file of its own (errors reach the terminal only with --debug)."""
+    exit_on_sigterm()
     server_up = start_prefect_server_early()
     flows = importlib.import_module(module)
     server_up()

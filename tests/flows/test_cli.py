@@ -1,12 +1,15 @@
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -88,6 +91,37 @@ def test_a_flow_command_without_a_prefect_server_starts_one_temporary_server(tmp
     assert out.returncode == 0, log[-3000:]
     assert log.count("Starting temporary server") == 1, log[-3000:]
     assert "validate-data: COMPLETED" in out.stdout
+
+
+@pytest.mark.slow  # starts Prefect's temporary server
+def test_a_sigterm_while_the_flow_imports_stops_prefects_temporary_server_too(tmp_path):
+    """`kill` of a run before its flow starts (Prefect's server already starting, the flow's
+    libraries still importing) ends it with 143 and takes the server down with it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    log = tmp_path / "run.log"  # not a pipe: a server left running would hold it open
+    with log.open("w") as sink:
+        run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--set", f"output_dir={tmp_path / 'runs'}"],
+                               cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, servers = time.monotonic() + 120, []
+        while not servers and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            servers = [c for c in psutil.Process(run.pid).children(recursive=True)
+                       if "uvicorn" in " ".join(c.cmdline())]
+        assert servers, "Prefect's temporary server never started"
+        assert run.poll() is None, "the run got past its imports before the test could stop it"
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=120)
+        _, alive = psutil.wait_procs(servers, timeout=30)
+    finally:
+        run.kill()
+        for server in servers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                server.kill()
+    assert run.returncode == 143, log.read_text()[-3000:]
+    assert "rlhf: stopped by SIGTERM" in log.read_text()
+    assert alive == [], f"left running: {[p.cmdline() for p in alive]}"
 
 
 def _rows(n: int = 150, same: int = 0) -> list[dict]:
