@@ -2,7 +2,11 @@
 and DeepSpeed imported the same way on every worker. (Seeding and RNG state: `rlhf_core.rng`.)"""
 from __future__ import annotations
 
+import atexit
 import os
+import signal
+import sys
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,9 +31,14 @@ LOCAL_CLUSTER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "RAY_TRAIN_ENA
 def connect_ray() -> bool:
     """Use the cluster this process is connected to, else join $RAY_ADDRESS, else start a
     local one (never attaching to another local cluster by accident) with LOCAL_CLUSTER_ENV.
-    True if we started it."""
+    True if we started it.
+
+    Ray's core worker installs a C++ failure handler for SIGTERM that ends the process on the
+    spot, leaving Prefect's temporary server and Ray's own agents running without a parent: it
+    is turned off (`RAY_DISABLE_FAILURE_SIGNAL_HANDLER`) so that `ray_session`'s handler runs."""
     if ray.is_initialized():
         return False
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return False
@@ -78,13 +87,36 @@ def protect_ray_token(directory: Path | None = None) -> None:
 @contextmanager
 def ray_session():
     """`connect_ray` for a block of stages: they share the cluster, and one we started is
-    shut down at the end of the block (not after each stage)."""
+    shut down at the end of the block (not after each stage). A SIGTERM meanwhile ends the
+    process through `_stop_on_sigterm`."""
     started = connect_ray()
+    previous = _stop_on_sigterm()
     try:
         yield
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if started:
             ray.shutdown()
+
+
+def _stop_on_sigterm():
+    """From the main thread: on SIGTERM disconnect from Ray (stopping a cluster this process
+    started, its agents and workers), run the exit handlers (Prefect's temporary server stops)
+    and exit with 143. A stage runs in a task thread that a Ray call can hold for minutes, and
+    Prefect's own handler waits for that thread, so the exit cannot wait for it either.
+    -> the handler it replaced, None where no handler can be set (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame) -> None:
+        print(f"rlhf: stopped by {signal.Signals(signum).name} in a Ray stage: stopping Ray and exiting",
+              file=sys.stderr, flush=True)
+        ray.shutdown()
+        atexit._run_exitfuncs()  # noqa: SLF001 - what a normal exit runs: Prefect's server stops, Ray's and MLflow's hooks
+        os._exit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
 
 
 def check_cluster(stage: str, num_workers: int, use_gpu: bool | None) -> bool:

@@ -93,35 +93,63 @@ def test_a_flow_command_without_a_prefect_server_starts_one_temporary_server(tmp
     assert "validate-data: COMPLETED" in out.stdout
 
 
+def _sigterm_once_running(tmp_path: Path, config_args: list[str], marker: str) -> tuple[int, str, list]:
+    """Start `rlhf run` (Prefect's temporary server, MLflow in tmp_path), send SIGTERM once one of
+    its processes has `marker` in its command line -> (exit status, output, its processes that
+    outlived it by 30 s)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    log = tmp_path / "run.log"  # not a pipe: a process left running would hold it open
+    with log.open("w") as sink:
+        run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", *config_args], cwd=REPO, env=env,
+                               stdout=sink, stderr=subprocess.STDOUT, text=True)
+    family: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while run.poll() is None and time.monotonic() < deadline:
+            family = psutil.Process(run.pid).children(recursive=True)
+            if any(marker in " ".join(_cmdline(p)) for p in family):
+                break
+            time.sleep(0.2)
+        assert run.poll() is None, f"the run ended before {marker!r} started:\n{log.read_text()[-3000:]}"
+        assert family, f"no {marker!r} within 300 s"
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=120)
+        _, alive = psutil.wait_procs(family, timeout=30)
+    finally:
+        run.kill()
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    return run.returncode, log.read_text(), [" ".join(_cmdline(p))[:120] for p in alive]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:  # gone, or a zombie
+        return []
+
+
 @pytest.mark.slow  # starts Prefect's temporary server
 def test_a_sigterm_while_the_flow_imports_stops_prefects_temporary_server_too(tmp_path):
     """`kill` of a run before its flow starts (Prefect's server already starting, the flow's
     libraries still importing) ends it with 143 and takes the server down with it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    log = tmp_path / "run.log"  # not a pipe: a server left running would hold it open
-    with log.open("w") as sink:
-        run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--set", f"output_dir={tmp_path / 'runs'}"],
-                               cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline, servers = time.monotonic() + 120, []
-        while not servers and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-            servers = [c for c in psutil.Process(run.pid).children(recursive=True)
-                       if "uvicorn" in " ".join(c.cmdline())]
-        assert servers, "Prefect's temporary server never started"
-        assert run.poll() is None, "the run got past its imports before the test could stop it"
-        run.send_signal(signal.SIGTERM)
-        run.wait(timeout=120)
-        _, alive = psutil.wait_procs(servers, timeout=30)
-    finally:
-        run.kill()
-        for server in servers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                server.kill()
-    assert run.returncode == 143, log.read_text()[-3000:]
-    assert "rlhf: stopped by SIGTERM" in log.read_text()
-    assert alive == [], f"left running: {[p.cmdline() for p in alive]}"
+    status, out, left = _sigterm_once_running(tmp_path, ["--set", f"output_dir={tmp_path / 'runs'}"], "uvicorn")
+    assert status == 143, out[-3000:]
+    assert "rlhf: stopped by SIGTERM" in out and "flow run" not in out.lower()
+    assert left == []
+
+
+@pytest.mark.slow  # a pipeline up to its reward stage
+def test_a_sigterm_in_a_ray_stage_stops_the_local_cluster_and_prefects_server_with_the_run(tiny_config, tmp_path):
+    """`kill` during the reward stage (Ray Train workers up, on a local cluster the run started)
+    ends the run with 143 within seconds, and none of its processes outlives it: Prefect's
+    temporary server, Ray's GCS, raylet and agents, the Train controller and workers."""
+    status, out, left = _sigterm_once_running(tmp_path, ["--config", str(tiny_config)], "ray::RayTrainWorker")
+    assert status == 143, out[-3000:]
+    assert "stopped by SIGTERM in a Ray stage" in out and "Stopping temporary server" in out
+    assert left == []
 
 
 def _rows(n: int = 150, same: int = 0) -> list[dict]:
