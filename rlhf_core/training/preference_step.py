@@ -60,23 +60,34 @@ FIGURES = {
 }
 
 
-def offline_loss(policy, reference, rows: Rows, indices: Sequence[int], cfg: PolicyConfig, world: int = 1
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+def chunked_pair_logprobs(model: torch.nn.Module, pairs: TokenizedPairs, indices: Sequence[int], average: bool,
+                          chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pair_logprobs` over `indices`, `chunk` pairs a forward pass (None: one pass): the same
+    values, with the logits of one chunk held at a time."""
+    if chunk is None or len(indices) <= chunk:
+        return pair_logprobs(model, pairs, indices, average)
+    parts = [pair_logprobs(model, pairs, indices[i : i + chunk], average) for i in range(0, len(indices), chunk)]
+    return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
+
+
+def offline_loss(policy, reference, rows: Rows, indices: Sequence[int], cfg: PolicyConfig, world: int = 1,
+                 chunk: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The method's loss on the rows at `indices`: reference log-probs without gradients (from
     `reference`, or with None from `policy` with its LoRA adapters off), the policy's with
-    them. For KTO the reference point is averaged over the `world` ranks (a collective when
-    world > 1: every rank must call it as often)."""
+    them; forward passes of `chunk` rows (None: all at once). For KTO the reference point is
+    averaged over the `world` ranks (a collective when world > 1: every rank must call it as
+    often)."""
     if cfg.algorithm == "dpo":
         d = cfg.dpo
         average = d.loss_type == "ipo"
         with torch.no_grad(), reference_view(policy, reference) as ref:
-            ref_chosen, ref_rejected = pair_logprobs(ref, rows.pairs, indices, average)
-        chosen, rejected = pair_logprobs(policy, rows.pairs, indices, average)
+            ref_chosen, ref_rejected = chunked_pair_logprobs(ref, rows.pairs, indices, average, chunk)
+        chosen, rejected = chunked_pair_logprobs(policy, rows.pairs, indices, average, chunk)
         return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, d.beta, d.loss_type, d.label_smoothing)
     k = cfg.kto
     with torch.no_grad(), reference_view(policy, reference) as ref:
-        ref_own, ref_mismatched = pair_logprobs(ref, rows.pairs, indices, average=False)
-    own, mismatched = pair_logprobs(policy, rows.pairs, indices, average=False)
+        ref_own, ref_mismatched = chunked_pair_logprobs(ref, rows.pairs, indices, False, chunk)
+    own, mismatched = chunked_pair_logprobs(policy, rows.pairs, indices, False, chunk)
     z = kto_reference_point(mismatched, ref_mismatched)
     if world > 1:
         dist.all_reduce(z)

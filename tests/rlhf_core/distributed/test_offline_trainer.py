@@ -211,6 +211,34 @@ def test_the_kto_loss_of_a_batch_matches_one_computed_by_hand(demo):
     assert m["reference_point"] == pytest.approx(z0, abs=1e-4)
 
 
+@pytest.mark.parametrize("cfg", [CFG, KTO], ids=["dpo", "kto"])
+def test_the_loss_in_chunks_of_rows_equals_one_pass_over_them(demo, splits, cfg):
+    """The held-out figures are computed a micro-batch of rows at a time (one pass held every
+    row's logits at once): the same loss and figures as one pass, rows of unequal lengths."""
+    reference = load_policy(demo["sft"]).eval()
+    policy = load_policy(demo["sft"]).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():  # a policy that has moved away from its reference
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    _, held = splits
+    tok = load_tokenizer(demo["sft"])
+    if cfg.algorithm == "dpo":
+        rows = Rows(tokenize_policy_pairs(held[:37], tok, max_length=16), None)
+    else:
+        examples = unpaired_examples(held[:37], desirable_share=0.5, seed=0)
+        rows = Rows(tokenize_policy_pairs(with_mismatched(examples, seed=0), tok, max_length=16),
+                    np.array([e["desirable"] for e in examples]))
+    indices = list(range(37))
+    with torch.no_grad():
+        whole_loss, whole = offline_loss(policy, reference, rows, indices, cfg)
+        chunked_loss, chunked = offline_loss(policy, reference, rows, indices, cfg, chunk=8)  # 4 x 8 + 5
+    assert chunked_loss.item() == pytest.approx(whole_loss.item(), rel=1e-5, abs=1e-6)
+    assert set(chunked) == set(whole)
+    for key, value in whole.items():
+        assert chunked[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+
+
 def test_offline_configs_are_checked_for_what_applies_to_them():
     with pytest.raises(ValueError, match=r"dpo.batch_size \(30\) must be a multiple of num_workers x dpo.micro_batch_size \(2 x 16\)"):
         PolicyConfig(algorithm="dpo", dpo={"batch_size": 30, "micro_batch_size": 16})
