@@ -1,5 +1,6 @@
-"""What every Ray Train stage needs: a cluster to run on, its size checked before training,
-and DeepSpeed imported the same way on every worker. (Seeding and RNG state: `rlhf_core.rng`.)"""
+"""What every Ray Train stage needs: a cluster to run on, what a SIGTERM does while it is up, and
+its size checked before training. (DeepSpeed's import: `deepspeed_engine`; seeding and RNG
+state: `rlhf_core.rng`.)"""
 from __future__ import annotations
 
 import atexit
