@@ -38,20 +38,11 @@ GAIN_BAR = {"mean": 0.15, "each": 0.10}  # the targets: +15 points on average, +
 def estimates(config: Path) -> dict[str, float]:
     """The preflight's estimates (GiB) of the policy and reward stages for this config."""
     from rlhf_core.config import load_config  # noqa: PLC0415
-    from rlhf_core.models.memory import kv_block_bytes, kv_cache_blocks, reward_stage_bytes  # noqa: PLC0415
-    from rlhf_core.models.pretrained import inspect_pretrained, training_bytes  # noqa: PLC0415
+    from rlhf_core.models.pretrained import inspect_pretrained, stage_estimates  # noqa: PLC0415
 
     cfg = load_config(config)
-    info = inspect_pretrained(cfg.model.pretrained)
-    tokens = min(info.context_length or cfg.reward.max_length, cfg.reward.max_length + cfg.policy.max_new_tokens)
-    kv = kv_cache_blocks(cfg.policy.rollouts_per_step, tokens) * kv_block_bytes(info.num_layers, info.num_kv_heads,
-                                                                               info.head_dim)
-    policy = training_bytes(info.num_parameters, workers=cfg.policy.num_workers,
-                            with_critic=cfg.policy.algorithm == "ppo", reward_parameters=info.num_parameters, kv_cache=kv)
-    reward = reward_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, workers=cfg.reward.num_workers,
-                                micro_batch_size=cfg.reward.micro_batch_size, max_length=cfg.reward.max_length,
-                                frozen_layers=cfg.reward.frozen_layers)
-    return {"policy_stage_gib": round(policy / 2**30, 2), "reward_stage_gib": round(reward / 2**30, 2)}
+    found = stage_estimates(inspect_pretrained(cfg.model.pretrained), cfg)
+    return {f"{stage}_stage_gib": round(need / 2**30, 2) for stage, need in found.items()}
 
 
 def run(seed: int, algorithm: str, work: Path, model: Path) -> dict:
@@ -85,8 +76,10 @@ def run(seed: int, algorithm: str, work: Path, model: Path) -> dict:
     stages = summary["stages"]
     policy, reward, gates = stages.get("policy", {}), stages.get("reward", {}), stages.get("evaluate", {})
     row = {"seed": seed, "algorithm": algorithm, "status": summary["status"], "exit": done.returncode,
-           # which configs/chat.yaml ran: rows of earlier sweeps are kept beside this one's
+           # which configs/chat.yaml and which code ran: rows of earlier sweeps are kept beside this one's
            "chat_yaml_sha256": hashlib.sha256((REPO / "configs" / "chat.yaml").read_bytes()).hexdigest()[:12],
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True).stdout.strip(),
            "reward_accuracy": reward.get("eval_accuracy"),
            "accuracy_before": policy.get("accuracy_before"), "accuracy_after": policy.get("accuracy_after"),
            "gates": gates.get("status"), "gate_accuracy": gates.get("accuracy"),

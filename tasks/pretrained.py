@@ -18,7 +18,7 @@ from rlhf_core.chat import read_chat_template
 from rlhf_core.config import PipelineConfig
 from rlhf_core.models.pretrained import (
     VLLM_CPU_HEAD_SIZES, PretrainedError, PretrainedInfo, engine_gpu_problem, gpu_memory_problem, inspect_pretrained,
-    is_hub_id, materialise, preflight,
+    engine_cache, is_hub_id, materialise, preflight,
 )
 
 
@@ -93,11 +93,8 @@ def prepare_pretrained(cfg: PipelineConfig, out_dir: Path) -> PretrainedBase | N
         supported_head_sizes=None if cfg.policy.use_gpu else VLLM_CPU_HEAD_SIZES,
         needs_chat_template=False,  # the data stage knows whether the data is conversational
         workers=workers, with_critic=cfg.policy.algorithm == "ppo",
-        memory_bytes=memory.total, available_bytes=memory.available, reward=cfg.reward, trains_here=here,
-        # the engine's context is the longest prompt plus a response; the reward model's max_length bounds it
-        engine_sequences=cfg.policy.rollouts_per_step,
-        engine_tokens=min(info.context_length or cfg.reward.max_length, cfg.reward.max_length + cfg.policy.max_new_tokens),
-        engines=cfg.policy.rollout.num_engines if cfg.policy.rollout.placement == "separate" else 1,
+        memory_bytes=memory.total, available_bytes=memory.available, reward=cfg.reward, policy=cfg.policy,
+        trains_here=here, **engine_cache(info, cfg),
     )
     problems += _gpu_problems(cfg, info, reward)
     reward_layers = info.num_layers if reward == policy else inspect_pretrained(reward, "reward.base_model").num_layers

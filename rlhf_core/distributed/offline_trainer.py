@@ -48,7 +48,7 @@ from rlhf_core.distributed.epochs import run_epochs
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult
 from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
-from rlhf_core.distributed.worker_meter import WorkerMeter
+from rlhf_core.distributed.worker_meter import WorkerMeter, peak_rss_gib
 from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.logits import logits_from
@@ -137,6 +137,7 @@ def train_offline(
         steps=s["global_step"], nonfinite_skipped=0, attempts=run.attempts, resumed_from_step=run.resumed_from_step,
         seconds=run.seconds, checkpoint_path=run.checkpoint_path,
         evaluations=[{"step": s["global_step"], **s["held_out"]}], consumed=s["consumed"], metrics_history=s["history"],
+        peak_memory=s["peak_memory"],
     )
     gain = result.accuracy_gain
     if gain is not None and gain < cfg.min_accuracy_gain:
@@ -190,6 +191,7 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
             weight_decay=0.0, use_gpu=runtime.use_gpu),
         lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=d.warmup_steps),
     )
+    peaks = {"loaded": peak_rss_gib()}  # what the preflight's estimate of the stage is checked against
     figures = FIGURES[cfg.algorithm]
     pos = run_epochs(
         engine, stage="policy", engine_tag=ENGINE_TAG, runtime=runtime, rank=rank, world=world, seed=cfg.seed,
@@ -199,10 +201,14 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
         metrics_fn=lambda gathered: _step_metrics(gathered, engine, figures, d.batch_size, train.pairs.truncated),
     )
 
+    peaks["trained"] = peak_rss_gib()
     state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:
         return None
-    return _evaluate_and_save(state_dict, reference, loop, pos)
+    summary = _evaluate_and_save(state_dict, reference, loop, pos)
+    peaks["evaluated"] = peak_rss_gib()
+    print(f"policy ({cfg.algorithm}): rank 0's peak resident memory, GiB: {peaks}", flush=True)
+    return {**summary, "peak_memory": peaks}
 
 
 def _optimizer_step(engine, reference, rows: Rows, indices: list[int], cfg: PolicyConfig, meter: WorkerMeter,

@@ -65,6 +65,8 @@ class PolicyTrainResult:
     consumed: list[list[int]] = field(repr=False, default_factory=list)  # prompt indices per step
     sync_checks: list[dict[str, Any]] = field(repr=False, default_factory=list)  # test hook
     metrics_history: list[dict[str, float]] = field(repr=False, default_factory=list)
+    # rank 0's largest resident memory (GiB) by the end of each phase: loaded, trained, evaluated
+    peak_memory: dict[str, float] = field(repr=False, default_factory=dict)
 
     @property
     def accuracy_gain(self) -> float | None:

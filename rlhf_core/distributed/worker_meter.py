@@ -18,7 +18,9 @@ already gathers, as flat `worker/<rank>/<figure>` keys (plus `worker/<rank>/host
 from __future__ import annotations
 
 import os
+import resource
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -61,6 +63,13 @@ class WorkerMeter:
             out["gpu_utilization"] = pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu / 100.0
             out["gpu_memory_used_bytes"] = float(pynvml.nvmlDeviceGetMemoryInfo(self._nvml).used)
         return out
+
+
+def peak_rss_gib() -> float:
+    """This process's largest resident memory so far, in GiB (the kernel's high-water mark: every
+    transient tensor counted, whatever the allocator later gave back)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 2)
 
 
 def flatten_workers(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

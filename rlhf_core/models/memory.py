@@ -107,6 +107,40 @@ def reward_stage_bytes(
     return workers * per_worker
 
 
+# What one micro-batch of a DPO / KTO step adds to a CPU worker, in bytes per token, layer and
+# unit of width: the tensors autograd saves (97, counted with saved-tensor hooks on
+# SmolLM2-135M-Instruct with LoRA), the reference's forward pass before the policy's, both passes'
+# transient tensors, and what glibc's allocator keeps of them between steps rather than return.
+# Calibrated on the chat task's DPO stage (bench/offline_memory.py): its worker peaked at 8.29 GiB
+# over 32 steps and 8.44 GiB over 4, and offline_stage_bytes says 8.73.
+OFFLINE_STEP_BYTES = 170
+
+
+def offline_stage_bytes(
+    parameters: int, num_layers: int, hidden_size: int, vocab_size: int, *, workers: int, lora: bool,
+    micro_batch_size: int, max_length: int, gradient_checkpointing: bool = False,
+) -> int:
+    """An estimate of a DPO or KTO policy stage's resident bytes, all workers together.
+
+    Each worker holds the policy's weights (4 bytes a parameter) and, without LoRA, a frozen
+    reference (4), gradients and ZeRO's flat copy of them (8) and its shard of AdamW's moments
+    (8 / workers); with LoRA the adapters are a rounding error and the reference is the policy
+    with its adapters off. A micro-batch scores two sequences a row (2 x micro_batch_size of up
+    to max_length tokens): `OFFLINE_STEP_BYTES` per token, layer and unit of width (with
+    gradient checkpointing, each layer's input and one layer's full set), and the head's logits,
+    taken at every position (fp32 logits, their log-softmax and its gradient: 12 bytes a token
+    and vocabulary entry). Plus `WORKER_OVERHEAD`. The end of the stage (a merged copy and the
+    reference beside the trained model, greedy answers, the held-out loss a micro-batch at a
+    time) reuses what the steps' tensors left free: at SmolLM2's size it added 0.4-0.8 GiB to
+    the steps' peak, inside the estimate's margin."""
+    tokens = 2 * micro_batch_size * max_length
+    weights = parameters * 4 if lora else parameters * (4 + 4 + 8) + parameters * 8 // workers
+    step = (tokens * hidden_size * (4 * num_layers + OFFLINE_STEP_BYTES) if gradient_checkpointing
+            else tokens * num_layers * hidden_size * OFFLINE_STEP_BYTES)
+    logits = tokens * vocab_size * 12
+    return workers * (weights + step + logits + WORKER_OVERHEAD)
+
+
 # The settings that shrink a stage, each with the value that already uses least and why it helps.
 _WORKERS = ("num_workers", 1, "each worker holds the whole model with its gradients and AdamW state")
 _REWARD = (

@@ -34,6 +34,7 @@ from rlhf_core.models.memory import (
     kv_block_bytes,
     kv_cache_blocks,
     memory_refusal,
+    offline_stage_bytes,
     reward_stage_bytes,
     ways_to_use_less,
 )
@@ -145,6 +146,45 @@ def training_bytes(num_parameters: int, *, workers: int, with_critic: bool, rewa
     return actor + critic + reward_parameters * 4 * workers + workers * WORKER_OVERHEAD + engine
 
 
+def offline_policy_bytes(info: PretrainedInfo, policy: PolicyConfig) -> int:
+    """`offline_stage_bytes` of a DPO / KTO policy stage on this model."""
+    d = policy.offline
+    return offline_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, info.vocab_size,
+                               workers=policy.num_workers, lora=policy.lora.enabled,
+                               micro_batch_size=d.micro_batch_size, max_length=d.max_length,
+                               gradient_checkpointing=policy.gradient_checkpointing)
+
+
+def engine_cache(info: PretrainedInfo, cfg: PipelineConfig) -> dict[str, int]:
+    """What the rollout engines' KV cache is sized for (vLLM's CPU sizing): the steps' rollouts,
+    each the longest prompt plus a response (the reward model's max_length bounds the prompt),
+    one cache per engine (`policy.rollout.placement: separate` runs several)."""
+    policy = cfg.policy
+    return {"engine_sequences": policy.rollouts_per_step,
+            "engine_tokens": min(info.context_length or cfg.reward.max_length,
+                                 cfg.reward.max_length + policy.max_new_tokens),
+            "engines": policy.rollout.num_engines if policy.rollout.placement == "separate" else 1}
+
+
+def stage_estimates(info: PretrainedInfo, cfg: PipelineConfig) -> dict[str, int]:
+    """The preflight's estimates (bytes) of the policy and reward stages of `cfg` on this model,
+    training on CPUs."""
+    r = cfg.reward
+    if cfg.policy.offline is not None:
+        policy = offline_policy_bytes(info, cfg.policy)
+    else:
+        engine = engine_cache(info, cfg)
+        kv = kv_cache_blocks(engine["engine_sequences"], engine["engine_tokens"]) * kv_block_bytes(
+            info.num_layers, info.num_kv_heads, info.head_dim)
+        policy = training_bytes(info.num_parameters, workers=cfg.policy.num_workers,
+                                with_critic=cfg.policy.algorithm == "ppo", reward_parameters=info.num_parameters,
+                                kv_cache=kv, engines=engine["engines"])
+    reward = reward_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, workers=r.num_workers,
+                                micro_batch_size=r.micro_batch_size, max_length=r.max_length,
+                                frozen_layers=r.frozen_layers)
+    return {"policy": policy, "reward": reward}
+
+
 def preflight(
     info: PretrainedInfo,
     *,
@@ -156,6 +196,7 @@ def preflight(
     memory_bytes: int,
     available_bytes: int | None = None,
     reward: RewardConfig | None = None,
+    policy: PolicyConfig | None = None,
     where: str = "model.pretrained",
     trains_here: bool = True,
     engine_sequences: int = 0,
@@ -171,7 +212,8 @@ def preflight(
     machine's CPUs: with `trains_here` false (the stages run on GPUs, or on another cluster)
     they are not compared with this machine's memory. The rollout engine's KV cache holds
     `engine_sequences` sequences of `engine_tokens` tokens (vLLM's CPU sizing); `engines` engines
-    (`policy.rollout.placement: separate`) hold one each."""
+    (`policy.rollout.placement: separate`) hold one each. A `policy` config of DPO or KTO is
+    estimated as those stages run (`offline_policy_bytes`: no engine, no reward model)."""
     problems = []
     if info.context_length is not None and max_total_tokens > info.context_length:
         problems.append(f"{where}: prompts and responses take up to {max_total_tokens} tokens but the model's context is "
@@ -185,12 +227,16 @@ def preflight(
     kv_cache = (kv_cache_blocks(engine_sequences, engine_tokens) * kv_block_bytes(info.num_layers, info.num_kv_heads,
                                                                                   info.head_dim)
                 if engine_sequences else 0)
-    need = training_bytes(info.num_parameters, workers=workers, with_critic=with_critic,
-                          reward_parameters=info.num_parameters, kv_cache=kv_cache, engines=engines)
+    if policy is not None and policy.offline is not None:
+        need = offline_policy_bytes(info, policy)
+    else:
+        need = training_bytes(info.num_parameters, workers=workers, with_critic=with_critic,
+                              reward_parameters=info.num_parameters, kv_cache=kv_cache, engines=engines)
     if not trains_here:
         return problems
     if available_bytes is not None:
-        problems += memory_problems(info, need, workers, MachineMemory(memory_bytes, available_bytes), reward, where)
+        problems += memory_problems(info, need, workers, MachineMemory(memory_bytes, available_bytes), reward, where,
+                                    policy)
     elif need > 0.8 * memory_bytes:
         problems.append(f"{where}: the policy stage needs about {need / 2**30:.1f} GiB for {info.num_parameters / 1e6:.0f}M "
                         f"parameters on {workers} workers, more than 80% of this machine's {memory_bytes / 2**30:.1f} GiB; "
@@ -199,12 +245,14 @@ def preflight(
 
 
 def memory_problems(info: PretrainedInfo, policy_need: int, workers: int, machine: MachineMemory,
-                    reward: RewardConfig | None, where: str = "model.pretrained") -> list[str]:
+                    reward: RewardConfig | None, where: str = "model.pretrained", policy: PolicyConfig | None = None
+                    ) -> list[str]:
     """The stages whose estimate is more than `machine` can give a stage, each with the settings
-    that shrink it."""
+    that shrink it (the policy stage's with their values when `policy` is given)."""
     size = f"{info.num_parameters / 1e6:.0f}M parameters"
-    found = [memory_refusal(f"{where}: the policy stage ({size} on {workers} workers)", policy_need, machine,
-                            ways_to_use_less("policy"))]
+    name = f"the policy stage ({policy.algorithm})" if policy is not None else "the policy stage"
+    found = [memory_refusal(f"{where}: {name} ({size} on {workers} workers)", policy_need, machine,
+                            ways_to_use_less("policy", policy))]
     if reward is not None:
         need = reward_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, workers=reward.num_workers,
                                   micro_batch_size=reward.micro_batch_size, max_length=reward.max_length,

@@ -5,10 +5,12 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 from rlhf_core.config import PolicyConfig, RewardConfig
 from rlhf_core.models.memory import (
     ACTIVATION_BYTES,
+    OFFLINE_STEP_BYTES,
     WORKER_OVERHEAD,
     MachineMemory,
     activation_bytes,
     memory_refusal,
+    offline_stage_bytes,
     reward_stage_bytes,
     ways_to_use_less,
 )
@@ -54,6 +56,23 @@ def test_activation_bytes_match_what_autograd_saves_in_a_llama_forward():
         model(input_ids=torch.randint(1, 500, (8, 64))).logits.sum()
     estimate = activation_bytes(8 * 64, 2, 96)
     assert abs(sum(saved.values()) - estimate) / estimate < 0.15, (sum(saved.values()), estimate)
+
+
+def test_offline_stage_bytes_closed_form():
+    # 1M parameters, 3 layers, width 8, vocabulary 100; micro-batches of 4 pairs of up to 16
+    # tokens: 128 sequences' tokens a pass
+    tokens, fixed = 2 * 4 * 16, WORKER_OVERHEAD
+    logits = tokens * 100 * 12
+    lora = offline_stage_bytes(10**6, 3, 8, 100, workers=1, lora=True, micro_batch_size=4, max_length=16)
+    assert lora == 4 * 10**6 + tokens * 3 * 8 * OFFLINE_STEP_BYTES + logits + fixed
+    # full fine-tuning on 2 workers: weights, reference, gradients and ZeRO's copy (16) and half of AdamW's 8
+    full = offline_stage_bytes(10**6, 3, 8, 100, workers=2, lora=False, micro_batch_size=4, max_length=16)
+    assert full == 2 * (20 * 10**6 + tokens * 3 * 8 * OFFLINE_STEP_BYTES + logits + fixed)
+    # checkpointing keeps each layer's input (4 bytes a unit of width) and one layer's full set
+    checkpointed = offline_stage_bytes(10**6, 3, 8, 100, workers=1, lora=True, micro_batch_size=4, max_length=16,
+                                       gradient_checkpointing=True)
+    assert checkpointed == 4 * 10**6 + tokens * 8 * (3 * 4 + OFFLINE_STEP_BYTES) + logits + fixed
+    assert checkpointed < lora
 
 
 def test_usable_memory_counts_what_other_processes_hold():

@@ -202,3 +202,70 @@ def test_the_ipc_sync_buffer_is_vllms_and_sets_the_gpu_peak_only_where_it_outwei
                                         reward_parameters=494_000_000)[1])
 
     assert 0.5 < small("stream") - small("file") <= 1.0
+
+
+def smollm2_info() -> "PretrainedInfo":
+    """SmolLM2-135M-Instruct's shape, as `make chat-model` converts it."""
+    from rlhf_core.models.pretrained import PretrainedInfo
+
+    return PretrainedInfo(path="smollm2", model_type="llama", num_parameters=134_515_008, num_layers=30,
+                          hidden_size=576, head_dim=64, num_heads=9, num_kv_heads=3, vocab_size=49_152,
+                          context_length=8192, intermediate_size=1536, tie_word_embeddings=True,
+                          has_chat_template=True, pad_is_eos=True)
+
+
+def chat_config(algorithm: str):
+    from rlhf_core.config.loading import load_config
+
+    repo = Path(__file__).resolve().parents[3]
+    return load_config(repo / "configs/chat.yaml", overrides=[f"policy.algorithm={algorithm}"])
+
+
+def test_a_dpo_or_kto_stage_is_estimated_as_it_runs_and_refused_with_its_own_settings():
+    """No engine and no reward model in an offline stage: the pairs' activations and logits are
+    what it holds, and the settings that shrink it are the method's."""
+    from rlhf_core.models.pretrained import offline_policy_bytes, stage_estimates
+
+    info = smollm2_info()
+    for algorithm in ("dpo", "kto"):
+        cfg = chat_config(algorithm)
+        assert stage_estimates(info, cfg)["policy"] == offline_policy_bytes(info, cfg.policy)
+    cfg = chat_config("dpo")
+    need = offline_policy_bytes(info, cfg.policy)
+    ok = dict(max_total_tokens=96, supported_head_sizes=None, needs_chat_template=False, workers=1,
+              with_critic=False, memory_bytes=24 * 2**30, policy=cfg.policy)
+    assert preflight(info, **ok, available_bytes=need + 2 * 2**30) == []
+    (problem,) = preflight(info, **ok, available_bytes=need)
+    first, advice = problem.splitlines()
+    assert first.startswith("model.pretrained: the policy stage (dpo) (135M parameters on 1 workers) needs about")
+    assert "policy.dpo.micro_batch_size=16" in advice and "policy.dpo.max_length=64" in advice
+    assert "policy.gradient_checkpointing=false" in advice and "lora.enabled" not in advice  # LoRA is already on
+
+
+def test_the_chat_stages_estimates_are_within_a_fifth_of_their_measured_peaks():
+    """bench/chat_gain.py's runs of configs/chat.yaml: each stage's worker (and the policy stage's
+    engine) at its peak against the preflight's estimate for the config that ran; and the DPO
+    stage's worker alone (bench/offline_memory.py), over every step and over a few."""
+    import json
+
+    from rlhf_core.models.pretrained import stage_estimates
+
+    repo = Path(__file__).resolve().parents[3]
+    info = smollm2_info()
+    for name in ("offline_memory_full", "offline_memory"):
+        alone = json.loads((repo / f"bench/results/{name}.json").read_text())
+        ratio = stage_estimates(info, chat_config(alone["algorithm"]))["policy"] / 2**30 / max(
+            alone["rank0_peak_gib_by_phase"].values())
+        assert 0.8 <= ratio <= 1.2, (name, ratio)
+    rows = json.loads((repo / "bench/results/chat_gain.json").read_text())["rows"]
+    checked = 0
+    for row in rows:
+        estimate = stage_estimates(info, chat_config(row["algorithm"]))
+        workers = [p["peak_rss_gib"] for p in row["peak_rss"] if p["process"].startswith("Ray Train worker")]
+        engine = sum(p["peak_rss_gib"] for p in row["peak_rss"] if p["process"].startswith("vLLM"))
+        measured = {"reward": min(workers), "policy": max(workers) + engine}  # the reward stage's worker is the smaller
+        for stage in ("reward", "policy"):
+            ratio = estimate[stage] / 2**30 / measured[stage]
+            assert 0.8 <= ratio <= 1.2, (row["algorithm"], row["seed"], stage, ratio)
+            checked += 1
+    assert checked >= 12
