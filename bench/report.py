@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import REPO, RESULTS  # noqa: E402
 from bench.report_format import Columns, load, md_table, measured_on, not_run  # noqa: E402
 from bench.report_training import (  # noqa: E402
-    conversational_demo, dpo_vs_grpo, policy_memory, pretrained_scale, response_logits, seed_spread,
+    conversational_demo, dpo_vs_grpo, offline_memory, policy_memory, pretrained_scale, response_logits, seed_spread,
 )
 
 PAGE = REPO / "docs" / "benchmarks.md"
@@ -259,7 +259,7 @@ SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
     "resume": resume, "dpo_vs_grpo": dpo_vs_grpo, "policy_memory": policy_memory,
-    "response_logits": response_logits, "gpu_check": gpu_check,
+    "response_logits": response_logits, "gpu_check": gpu_check, "offline_memory": offline_memory,
 }
 
 

@@ -96,6 +96,24 @@ def policy_memory(results: Path) -> list[str]:
                             ("weight_sync_s", "weight sync, s", "")]), *notes]
 
 
+def offline_memory(results: Path) -> list[str]:
+    """The DPO stage's worker by phase, every step and a few, beside the preflight's estimate."""
+    runs = [(name, r) for name in ("offline_memory_full", "offline_memory") if (r := load(name, results)) is not None]
+    if not runs:
+        return not_run("offline_memory_full", "offline_memory.py --name offline_memory_full")
+    rows = [{"file": f"`{name}.json`", "algorithm": r["algorithm"], "rows": r["settings"]["rows"], "steps": r["steps"],
+             **r["rank0_peak_gib_by_phase"], "estimate": r["preflight_policy_stage_gib"],
+             "ratio": r["estimate_over_measured"], "minutes": r["stage_seconds"] / 60} for name, r in runs]
+    s = runs[0][1]["settings"]
+    return [measured_on(runs[0][1], runs[0][0]) + f" Micro-batches of {s['micro_batch_size']} pairs of up to "
+            f"{s['max_length']} tokens, {s['batch_size']} pairs a step, LoRA {'on' if s['lora'] else 'off'}; "
+            f"{s['held_out_pairs']} held-out pairs and {s['eval_prompts']} questions at the end.", "",
+            md_table(rows, [("file", "run", ""), ("algorithm", "method", ""), ("rows", "training pairs", ""),
+                            ("steps", "steps", ""), ("loaded", "loaded, GiB", ""), ("trained", "trained, GiB", ""),
+                            ("evaluated", "evaluated, GiB", ""), ("estimate", "preflight, GiB", ""),
+                            ("ratio", "estimate / peak", ""), ("minutes", "stage, min", ".1f")])]
+
+
 def response_logits(results: Path) -> list[str]:
     if (r := load("response_logits", results)) is None:
         return not_run("response_logits", "response_logits.py")
