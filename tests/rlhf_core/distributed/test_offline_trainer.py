@@ -293,6 +293,10 @@ def test_dpo_learns_the_preferences_and_saves_a_policy(baseline, demo, splits):
     assert result.accuracy_before == pytest.approx(demo["sft_accuracy"])  # the reference is the SFT policy
     assert 0 < result.kl_final < CFG.kl_bound
     assert {"config.json", "model.safetensors", "tokenizer.json", "rlhf_meta.json"} <= {p.name for p in result.path.iterdir()}
+    # rank 0's high-water mark after each phase, in GiB: it only grows, and a worker holds torch at least
+    peaks = result.peak_memory
+    assert list(peaks) == ["loaded", "trained", "evaluated"], peaks
+    assert 0.1 < peaks["loaded"] <= peaks["trained"] <= peaks["evaluated"] < 16, peaks
     # every step consumed 32 distinct pairs, each epoch's pairs distinct
     assert all(len(c) == len(set(c)) == 32 for c in result.consumed)
     for epoch in range(2):
