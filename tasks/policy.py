@@ -144,10 +144,10 @@ def optimise_policy(
             "policy/audit_score_before": result.audit_score_before, "policy/audit_score_after": result.audit_score_after,
             "policy/labels_asked": result.labels_asked, "policy/round_pairs": result.round_pairs,
         })
-        if cfg.policy.offline is not None:  # the loss's figures on the held-out pairs, rank 0's memory by phase
+        sink(result.steps, {f"policy/peak_rss_gib/{phase}": v for phase, v in result.peak_memory.items()})
+        if cfg.policy.offline is not None:  # the loss's figures on the held-out pairs
             held_out = {k: v for k, v in result.evaluations[-1].items() if k != "step"}
             sink(result.steps, {f"policy/held_out_{k.removeprefix('eval/')}": v for k, v in held_out.items()})
-            sink(result.steps, {f"policy/peak_rss_gib/{phase}": v for phase, v in result.peak_memory.items()})
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         client.set_tag(stage_id, "checkpoint.path", str(result.checkpoint_path))
         create_markdown_artifact(key="policy-metrics", markdown=_report(result), description="Policy optimisation")

@@ -65,7 +65,8 @@ class PolicyTrainResult:
     consumed: list[list[int]] = field(repr=False, default_factory=list)  # prompt indices per step
     sync_checks: list[dict[str, Any]] = field(repr=False, default_factory=list)  # test hook
     metrics_history: list[dict[str, float]] = field(repr=False, default_factory=list)
-    # rank 0's largest resident memory (GiB) by the end of each phase: loaded, trained, evaluated
+    # rank 0's largest resident memory (GiB) by the end of each phase: loaded, trained, then
+    # evaluated (dpo, kto: the held-out figures after training) or saved (ppo, grpo)
     peak_memory: dict[str, float] = field(repr=False, default_factory=dict)
 
     @property
@@ -173,6 +174,7 @@ def _result(run, cfg: PolicyConfig, out_dir: Path) -> PolicyTrainResult:
         consumed=summary["consumed"],
         sync_checks=summary["sync_checks"],
         metrics_history=summary["history"],
+        peak_memory=summary.get("peak_memory", {}),  # none when the circuit breaker stopped the run
     )
 
 

@@ -48,7 +48,7 @@ from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
 from rlhf_core.distributed.policy_metrics import step_metrics
 from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
 from rlhf_core.distributed.stage import agreed_precision, record_attempt, start_worker
-from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
+from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers, peak_rss_gib
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.lora import load_policy_for_training, merged_state_dict, reference_view
 from rlhf_core.models.placement import frozen_on
@@ -82,6 +82,7 @@ from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verif
 def train_loop(loop: PolicyWorkerInputs) -> dict[str, Any] | None:
     """The worker function of a policy run; rank 0 returns the run summary."""
     w = _build_worker(loop)
+    peaks = {"loaded": peak_rss_gib()}  # rank 0's high-water mark by phase, for the preflight's estimate
     saved = resume(w)
     record_attempt(loop.runtime, w.rank, saved.step if saved is not None else None)
     state = saved if saved is not None else PolicyState()
@@ -101,8 +102,12 @@ def train_loop(loop: PolicyWorkerInputs) -> dict[str, Any] | None:
             _rl_step(w, state)
         if state.trip is not None:  # every rank saw the same history: all stop here, nothing is saved
             return {**asdict(state), "sync_checks": []} if w.rank == 0 else None
+        peaks["trained"] = peak_rss_gib()
         state_dict = policy_weights(w)
-        return _finish(w, state, state_dict) if w.rank == 0 else None
+        if w.rank != 0:
+            return None
+        summary = _finish(w, state, state_dict)
+        return {**summary, "peak_memory": peaks | {"saved": peak_rss_gib()}}
     finally:
         try:
             if w.pipeline is not None:

@@ -195,6 +195,10 @@ def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, de
     for phase in ("generate", "score", "old_logprobs", "ref_logprobs", "values", "advantages", "update", "sync"):
         assert f"timing/{phase}" in names
     assert "policy/step_time_s/worker_0" in names and "eval/accuracy" in names
+    # rank 0's high-water mark after each phase, in GiB: it only grows
+    peaks = result.peak_memory
+    assert list(peaks) == ["loaded", "trained", "saved"], peaks
+    assert 0.1 < peaks["loaded"] <= peaks["trained"] <= peaks["saved"] < 16, peaks
 
 
 @pytest.mark.slow
