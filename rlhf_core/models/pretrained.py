@@ -250,8 +250,8 @@ def memory_problems(info: PretrainedInfo, policy_need: int, workers: int, machin
     """The stages whose estimate is more than `machine` can give a stage, each with the settings
     that shrink it (the policy stage's with their values when `policy` is given)."""
     size = f"{info.num_parameters / 1e6:.0f}M parameters"
-    name = f"the policy stage ({policy.algorithm})" if policy is not None else "the policy stage"
-    found = [memory_refusal(f"{where}: {name} ({size} on {workers} workers)", policy_need, machine,
+    on = f"{size} on {workers} workers" if policy is None else f"{policy.algorithm}, {size} on {policy.num_workers} workers"
+    found = [memory_refusal(f"{where}: the policy stage ({on})", policy_need, machine,
                             ways_to_use_less("policy", policy))]
     if reward is not None:
         need = reward_stage_bytes(info.num_parameters, info.num_layers, info.hidden_size, workers=reward.num_workers,

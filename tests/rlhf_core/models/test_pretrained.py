@@ -237,7 +237,7 @@ def test_a_dpo_or_kto_stage_is_estimated_as_it_runs_and_refused_with_its_own_set
     assert preflight(info, **ok, available_bytes=need + 2 * 2**30) == []
     (problem,) = preflight(info, **ok, available_bytes=need)
     first, advice = problem.splitlines()
-    assert first.startswith("model.pretrained: the policy stage (dpo) (135M parameters on 1 workers) needs about")
+    assert first.startswith("model.pretrained: the policy stage (dpo, 135M parameters on 1 workers) needs about")
     assert "policy.dpo.micro_batch_size=16" in advice and "policy.dpo.max_length=64" in advice
     assert "policy.gradient_checkpointing=false" in advice and "lora.enabled" not in advice  # LoRA is already on
 
