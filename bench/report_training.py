@@ -98,7 +98,8 @@ def policy_memory(results: Path) -> list[str]:
 
 def offline_memory(results: Path) -> list[str]:
     """The DPO stage's worker by phase, every step and a few, beside the preflight's estimate."""
-    runs = [(name, r) for name in ("offline_memory_full", "offline_memory") if (r := load(name, results)) is not None]
+    runs = [(name, r) for name in ("offline_memory_full", "offline_memory", "offline_memory_kto")
+            if (r := load(name, results)) is not None]
     if not runs:
         return not_run("offline_memory_full", "offline_memory.py --name offline_memory_full")
     rows = [{"file": f"`{name}.json`", "algorithm": r["algorithm"], "rows": r["settings"]["rows"], "steps": r["steps"],
