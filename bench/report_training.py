@@ -97,7 +97,7 @@ def policy_memory(results: Path) -> list[str]:
 
 
 def offline_memory(results: Path) -> list[str]:
-    """The DPO stage's worker by phase, every step and a few, beside the preflight's estimate."""
+    """The DPO (and KTO) stage's worker by phase, every step and a few, beside the preflight's estimate."""
     runs = [(name, r) for name in ("offline_memory_full", "offline_memory", "offline_memory_kto")
             if (r := load(name, results)) is not None]
     if not runs:

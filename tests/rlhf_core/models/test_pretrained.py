@@ -245,14 +245,14 @@ def test_a_dpo_or_kto_stage_is_estimated_as_it_runs_and_refused_with_its_own_set
 def test_the_chat_stages_estimates_are_within_a_fifth_of_their_measured_peaks():
     """bench/chat_gain.py's runs of configs/chat.yaml: each stage's worker (and the policy stage's
     engine) at its peak against the preflight's estimate for the config that ran; and the DPO
-    stage's worker alone (bench/offline_memory.py), over every step and over a few."""
+    stage's worker alone (bench/offline_memory.py), over every step and over a few, and KTO's."""
     import json
 
     from rlhf_core.models.pretrained import stage_estimates
 
     repo = Path(__file__).resolve().parents[3]
     info = smollm2_info()
-    for name in ("offline_memory_full", "offline_memory"):
+    for name in ("offline_memory_full", "offline_memory", "offline_memory_kto"):
         alone = json.loads((repo / f"bench/results/{name}.json").read_text())
         ratio = stage_estimates(info, chat_config(alone["algorithm"]))["policy"] / 2**30 / max(
             alone["rank0_peak_gib_by_phase"].values())
