@@ -14,7 +14,7 @@ and the preflight's estimate (`stage_estimates`) with its ratio to the measured 
 
     .venv/bin/python bench/offline_memory.py --name offline_memory_full   # dpo, every training pair
     .venv/bin/python bench/offline_memory.py --rows 128                   # 4 steps
-    .venv/bin/python bench/offline_memory.py --algorithm kto
+    .venv/bin/python bench/offline_memory.py --algorithm kto --rows 128 --name offline_memory_kto
 
 Needs the converted model (`make chat-model`). Writes bench/results/offline_memory.json (or `--name`).
 """
