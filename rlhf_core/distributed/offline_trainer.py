@@ -276,8 +276,7 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: Off
     held_out: dict[str, float] = {}
     evals: Rows | None = ray.get(loop.evals)
     if evals is not None:  # a micro-batch of rows a pass: all at once held every row's logits (GiBs at a 49k vocabulary)
-        with torch.no_grad():
-            _, m = offline_loss(model, reference, evals, list(range(len(evals))), cfg, chunk=cfg.offline.micro_batch_size)
+        _, m = offline_loss(model, reference, evals, list(range(len(evals))), cfg, chunk=cfg.offline.micro_batch_size)
         held_out = {f"eval/{k}": v for k, v in m.items()}
     kl = sampled_kl(model, reference, tokenizer, list(loop.eval_prompts), cfg.max_new_tokens, cfg.temperature,
                     seed=cfg.seed)
