@@ -16,7 +16,7 @@ import pytest
 import ray.cloudpickle
 import torch
 
-from rlhf_core.config import LoRAConfig, PolicyConfig, RolloutEngineConfig, RolloutPipelineConfig
+from rlhf_core.config import PolicyConfig, RolloutEngineConfig, RolloutPipelineConfig
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
@@ -235,51 +235,6 @@ def test_pipelined_grpo_bounds_the_lag_and_weighs_lagged_tokens(ray_cluster, dem
 
 
 @pytest.mark.slow
-def test_grpo_with_lora_trains_adapters_resumes_from_them_and_the_engine_follows_the_merged_weights(
-        ray_cluster, demo, tmp_path):
-    """The options that save memory and time, together: LoRA, gradient checkpointing and bf16
-    mixed precision, on two workers. The reference is the actor with its adapters off, so the
-    first step's rollouts (B = 0: the adapted policy is the SFT one) have a KL of exactly 0; the
-    checkpoints hold the adapters and their optimizer state, not the frozen base, and a killed
-    worker resumes from them; after each sync (streamed over gloo, each weight merged with its
-    adapters as it is sent: no merged copy of the model) the engine's greedy answers are the
-    trainer's; the saved model is a plain one."""
-    cfg = CFG.model_copy(update={"num_workers": 2, "learning_rate": 1e-3,
-                                 "lora": LoRAConfig(enabled=True, rank=8, alpha=16.0),
-                                 "gradient_checkpointing": True, "precision": "bf16",
-                                 "rollout": RolloutEngineConfig(weight_sync="stream")})
-    kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
-    result = run(demo, tmp_path, cfg, _check_sync=True, _kill_once=kill)
-    check_finite_run(result, cfg)
-    assert result.attempts == 2 and result.resumed_from_step == 2
-    assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
-    kls = [m["policy/kl"] for m in result.metrics_history]
-    assert abs(kls[0]) < 1e-6 and max(kls) > 1e-4, kls
-    for check in result.sync_checks:
-        assert check["engine"] == check["hf"]
-    assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
-    [module_file] = (Path(result.checkpoint_path) / "actor").glob("*model_states.pt")
-    saved_module = torch.load(module_file, weights_only=False)["module"]
-    assert saved_module and all(".lora_" in k for k in saved_module), sorted(saved_module)[:5]
-    assert json.loads((result.path / "rlhf_meta.json").read_text())["precision"] == "bf16"
-    saved = load_policy(result.path)
-    assert type(saved).__name__ == "LlamaForCausalLM"
-    assert set(saved.state_dict()) == set(load_policy(demo["sft"]).state_dict())  # merged: no adapter keys
-    assert not any(p.name.startswith("adapter") for p in result.path.iterdir())
-    # what is registered and served: vLLM loads the saved directory as it is, and answers as
-    # the trainer's last weights did
-    from rlhf_core.rollout.vllm_engine import RolloutEngine
-
-    prompts = demo["eval_prompts"][:len(result.sync_checks[-1]["hf"])]
-    engine = RolloutEngine(result.path, dtype="float32", seed=0, max_model_len=64, max_num_seqs=16)
-    try:
-        served = [r.response_text for r in engine.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.max_new_tokens)]
-    finally:
-        engine.close()
-    assert served == result.sync_checks[-1]["hf"]
-
-
-@pytest.mark.slow
 def test_pipelined_ppo_on_two_workers_with_parameters_sharded_keeps_its_critic_and_the_engine_in_step(
         ray_cluster, demo, tmp_path):
     """PPO with the KL in the reward and a value model, on two workers under ZeRO-3 (the actor's
@@ -331,12 +286,21 @@ def test_circuit_breaker_stops_an_absurd_learning_rate_and_keeps_the_last_good_c
 
 
 @pytest.mark.slow
-def test_ensemble_audit_shaping_and_rounds_survive_a_killed_worker(ray_cluster, demo, tmp_path):
-    """The reward model alone as the reward: a 3-member ensemble (mean - std), bounded shaping
-    and a length penalty, an audit model, and a preference round at step 2 labelled by the
-    simulated annotator. A worker killed at step 3 resumes from step 2's checkpoint (all the
-    policy's parameters), which holds the round's reward and audit weights: nothing is labelled
-    twice, and the resumed run continues at the next prompt batch, the one an unbroken run uses."""
+def test_grpo_with_lora_an_ensemble_audit_and_rounds_resumes_a_killed_worker_and_the_engine_follows(
+        ray_cluster, demo, tmp_path):
+    """The options that save memory and time together (LoRA, gradient checkpointing and bf16
+    mixed precision, on two workers), with the reward model alone as the reward: a 3-member
+    ensemble (mean - std), bounded shaping and a length penalty, an audit model, and a
+    preference round at step 2 labelled by the simulated annotator.
+
+    The reference is the actor with its adapters off, so the first step's rollouts (B = 0: the
+    adapted policy is the SFT one) have a KL of exactly 0. A worker killed at step 3 resumes from
+    step 2's checkpoint, which holds the adapters and their optimizer state (not the frozen
+    base) and the round's reward and audit weights: nothing is labelled twice, and the resumed
+    run continues at the next prompt batch, the one an unbroken run uses. After each sync
+    (streamed over gloo, each weight merged with its adapters as it is sent: no merged copy of
+    the model) the engine's greedy answers are the trainer's; the saved model is a plain one,
+    which vLLM loads and answers as the trainer's last weights did."""
     tok = load_tokenizer(demo["sft"])
     prompts = demo["prompts"][:64]
     ensemble = reward_model_from_base(demo["sft"], seed=1, num_members=3).eval()
@@ -347,7 +311,9 @@ def test_ensemble_audit_shaping_and_rounds_survive_a_killed_worker(ray_cluster, 
     save_reward_model(reward_model_from_base(demo["sft"], seed=2).eval(), tok, tmp_path / "rm" / "audit",
                       reward_stats(raw[0]))
     cfg = PolicyConfig.model_validate(CFG.model_dump() | {
-        "num_workers": 2, "steps": 4, "eval_every": 4, "reward_model_weight": 1.0, "verifiable_reward_weight": 0.0,
+        "num_workers": 2, "learning_rate": 1e-3, "reward_model_weight": 1.0, "verifiable_reward_weight": 0.0,
+        "lora": {"enabled": True, "rank": 8, "alpha": 16.0}, "gradient_checkpointing": True, "precision": "bf16",
+        "rollout": {"weight_sync": "stream"},
         "shaping": {"aggregate": "mean_minus_std", "bounded": True, "length_penalty": 0.1},
         "rounds": {"enabled": True, "every": 2, "prompts": 32, "audit_share": 0.5, "epochs": 1},
     })
@@ -356,11 +322,27 @@ def test_ensemble_audit_shaping_and_rounds_survive_a_killed_worker(ray_cluster, 
     result = train_policy(demo["prompts"], demo["eval_prompts"], demo["eval_answers"], demo["sft"], tmp_path / "rm",
                           cfg, tmp_path / "policy", tmp_path / "ray", on_metrics=sink, run_name="policy",
                           replay_pairs=[{"prompt": p, "chosen": "1", "rejected": "2"} for p in prompts],
-                          _kill_once=kill)
+                          _check_sync=True, _kill_once=kill)
+    check_finite_run(result, cfg)
     assert kill.marker.exists() and result.attempts == 2 and result.resumed_from_step == 2
-    assert result.steps == 4 and len(result.metrics_history) == 4
-    assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(4)]
-    assert [e["step"] for e in result.evaluations] == [0, 4]
+    assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
+
+    # LoRA: the reference is the adapters-off actor, and the policy moves away from it
+    kls = [m["policy/kl"] for m in result.metrics_history]
+    assert abs(kls[0]) < 1e-6 and max(kls) > 1e-4, kls
+    for check in result.sync_checks:
+        assert check["engine"] == check["hf"]
+    assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
+    [module_file] = (Path(result.checkpoint_path) / "actor").glob("*model_states.pt")
+    saved_module = torch.load(module_file, weights_only=False)["module"]
+    assert saved_module and all(".lora_" in k for k in saved_module), sorted(saved_module)[:5]
+    assert json.loads((result.path / "rlhf_meta.json").read_text())["precision"] == "bf16"
+    saved = load_policy(result.path)
+    assert type(saved).__name__ == "LlamaForCausalLM"
+    assert set(saved.state_dict()) == set(load_policy(demo["sft"]).state_dict())  # merged: no adapter keys
+    assert not any(p.name.startswith("adapter") for p in result.path.iterdir())
+
+    # the ensemble, the audit model, the shaping and the round
     history = {m["step"]: m for m in result.metrics_history}
     for step, m in history.items():
         assert m["policy/ensemble_disagreement"] > 0 and math.isfinite(m["policy/audit_score_mean"])
@@ -374,3 +356,15 @@ def test_ensemble_audit_shaping_and_rounds_survive_a_killed_worker(ray_cluster, 
     assert result.labels_asked == r["rounds/asked"]  # the resumed attempt did not ask again
     assert result.round_pairs == r["rounds/proxy_pairs"]
     assert (result.path / "audit" / "rlhf_meta.json").exists() == (r["rounds/audit_pairs"] > 0)
+
+    # what is registered and served: vLLM loads the saved directory as it is, and answers as
+    # the trainer's last weights did
+    from rlhf_core.rollout.vllm_engine import RolloutEngine
+
+    prompts = demo["eval_prompts"][:len(result.sync_checks[-1]["hf"])]
+    engine = RolloutEngine(result.path, dtype="float32", seed=0, max_model_len=64, max_num_seqs=16)
+    try:
+        served = [r.response_text for r in engine.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.max_new_tokens)]
+    finally:
+        engine.close()
+    assert served == result.sync_checks[-1]["hf"]
