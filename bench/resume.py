@@ -33,18 +33,18 @@ import yaml  # noqa: E402
 from bench.common import REPO, save, table  # noqa: E402
 
 STAGES = ("validate", "sft", "reward", "policy", "evaluate", "register", "deploy")
+# where a run to be killed in a training stage waits for the kill (`fault_injection.hold_point`)
+HOLDS = {"reward": "reward:checkpoint", "policy": "policy:checkpoint"}
 
 
 def chaos_config(base: dict, ports: list[int]) -> dict:
     """`base` (the tests' tiny config) made killable: gates loose, auto-promotion and serving on;
-    80 reward steps and 24 policy steps, of well under a second each on an idle machine (0.3 and
-    1.8 s under the test suite's load), with checkpoints every 4 and 2 steps. Ray Train commits a
-    checkpoint about a second after it is written and the kill follows within 0.2 s of the
-    commit: the steps left after the first checkpoint (76 and 22) leave the kill many seconds
-    before the stage's end."""
+    10 reward steps and 4 policy steps, with checkpoints every 4 and 2 steps. A run killed in a
+    training stage is held at that stage's first checkpoint (`HOLDS`), so the kill lands
+    mid-stage however fast the steps are."""
     raw = json.loads(json.dumps(base))
-    raw["reward"].update(epochs=16, checkpoint_every=4)
-    raw["policy"].update(steps=24, checkpoint_every=2, eval_every=24)
+    raw["reward"].update(epochs=2, checkpoint_every=4)
+    raw["policy"].update(steps=4, checkpoint_every=2, eval_every=4)
     raw["gates"] = {"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
                     "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,
                     "max_degenerate_rate": 1.0, "max_kl": 1000.0}
@@ -73,11 +73,15 @@ def kill_points(runs: Path, state_dir: Path) -> dict[str, str | Callable[[], boo
             "deploy": lambda: (state_dir / "starting.json").exists()}  # its health wait
 
 
-def launch(args: list[str], env: dict, log: Path, kill_at: str | None = None) -> subprocess.Popen:
-    """`rlhf ARGS` in a process group of its own; with `kill_at`, it SIGKILLs itself there."""
-    env = {k: v for k, v in env.items() if k not in ("RAY_ADDRESS", "RLHF_FAULT_KILL_AT")}
+def launch(args: list[str], env: dict, log: Path, kill_at: str | None = None, hold_at: str | None = None
+           ) -> subprocess.Popen:
+    """`rlhf ARGS` in a process group of its own; with `kill_at`, it SIGKILLs itself there; with
+    `hold_at`, it stops there and waits to be killed."""
+    env = {k: v for k, v in env.items() if k not in ("RAY_ADDRESS", "RLHF_FAULT_KILL_AT", "RLHF_FAULT_HOLD_AT")}
     if kill_at:
         env["RLHF_FAULT_KILL_AT"] = kill_at
+    if hold_at:
+        env["RLHF_FAULT_HOLD_AT"] = hold_at
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -126,7 +130,7 @@ def _one(stage: str | None, root: Path, env: dict) -> dict:
     try:
         start = time.monotonic()
         proc = launch(["run", "--config", str(config)], env, root / "first.log",
-                      kill_at=how if isinstance(how, str) else None)
+                      kill_at=how if isinstance(how, str) else None, hold_at=HOLDS.get(stage))
         if stage is None:
             if proc.wait(1800) != 0:
                 raise AssertionError((root / "first.log").read_text()[-3000:])

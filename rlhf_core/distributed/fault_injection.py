@@ -1,11 +1,13 @@
 """Faults the tests inject into a training run: a worker that dies once, a loss that turns NaN
-once, a pipeline process killed at a named point. The trainers take theirs as keyword-only
-`_`-prefixed arguments; a production run passes None (and sets no $RLHF_FAULT_KILL_AT), and
-none of this code acts."""
+once, a pipeline process killed at a named point, a stage held at its first checkpoint for a
+kill from outside. The trainers take theirs as keyword-only `_`-prefixed arguments; a
+production run passes None (and sets none of the $RLHF_FAULT_* variables), and none of this
+code acts."""
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,3 +65,17 @@ def fault_point(point: str) -> None:
     `<stage>:returned` (its task returned, the journal not yet written)."""
     if os.environ.get(FAULT_ENV) == point:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+HOLD_ENV = "RLHF_FAULT_HOLD_AT"
+
+
+def hold_point(point: str) -> None:
+    """Fault injection for the resume tests: when $RLHF_FAULT_HOLD_AT names `point`, stop here
+    for good, so that a kill from outside lands at this point however fast the stage trains.
+    The point: `<stage>:checkpoint` (a training worker, once the stage's first checkpoint is
+    committed). Ray's workers inherit the variable from the process that starts the cluster."""
+    if os.environ.get(HOLD_ENV) == point:
+        while True:
+            time.sleep(60)
+

@@ -5,7 +5,8 @@ and serving on), then killed in validate, SFT, reward, policy, evaluate, registe
 turn; after each kill `rlhf run --resume RUN_ID` continues it. Short stages are killed from
 inside at a fault point (`rlhf_core.distributed.fault_injection.fault_point`: after the stage's work, before its
 MLflow run or journal entry is closed); the training stages and the deploy from outside, once a
-checkpoint or the deploy's intent file exists, as an operator's `kill -9` would.
+checkpoint or the deploy's intent file exists, as an operator's `kill -9` would (a training
+stage waits at its first committed checkpoint for it: `fault_injection.hold_point`).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_a_run_killed_in_every_stage_resumes_to_one_registered_and_served_policy
         tmp_path, tiny_config_factory, free_ports):
     from prefect.settings import PREFECT_API_URL
 
-    from bench.resume import STAGES as KILLED_IN, chaos_config, kill, kill_points, launch, parent_run_id, run_dir
+    from bench.resume import HOLDS, STAGES as KILLED_IN, chaos_config, kill, kill_points, launch, parent_run_id, run_dir
     from rlhf_core.serving import server
 
     raw = chaos_config(tiny_config_factory(tmp_path), free_ports(2))
@@ -44,7 +45,8 @@ def test_a_run_killed_in_every_stage_resumes_to_one_registered_and_served_policy
             args = ["run", "--config", str(config)] + (["--resume", run_id] if run_id else [])
             start = time.monotonic()
             how = kills[stage]
-            proc = launch(args, env, tmp_path / f"attempt{attempt}.log", kill_at=how if isinstance(how, str) else None)
+            proc = launch(args, env, tmp_path / f"attempt{attempt}.log", kill_at=how if isinstance(how, str) else None,
+                          hold_at=HOLDS.get(stage))
             kill(proc, how, f"the {stage} stage's kill point")
             walls.append((stage, time.monotonic() - start, sorted(p.stem for p in (run_dir(runs) / "stages").glob("*.pkl"))))
             run_id = run_id or parent_run_id(raw["tracking"]["tracking_uri"])
