@@ -17,9 +17,11 @@ def tiny_config_dict(tmp: Path) -> dict:
         "model": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2,
                   "initializer_range": 0.02},
         "sft": {"epochs": 1, "batch_size": 32, "warmup_steps": 2, "min_eval_accuracy": 0.0},
-        # one reward model, no audit, no defences, no rounds, the answer key in the reward: the
-        # tests that want them set them
-        "reward": {"num_workers": 2, "micro_batch_size": 16, "epochs": 1, "checkpoint_every": 4,
+        # one reward model on one worker, no audit, no defences, no rounds, the answer key in the
+        # reward: the tests that want them set them (a second worker only adds its start-up to a
+        # test about something else; the deployed demo run in tests/flows/test_pipeline_flow.py
+        # trains on two)
+        "reward": {"num_workers": 1, "micro_batch_size": 16, "epochs": 1, "checkpoint_every": 4,
                    "min_eval_accuracy": 0.0, "warmup_steps": 2, "ensemble_size": 1, "audit_share": 0.0},
         "policy": {"algorithm": "grpo", "num_workers": 1, "precision": "fp32", "steps": 2, "prompts_per_step": 8,
                    "max_new_tokens": 4,

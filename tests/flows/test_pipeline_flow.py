@@ -90,6 +90,7 @@ def full_run(deployed, tmp_path_factory, tiny_config_factory, free_ports):
 
     tmp = tmp_path_factory.mktemp("full")
     raw = tiny_config_factory(tmp)
+    raw["reward"]["num_workers"] = 2  # the demo's stage as it runs, distributed
     raw["gates"].update({"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
                     "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,
                     "max_degenerate_rate": 1.0, "max_kl": 1000.0})
@@ -476,7 +477,8 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
     nightly = run_deployment("rlhf-pipeline/nightly", timeout=1200, poll_interval=2,
                              parameters={"config_path": "configs/demo.yaml",
                                          "overrides": overrides + ["feedback.use=true", "policy.algorithm=kto",
-                                                                   "policy.kto.max_length=16", "policy.lora.enabled=true"]})
+                                                                   "policy.kto.max_length=16", "policy.lora.enabled=true",
+                                                                   "reward.num_workers=1"]})  # 2: the first run
     [path] = set((cfg.output_dir).glob("*/summary.json")) - before
     second = json.loads(path.read_text())
     assert nightly.state.is_completed(), (nightly.state, second.get("error"))
