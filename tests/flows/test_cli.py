@@ -158,10 +158,13 @@ def _rows(n: int = 150, same: int = 0) -> list[dict]:
             for i in range(n)]
 
 
-def _rlhf_from(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """`rlhf ARGS` in a fresh process started in `cwd` (outside the checkout), with its default config."""
+def _rlhf_from(cwd: Path, *args: str, prefect_api: str | None = None) -> subprocess.CompletedProcess:
+    """`rlhf ARGS` in a fresh process started in `cwd` (outside the checkout), with its default
+    config; with `prefect_api`, on that Prefect server (else a flow starts a temporary one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(cwd / "prefect"), PYTHONPATH=str(REPO), MLFLOW_TRACKING_URI=f"sqlite:///{cwd / 'mlflow.db'}")
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -203,9 +206,12 @@ def test_validate_reads_a_bom_crlf_file_from_another_directory(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_recorded_validation_failure_keeps_its_tracebacks_in_the_log_file(tmp_path):
+def test_a_recorded_validation_failure_keeps_its_tracebacks_in_the_log_file(tmp_path, prefect_server):
+    """On a Prefect server (the temporary one a flow starts without it: the test above)."""
+    from prefect.settings import PREFECT_API_URL
+
     _bad_file(tmp_path)
-    out = _rlhf_from(tmp_path, "validate", "--record", "bad.jsonl")
+    out = _rlhf_from(tmp_path, "validate", "--record", "bad.jsonl", prefect_api=PREFECT_API_URL.value())
     terminal = out.stdout + out.stderr
     assert out.returncode == 1, terminal[-3000:]
     assert "Traceback" not in terminal and "ERROR" not in terminal, terminal[-3000:]
