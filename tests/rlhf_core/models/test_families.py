@@ -2,8 +2,12 @@
 locally with random weights and a chat template: Llama (tied embeddings, grouped-query
 attention), Qwen2 (tied, GQA) and Mistral (untied). SFT of the pretrained model on rendered
 conversations, reward-model scoring on its backbone, and a vLLM rollout engine that loads it,
-takes new weights in place and then answers as the trainer's weights do, and vLLM's OpenAI
-server answering a chat rendered token for token as in training."""
+takes new weights in place and then answers as the trainer's weights do, and renders a chat
+token for token as in training (vLLM's chat renderer, the one its OpenAI server uses).
+
+The OpenAI server itself answers a chat on Mistral here (`SERVED`); on Qwen2 in
+tests/flows/test_own_model.py, and on the demo's Llama in every pipeline test's deploy: a
+server per family would start vLLM a second time to check what the engine already loaded."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +24,7 @@ from rlhf_core.training.base_policy import make_base_policy
 ZEPHYR = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 QUESTIONS = [f"{a}+{b}=" for a in range(8) for b in range(8)]
+SERVED = {"mistral"}  # the family whose chat also goes through vLLM's OpenAI server here (see above)
 
 
 def conversations():
@@ -30,7 +35,7 @@ def conversations():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_sft_reward_scoring_a_synced_engine_and_serving_run_on_the_family(family, tmp_path, make_pretrained,
+def test_sft_reward_scoring_a_synced_engine_and_a_chat_run_on_the_family(family, tmp_path, make_pretrained,
                                                                           free_ports):
     from rlhf_core.rollout.vllm_engine import RolloutEngine
     from rlhf_core.rollout.weight_sync import SafetensorsFileTransport
@@ -63,10 +68,25 @@ def test_sft_reward_scoring_a_synced_engine_and_serving_run_on_the_family(family
             engine.sync_weights(policy.state_dict())
             samples = engine.generate(prompts[:8], n=2, temperature=1.0, max_tokens=6, seed=0)
             assert engine_vs_trainer(samples, policy) < 1e-3, type(engine.transport).__name__
+        engine_chat_is_rendered_as_in_training(engine, tokenizer)
     finally:
         engine.close()  # closes the stream, the engine's transport now
         file.close()
-    served_chat_is_rendered_as_in_training(sft.path, tokenizer, free_ports(2), tmp_path / "serving")
+    if family in SERVED:
+        served_chat_is_rendered_as_in_training(sft.path, tokenizer, free_ports(2), tmp_path / "serving")
+
+
+def engine_chat_is_rendered_as_in_training(engine, tokenizer) -> None:
+    """vLLM renders a chat with the model's template as the trainer does, token for token, and
+    answers it."""
+    from vllm import SamplingParams
+
+    from rlhf_core.chat import render_prompt
+
+    messages = [{"role": "user", "content": "3+4="}]
+    [out] = engine.llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert out.prompt_token_ids == tokenizer(render_prompt(tokenizer, messages))["input_ids"]
+    assert isinstance(out.outputs[0].text, str) and out.outputs[0].token_ids
 
 
 def served_chat_is_rendered_as_in_training(model_dir, tokenizer, ports, state_dir) -> None:
