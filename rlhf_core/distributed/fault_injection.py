@@ -1,8 +1,8 @@
 """Faults the tests inject into a training run: a worker that dies once, a loss that turns NaN
 once, a pipeline process killed at a named point, a stage held at its first checkpoint for a
-kill from outside. The trainers take theirs as keyword-only `_`-prefixed arguments; a
-production run passes None (and sets none of the $RLHF_FAULT_* variables), and none of this
-code acts."""
+kill from outside, a run waiting at a named point for the test's go. The trainers take theirs
+as keyword-only `_`-prefixed arguments; a production run passes None (and sets none of the
+$RLHF_FAULT_* variables), and none of this code acts."""
 from __future__ import annotations
 
 import os
@@ -79,3 +79,21 @@ def hold_point(point: str) -> None:
         while True:
             time.sleep(60)
 
+
+WAIT_ENV = "RLHF_FAULT_WAIT_AT"
+
+
+def wait_point(point: str, timeout_s: float = 900) -> None:
+    """Fault injection for the concurrency tests: when $RLHF_FAULT_WAIT_AT is `point=FILE`, say
+    so (FILE.waiting appears) and wait until FILE exists, so that a test can order what two
+    concurrent runs do next. The point: `register:promote` (a passing candidate registered,
+    its promotion not yet tried)."""
+    name, _, release = os.environ.get(WAIT_ENV, "").partition("=")
+    if name != point or not release:
+        return
+    Path(f"{release}.waiting").touch()
+    deadline = time.monotonic() + timeout_s
+    while not Path(release).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{WAIT_ENV}: {release} did not appear within {timeout_s:.0f} s")
+        time.sleep(0.2)

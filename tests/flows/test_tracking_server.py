@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -88,16 +89,19 @@ def test_the_sampler_finds_every_listener_beyond_loopback():
 def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_bucket_that_serves(
         mlflow_server, s3_server, tmp_path, tiny_config_factory, free_ports):
     """Two runs (a scheduled one and a manual one) started together against the team's server,
-    one serving state: both finish, or the one that lost the race to promote is refused with a
-    message that says so; the champion is what serves, fetched from the bucket through the
-    server. Every socket the runs' processes listen on is sampled: nothing beyond loopback."""
+    one serving state, both judged against no champion: the first to promote wins and serves,
+    the second finds a champion it was not judged against and is refused with a message that
+    says so. The two meet before promoting (`fault_injection.wait_point`), so the race is the
+    same every time. The champion is what serves, fetched from the bucket through the server.
+    Every socket the runs' processes listen on is sampled: nothing beyond loopback."""
+    import time
+
     from prefect.settings import PREFECT_API_URL
 
     from rlhf_core.serving import server
 
     raw = tiny_config_factory(tmp_path)
     raw["gates"].update(LOOSE_GATES)
-    raw["reward"]["num_workers"] = 1  # two runs at once on two cores: a second worker each only adds start-up
     raw["serving"] = {"ports": free_ports(2), "smoke_prompt": "12+34="}
     raw["tracking"]["tracking_uri"] = mlflow_server.url
     config = tmp_path / "both.yaml"
@@ -108,12 +112,30 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLHF_FAULT_KILL_AT", "MLFLOW_TRACKING_URI",
                                                             "MLFLOW_S3_ENDPOINT_URL") and not k.startswith("AWS_")}
     env.update(mlflow_server.client_env, PREFECT_API_URL=PREFECT_API_URL.value())
+    go = [tmp_path / f"promote-{i}" for i in range(2)]  # created by the test: run i may promote
+    client = MlflowClient(mlflow_server.url)
+
+    def until(what: str, check) -> None:
+        deadline = time.monotonic() + 900
+        while not check():
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                logs = [(tmp_path / f"run{i}.log").read_text()[-3000:] for i in range(2)]
+                raise AssertionError(f"{what}: run(s) {dead} ended, exit {[p.poll() for p in procs]}\n{logs}")
+            time.sleep(0.2)
+
+    procs: list[subprocess.Popen] = []
     try:
-        procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=cwd,
-                                  env=env, stdout=open(tmp_path / f"run{i}.log", "w"), stderr=subprocess.STDOUT,
+        procs += [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=cwd,
+                                  env={**env, "RLHF_FAULT_WAIT_AT": f"register:promote={go[i]}"},
+                                  stdout=open(tmp_path / f"run{i}.log", "w"), stderr=subprocess.STDOUT,
                                   start_new_session=True) for i in range(2)]
         listeners = Listeners([p.pid for p in procs])
         listeners.start()
+        until("both candidates registered, neither promoted", lambda: all(Path(f"{g}.waiting").exists() for g in go))
+        go[0].touch()
+        until("run 0 promoted", lambda: CHAMPION in client.get_registered_model(POLICY).aliases)
+        go[1].touch()
         codes = [p.wait(1300) for p in procs]
         listeners.stop()
         logs = [(tmp_path / f"run{i}.log").read_text()[-3000:] for i in range(2)]
@@ -122,14 +144,13 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
 
         completed = [s for s in summaries if s["status"] == "completed"]
         refused = [s for s in summaries if s["status"] != "completed"]
-        assert completed and sorted(codes) == sorted([0] * len(completed) + [1] * len(refused)), (codes, logs)
+        assert codes == [0, 1] and len(completed) == len(refused) == 1, (codes, logs)
         for s in refused:  # lost the race: told which champion it found and what to do
             assert s["failed_stage"] == "register", s
             assert "as expected (another run or a person moved it meanwhile)" in s["error"], s
             assert "rlhf evaluate" in s["error"]
 
         # each completed run: the parent run and a nested run per stage are on the server
-        client = MlflowClient(mlflow_server.url)
         stage_runs = {}
         for s in completed:
             assert s["mlflow_tracking_uri"] == mlflow_server.url
@@ -185,4 +206,8 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
         print(f"\nexit codes {codes} | champion v{champion.version}: {len(written)} files byte-identical through the "
               f"server; model.safetensors {len(written['model.safetensors'])} bytes in {parts} parts")
     finally:
+        for proc in procs:  # a run still going after a failed check: stop it and its cluster
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(60)
         server.stop(state_dir)
