@@ -255,6 +255,18 @@ def test_an_unstable_run_fires_an_alert_that_rolls_the_champion_back(
     policy_run = next(r for r in stage_runs if r.data.tags.get("mlflow.parentRunId") == summary["mlflow_run_id"])
     assert policy_run.info.status == "FAILED" and policy_run.data.tags["circuit_breaker.reason"] in (
         "kl_above_bound", "nonfinite_loss")
+    # the breaker stopped the stage at the trip and kept a checkpoint from before it; no policy is saved
+    tags = policy_run.data.tags
+    tripped_at = int(tags["circuit_breaker.step"])
+    assert tripped_at < raw["policy"]["steps"] and "circuit breaker:" in summary["error"]
+    assert f"last good checkpoint: {tags['circuit_breaker.checkpoint']}" in summary["error"]
+    assert tags["circuit_breaker.checkpoint"] != "none" and Path(tags["circuit_breaker.checkpoint"]).is_dir()
+    assert sorted({m.step for m in client.get_metric_history(policy_run.info.run_id, "policy/kl")}) == list(
+        range(1, tripped_at + 1))  # it stopped at the trip
+    [flag] = client.get_metric_history(policy_run.info.run_id, "policy/circuit_breaker_tripped")
+    assert (flag.step, flag.value) == (tripped_at, 1.0)  # raised at the tripping step only
+    models = Path(summary["output_dir"]) / "models"
+    assert (models / "reward" / "model.safetensors").is_file() and not (models / "policy" / "model.safetensors").exists()
     v1 = client.get_model_version(POLICY, "1").tags
     assert v1["rollback.requested_by"] == "alertmanager:rlhf-receiver"
     assert v1["rollback.incident"] == flow_run.parameters["incident"] == f"run-{policy_run.info.run_id}-policy"
