@@ -134,7 +134,7 @@ def test_the_nightly_deployment_is_scheduled_and_every_deployment_has_a_form(dep
 
 
 @pytest.mark.slow
-def test_pipeline_runs_every_stage_and_records_lineage(full_run):
+def test_pipeline_runs_every_stage_and_records_lineage(full_run, tmp_path):
     _, _, _, summary = full_run
 
     assert summary["status"] == "completed"
@@ -169,7 +169,7 @@ def test_pipeline_runs_every_stage_and_records_lineage(full_run):
     assert "reward/loss" in stages["reward"].data.metrics
     assert stages["reward"].data.metrics["reward/eval_accuracy"] == pytest.approx(summary["stages"]["reward"]["eval_accuracy"], abs=1e-4)
     assert "reward-model-metrics" in asyncio.run(artifact_keys())
-    assert_registered_reward_model_scores_like_the_trained_one(client, version, summary)
+    assert_registered_reward_model_scores_like_the_trained_one(client, version, summary, tmp_path)
 
     # the policy stage ran GRPO against that reward model and logged its before/after figures
     policy = summary["stages"]["policy"]
@@ -278,7 +278,7 @@ def test_validation_report_is_a_prefect_artifact(tiny_config, tmp_path, capsys):
     assert "data-validation-report" in asyncio.run(artifact_keys())
 
 
-def assert_registered_reward_model_scores_like_the_trained_one(client, version, summary):
+def assert_registered_reward_model_scores_like_the_trained_one(client, version, summary, tmp: Path):
     import mlflow
     import torch
 
@@ -286,7 +286,8 @@ def assert_registered_reward_model_scores_like_the_trained_one(client, version, 
     from rlhf_core.models.reward import load_reward_model, score
 
     mlflow.set_tracking_uri(summary["mlflow_tracking_uri"])
-    downloaded = mlflow.artifacts.download_artifacts(f"models:/reward-model/{version.version}")
+    downloaded = mlflow.artifacts.download_artifacts(f"models:/reward-model/{version.version}",
+                                                     dst_path=str(tmp / "registered-reward-model"))  # not /tmp
     pairs = read_table(summary["output_dir"] + "/data/preferences.jsonl").head(16)
     prompts, chosen = list(pairs["prompt"]), list(pairs["chosen"])
     scores = []
