@@ -452,17 +452,22 @@ def test_a_throttled_worker_fires_the_imbalance_alert_and_nothing_is_rolled_back
     files = generate_demo_data(DemoDataConfig(n_sft=10, n_pairs=1200, n_eval=10), tmp_path / "data")
     pairs = read_table(files.preferences)[["prompt", "chosen", "rejected"]].to_dict("records")
     base = _tiny_base(tmp_path)
-    # long enough (about a minute) for Prometheus to see the spread over its window
+    # long enough (about a minute) for Prometheus to see the spread over its window; once the
+    # alert is recorded the rest of the training proves nothing, and the test stops it (no retry)
     cfg = RewardConfig(num_workers=2, micro_batch_size=8, epochs=12, checkpoint_every=10_000, min_eval_accuracy=0.0,
-                       warmup_steps=2)
+                       warmup_steps=2, max_failures=0)
     exporter = JobExporter("imbalance-run", "reward", targets_dir=stack_dir / "targets")
     neighbours: list[subprocess.Popen] = []
     result: dict = {}
-    sink = exporter.sink()
+    stop = tmp_path / "stop-training"
+    sink = StopWhenTold(exporter.sink(), stop)
 
     def train():
-        result["r"] = train_reward_model(pairs[:1100], pairs[1100:], base, cfg, tmp_path / "rm", tmp_path / "ray",
-                                         on_metrics=sink, run_name="imbalance")
+        try:
+            result["r"] = train_reward_model(pairs[:1100], pairs[1100:], base, cfg, tmp_path / "rm", tmp_path / "ray",
+                                             on_metrics=sink, run_name="imbalance")
+        except Exception as exc:  # noqa: BLE001 - checked below: only the test's own stop is expected
+            result["error"] = exc
 
     trainer = threading.Thread(target=train)
     trainer.start()
@@ -488,13 +493,30 @@ def test_a_throttled_worker_fires_the_imbalance_alert_and_nothing_is_rolled_back
         wait_for("the receiver to record it", lambda: any(
             d.get("alertname") == "TrainingWorkerImbalance" and d.get("action") == "notify" for d in stack.decisions()), 60)
     finally:
+        stop.touch()
         for proc in neighbours:
             proc.kill()
         trainer.join(600)
         exporter.finish(ok=True)
         exporter.close()
+    assert "r" in result or StopWhenTold.MESSAGE in str(result["error"]), result  # no other failure
     assert triggered == []  # an imbalance is for a person: no rollback
     assert not stack.firing("TrainingCircuitBreakerTripped")
+
+
+class StopWhenTold:
+    """A metrics sink (rank 0 calls it at each step) that passes the figures on, then ends the
+    training with an error once `stop_file` exists."""
+
+    MESSAGE = "stopped by the test: the alert it waited for was recorded"
+
+    def __init__(self, sink, stop_file: Path):
+        self.sink, self.stop_file = sink, stop_file
+
+    def __call__(self, step: int, metrics: dict) -> None:
+        self.sink(step, metrics)
+        if self.stop_file.exists():
+            raise RuntimeError(self.MESSAGE)
 
 
 def _tiny_base(tmp: Path) -> Path:
