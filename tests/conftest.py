@@ -203,6 +203,9 @@ def postgres_server():
 # --- a team's MLflow: a tracking server on PostgreSQL with its artifacts in S3 (moto) ------
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# As infra/k8s/mlflow.yaml runs it: without MLflow's server-side jobs (GenAI scorers, trace
+# rollups), which the pipeline never uses; on they are 7 more processes a server.
+SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 # Clients (not the server) decide whether a file goes in parts and how big the parts are: small
 # here, so that a tiny model's weights take several. Real S3 wants parts of at least 5 MiB; moto
 # is told to take small ones (S3_UPLOAD_PART_MIN_SIZE).
@@ -322,7 +325,7 @@ def start_mlflow_server(postgres_server, s3_server, tmp_path_factory):
         port = free_ports_(1)[0]
         log = tmp_path_factory.mktemp("mlflow-server") / "server.log"
         backend = postgres_server()
-        env = {**os.environ, **S3_ENV, **MULTIPART_ENV, "MLFLOW_S3_ENDPOINT_URL": (s3 or s3_server).endpoint}
+        env = {**os.environ, **S3_ENV, **MULTIPART_ENV, **SERVER_ENV, "MLFLOW_S3_ENDPOINT_URL": (s3 or s3_server).endpoint}
         env.pop("MLFLOW_TRACKING_URI", None)
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
