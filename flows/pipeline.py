@@ -16,6 +16,7 @@ without parsing logs. Its `status` is one of:
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 from prefect import flow
@@ -67,7 +68,9 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         else:
             base = record_stage(stages, "sft", use_pretrained_base, pretrained, cfg, run)
         backbone = pretrained.reward if pretrained is not None and cfg.reward.base_model else None
-        with training_cluster():  # one Ray cluster for both training stages
+        # one Ray cluster for both training stages; none when an earlier attempt completed both
+        trained = all(stages.completed(t.name) is not None for t in (train_reward_model_task, optimise_policy))
+        with nullcontext() if trained else training_cluster():
             reward = record_stage(stages, "reward", train_reward_model_task, data, base, cfg, run, backbone)
             policy = record_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
         candidate = Candidate(policy.path, base.path, reward.path, policy.result.audit_dir or reward.audit_dir, {
