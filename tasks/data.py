@@ -20,10 +20,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
-from rlhf_core.data.schema import LINE_COLUMN, fingerprint, read_table, write_jsonl
+from rlhf_core.data.schema import LINE_COLUMN, fingerprint, prompt_key, read_table, write_jsonl
 from rlhf_core.data.sources import read_source
 from rlhf_core.data.synthetic import generate_demo_data
-from rlhf_core.data.validation import ValidationReport, prompt_key
+from rlhf_core.data.validation_report import ValidationReport
 from rlhf_core.eval.regression import RegressionSuite
 from rlhf_core.feedback.mix import data_format, labelled_answers, mix, recent_exports
 from tasks.data_contract import (

@@ -15,7 +15,7 @@ from rlhf_core.data.prepare import Limits, prepare_inputs
 from rlhf_core.data.pairs import split_by_prompt
 from rlhf_core.data.schema import PREFERENCE_COLUMNS, DataFormatError, fingerprint, read_table
 from rlhf_core.data.sources import could_exist
-from rlhf_core.data.validation import ValidationReport, validate_preferences
+from rlhf_core.data.validation_report import ValidationReport
 
 __all__ = ["DataFormatError", "DataPaths", "DataValidationError", "ValidatedData", "check_files", "contract",
            "could_exist", "failure", "prepare_files", "write_report"]
@@ -119,6 +119,9 @@ def write_report(report: ValidationReport, out_dir: Path) -> Path:
 
 def contract(paths: DataPaths, cfg: ValidationConfig) -> ValidationReport:
     """The expectations' verdict on the files (no caching, no recording)."""
+    # Great Expectations takes 2 s to import: a run that reuses its validation never loads it
+    from rlhf_core.data.validation import validate_preferences  # noqa: PLC0415
+
     prefs = read_table(paths.preferences)
     evals = read_table(paths.eval) if paths.eval is not None else None
     return validate_preferences(prefs, cfg, eval_df=evals)

@@ -91,6 +91,12 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
     return df
 
 
+def prompt_key(prompt: Any) -> str | None:
+    """A text prompt with its runs of whitespace collapsed, as the eval-leakage check compares
+    prompts; None for anything else."""
+    return " ".join(prompt.split()) if isinstance(prompt, str) else None
+
+
 def replace_surrogates(value: Any) -> Any:
     """Replace lone UTF-16 surrogates (from JSON escapes like `\\ud800`) by U+FFFD.
 

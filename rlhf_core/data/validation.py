@@ -44,6 +44,7 @@ from rlhf_core.data.schema import (
     PREFERENCE_COLUMNS,
     READ_NOTES,
     REPLACEMENT_CHAR,
+    prompt_key,
     replace_surrogates,
 )
 from rlhf_core.data.validation_report import CheckResult, ValidationReport
@@ -272,9 +273,3 @@ def _prepare(df: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame:
     if "prompt" in frame:
         frame[_PROMPT_KEY] = frame["prompt"].map(prompt_key)
     return frame
-
-
-def prompt_key(prompt: Any) -> str | None:
-    """A text prompt with its runs of whitespace collapsed, as the leakage check compares
-    prompts; None for anything else."""
-    return " ".join(prompt.split()) if isinstance(prompt, str) else None
