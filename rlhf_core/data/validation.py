@@ -30,8 +30,6 @@ Eval leakage compares prompts after collapsing runs of whitespace, so `"1+2= "` 
 """
 from __future__ import annotations
 
-from typing import Any
-
 import great_expectations.expectations as gxe
 import pandas as pd
 
