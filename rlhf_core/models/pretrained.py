@@ -38,6 +38,7 @@ from rlhf_core.models.memory import (
     reward_stage_bytes,
     ways_to_use_less,
 )
+from rlhf_core.models.weights import INDEX, weight_files
 
 if TYPE_CHECKING:
     from rlhf_core.config import PipelineConfig, PolicyConfig, RewardConfig
@@ -112,15 +113,13 @@ def count_parameters(path: Path, where: str = "model.pretrained") -> int:
     """Parameters in the directory's safetensors files (one file or an indexed set of shards)."""
     from safetensors import safe_open  # noqa: PLC0415
 
-    index = path / "model.safetensors.index.json"
-    files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
-        else sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     if not files:
         raise PretrainedError(f"{where}: {path} holds no safetensors weights (model.safetensors or indexed shards)")
     total = 0
     for file in files:
         if not file.is_file():
-            raise PretrainedError(f"{where}: {index.name} names {file.name}, which is missing")
+            raise PretrainedError(f"{where}: {INDEX} names {file.name}, which is missing")
         with safe_open(str(file), "pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 shape = f.get_slice(key).get_shape()

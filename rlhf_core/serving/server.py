@@ -26,12 +26,14 @@ A deploy or `stop` ends the recorded server's whole process group, found by grou
 even when its API server was killed alone and left vLLM's engine processes running
 (`rlhf_core.serving.orphans`).
 
-A failed deployment stops its own process group and leaves `current.json` and the old
-server untouched: the old version keeps serving. It leaves its server log in
-`<state_dir>/logs/` and a `"failed"` line in `deployments.jsonl`; the `ServingError` says
-why (exit code, the first exception line found in the log, and the log's last lines: on a
-corrupt checkpoint the root cause is logged by a worker process, far above the API
-server's own traceback).
+Weights whose safetensors headers do not read (a corrupt or truncated copy, a missing shard)
+are refused before anything starts, with the file and the reason (`rlhf_core.models.weights`).
+A deployment that fails after its server started stops its own process group and leaves
+`current.json` and the old server untouched: the old version keeps serving. It leaves its
+server log in `<state_dir>/logs/` and a `"failed"` line in `deployments.jsonl`; the
+`ServingError` says why (exit code, the first exception line found in the log, and the log's
+last lines: on a checkpoint vLLM cannot load the root cause is logged by a worker process, far
+above the API server's own traceback).
 
 The API key (`rlhf_core.serving.auth`), the server process (`.process`), the blue/green
 state (`.state`), what a server killed alone leaves (`.orphans`), draining a replaced server
@@ -51,6 +53,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from rlhf_core.config import ServingConfig
+from rlhf_core.models.weights import unreadable_weights
 from rlhf_core.serving.auth import OPEN_PATHS, RequireApiKey, resolve_api_key
 from rlhf_core.serving.client import complete, has_chat_template, health, list_models
 from rlhf_core.serving.drain import Drained, drain
@@ -112,6 +115,8 @@ def deploy(
     old server. Raises ServingError (the old server untouched) if the new one fails."""
     model_dir, state_dir = Path(model_dir).resolve(), Path(state_dir)
     name = served_model_name or f"policy-v{version}"
+    if (problem := unreadable_weights(model_dir)) is not None:  # not worth a server's 30 s start
+        raise ServingError(f"deploy of {name} refused, no server started: {problem}")
     ensure_dir(state_dir)
     with deploy_lock(state_dir):
         _stop_abandoned(state_dir)

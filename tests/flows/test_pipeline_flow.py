@@ -394,7 +394,8 @@ def test_promote_deploy_rollback_and_a_broken_deploy(full_run, tmp_path, capsys)
     assert served(cfg, state_dir) == (["policy-v1"], pid)
     assert len(client.search_runs([rollback_runs[0].info.experiment_id], "tags.incident = 'INC-7'")) == 1
 
-    # a broken model (corrupt weights) is promoted: its deploy fails and v1 keeps serving
+    # a broken model (corrupt weights) is promoted: its deploy is refused before a server starts
+    # and v1 keeps serving
     broken = tmp_path / "broken"
     shutil.copytree(summary["stages"]["policy"]["model_path"], broken)
     (broken / "model.safetensors").write_bytes(b"\x00garbage" * 1000)
@@ -402,7 +403,7 @@ def test_promote_deploy_rollback_and_a_broken_deploy(full_run, tmp_path, capsys)
     capsys.readouterr()
     assert cli_main(["promote", v3, "--deploy", "--config", str(config)]) == 1
     err = capsys.readouterr().err
-    assert "error:" in err and f"policy-v{v3}" in err
+    assert "error:" in err and f"policy-v{v3} refused, no server started" in err and "cannot be read" in err
     assert served(cfg, state_dir) == (["policy-v1"], pid)  # the old server, untouched
 
     # and rolling back from the broken champion returns to v1 without restarting it

@@ -5,7 +5,7 @@ process group, the key check loaded into the server and the drain gate (in a rea
 server). The slow tests run one real sequence on loopback, because every server start costs
 ~40 s on two CPU cores:
 
-    deploy v1 -> deploy a corrupt v2 (fails, v1 keeps serving) -> a deploy SIGKILLed in its
+    deploy v1 -> deploy a v2 vLLM cannot load (fails, v1 keeps serving) -> a deploy SIGKILLed in its
     health wait (its server orphaned) -> deploy v3 under client traffic, through the gateway
     and pinned to v1's own address (stops the orphan, drains and replaces v1, no accepted
     request fails) -> stop
@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from safetensors.torch import load_file, save_file
 
 from rlhf_core.config import ServingConfig
 from rlhf_core.data.synthetic import answer_for, prompt_for
@@ -174,6 +175,20 @@ def test_deploy_needs_a_max_model_len(tmp_path, free_ports):
     cfg = ServingConfig(ports=tuple(free_ports(2)), api_key_env=KEY_ENV)
     with pytest.raises(ServingError, match="max_position_embeddings"):
         deploy(tmp_path / "model", "1", cfg, tmp_path / "s")
+
+
+def test_weights_that_do_not_read_are_refused_before_anything_starts(tmp_path, free_ports):
+    """A corrupt copy fails in milliseconds with the file named, not 30 s into a vLLM start;
+    the state directory is not even created (nothing to record, nothing to stop)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(random.Random(1).randbytes(4096))
+    cfg = ServingConfig(ports=tuple(free_ports(2)), api_key_env=KEY_ENV)
+    with pytest.raises(ServingError) as refused:
+        deploy(model, "7", cfg, tmp_path / "state")
+    assert str(refused.value).startswith("deploy of policy-v7 refused, no server started: ")
+    assert f"{model.resolve() / 'model.safetensors'} cannot be read: Error while deserializing header" in str(refused.value)
+    assert not (tmp_path / "state").exists()
 
 
 @pytest.mark.parametrize(("chunked", "max_model_len", "expected"), [
@@ -435,7 +450,7 @@ class Serving:
     cfg: ServingConfig
     state_dir: Path
     model_dir: Path
-    corrupt_dir: Path
+    unloadable_dir: Path  # its headers read; one tensor has a name the model does not have
 
     @property
     def key(self) -> str:
@@ -452,14 +467,16 @@ class Serving:
 def serving(tmp_path_factory, free_ports) -> Serving:
     tmp = tmp_path_factory.mktemp("serving")
     model_dir = tiny_policy_dir(tmp / "policy")
-    corrupt_dir = tmp / "corrupt"
-    shutil.copytree(model_dir, corrupt_dir)
-    (corrupt_dir / "model.safetensors").write_bytes(random.Random(1).randbytes(4096))
+    unloadable_dir = tmp / "unloadable"  # a checkpoint of another model version, say
+    shutil.copytree(model_dir, unloadable_dir)
+    tensors = load_file(unloadable_dir / "model.safetensors")
+    tensors["model.layers.0.mlp.wrong_name.weight"] = tensors.pop("model.layers.0.mlp.gate_proj.weight")
+    save_file(tensors, unloadable_dir / "model.safetensors", metadata={"format": "pt"})
     cfg = ServingConfig(
         ports=tuple(free_ports(2)), api_key_env=KEY_ENV, smoke_prompt="12+34=", kv_cache_gib=0.25, startup_timeout_s=300
     )
     os.environ.pop(KEY_ENV, None)
-    yield Serving(cfg, tmp / "state", model_dir, corrupt_dir)
+    yield Serving(cfg, tmp / "state", model_dir, unloadable_dir)
     for port in cfg.ports:  # whatever a failed test left behind
         for pid in servers_on(port):
             stop_process_group(pid)
@@ -474,7 +491,7 @@ def v1(serving):
 def failed_v2(serving, v1):
     before = serving.current_json()
     with pytest.raises(ServingError) as failure:
-        deploy(serving.corrupt_dir, "2", serving.cfg, serving.state_dir)
+        deploy(serving.unloadable_dir, "2", serving.cfg, serving.state_dir)
     return failure.value, before
 
 
@@ -709,12 +726,13 @@ def test_v1_and_its_engine_listen_on_loopback_only(serving, v1):
 
 
 @pytest.mark.slow
-def test_a_corrupt_model_fails_with_the_cause(serving, failed_v2):
+def test_a_model_vllm_cannot_load_fails_with_the_cause(serving, failed_v2):
     error, _ = failed_v2
     message = str(error)
     assert "policy-v2" in message
     assert "exited with code" in message
-    assert "SafetensorError" in message  # the root cause, logged by a worker far above the tail
+    # the root cause, logged by a worker far above the tail
+    assert "There is no module or parameter named 'layers.0.mlp.wrong_name'" in message
     assert "last 20 lines" in message
 
 
@@ -729,7 +747,7 @@ def test_after_a_failed_deploy_v1_still_serves_and_nothing_is_left(serving, v1, 
     assert servers_on(other) == [] and refuses_connections(other)
     history = serving.history()
     assert [h["event"] for h in history] == ["deployed", "failed"]
-    assert "SafetensorError" in history[-1]["cause"]
+    assert "no module or parameter named 'layers.0.mlp.wrong_name'" in history[-1]["cause"]
 
 
 @pytest.mark.slow
