@@ -1,8 +1,8 @@
 """What a vLLM server leaves behind when only its API server process dies, and ending it.
 
 The API server leads its own process group (`start_new_session=True`: its pgid is its pid) and
-vLLM's EngineCore and Worker processes inherit that group. SIGKILL the API server alone and
-they live on, re-parented to PID 1, with gigabytes of memory and loopback ports, and still in
+vLLM's EngineCore process (and Worker processes, if any) inherit that group. SIGKILL the API
+server alone and they live on, re-parented to PID 1, with gigabytes of memory and loopback ports, and still in
 the recorded group. So a recorded server (`Endpoint.pid` and `.port`) is ended by group and by
 port, whether its leader lives or not:
 
