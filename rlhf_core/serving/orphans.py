@@ -2,9 +2,9 @@
 
 The API server leads its own process group (`start_new_session=True`: its pgid is its pid) and
 vLLM's EngineCore process (and Worker processes, if any) inherit that group. SIGKILL the API
-server alone and they live on, re-parented to PID 1, with gigabytes of memory and loopback ports, and still in
-the recorded group. So a recorded server (`Endpoint.pid` and `.port`) is ended by group and by
-port, whether its leader lives or not:
+server alone and they live on, re-parented to PID 1, with gigabytes of memory and loopback
+ports, and still in the recorded group. So a recorded server (`Endpoint.pid` and `.port`) is
+ended by group and by port, whether its leader lives or not:
 
 - by group: every process whose pgid is the recorded pid. A pid is never handed out again
   while a process group of that id has a member, so the members are the server's own unless

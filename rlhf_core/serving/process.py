@@ -4,8 +4,8 @@ its log for the cause of a failure.
 
 The server is detached: started with `start_new_session=True`, it outlives the process that
 deployed it (a Prefect flow run) and is stopped as a process group (SIGTERM, then SIGKILL),
-which also reaches vLLM's engine-core process and any worker process (what they become when the API
-server is killed alone, and how they are found and ended: `rlhf_core.serving.orphans`).
+which also reaches vLLM's engine-core process and any worker process (what they become when
+the API server is killed alone, and how they are found and ended: `rlhf_core.serving.orphans`).
 
 Telemetry is off (`VLLM_NO_USAGE_STATS`, `VLLM_DO_NOT_TRACK`, `DO_NOT_TRACK`). The KV cache
 is sized with `--kv-cache-memory-bytes` from `cfg.kv_cache_gib` (fractions of a GiB allowed)

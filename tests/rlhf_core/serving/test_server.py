@@ -112,6 +112,34 @@ def test_api_key_from_the_environment_wins(tmp_path, monkeypatch):
     assert not (tmp_path / "api_key").exists()
 
 
+@pytest.mark.parametrize(("bind", "outside", "expected"), [
+    ("nobind", None, "0"),  # the model in the engine-core process: no worker process to import vLLM again
+    ("nobind", "1", "1"),  # a setting made outside wins
+    ("0-3", None, None),  # a binding keeps vLLM's worker process, where its threads are set up
+])
+def test_the_servers_environment_says_where_the_model_runs(tmp_path, monkeypatch, bind, outside, expected):
+    from rlhf_core.serving import process
+
+    started = {}
+
+    def popen(cmd, **kwargs):
+        started.update(cmd=cmd, env=kwargs["env"])
+        return "proc"
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    if outside is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", outside)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    cfg = ServingConfig(cpu_threads_bind=bind)
+    assert process.launch(tmp_path / "m", "policy-v1", 8100, 64, cfg, "k", tmp_path / "logs" / "s.log") == "proc"
+    env = started["env"]
+    assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == expected
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == bind and env["VLLM_API_KEY"] == "k"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env  # it would override --kv-cache-memory-bytes
+
+
 def test_api_key_is_generated_once_with_mode_600(tmp_path, monkeypatch):
     monkeypatch.setenv(KEY_ENV, "")  # empty counts as unset
     cfg = ServingConfig(api_key_env=KEY_ENV)
@@ -707,7 +735,9 @@ def test_v1_is_detached_and_its_key_is_in_neither_ps_nor_the_log(serving, v1):
     assert os.getpgid(pid) == pid and os.getsid(pid) == pid != os.getsid(0)
     assert stat.S_IMODE((serving.state_dir / "api_key").stat().st_mode) == 0o600
     group = group_members(pid)
-    assert len(group) >= 2  # the API server and vLLM's engine core (and its worker)
+    assert len(group) >= 2  # the API server and vLLM's engine core
+    # nobind (the default): the model runs in the engine core, no worker process beside it
+    assert not [p for p in group if p.name().startswith("VLLM::Worker")], [p.name() for p in group]
     for proc in group:
         assert serving.key not in " ".join(proc.cmdline())
     assert serving.key not in Path(v1.endpoint.log_path).read_text(errors="replace")
