@@ -32,8 +32,8 @@ A deployment that fails after its server started stops its own process group and
 `current.json` and the old server untouched: the old version keeps serving. It leaves its
 server log in `<state_dir>/logs/` and a `"failed"` line in `deployments.jsonl`; the
 `ServingError` says why (exit code, the first exception line found in the log, and the log's
-last lines: on a checkpoint vLLM cannot load the root cause is logged by a worker process, far
-above the API server's own traceback).
+last lines: on a checkpoint vLLM cannot load the root cause is logged by the engine-core (or
+worker) process, far above the API server's own traceback).
 
 The API key (`rlhf_core.serving.auth`), the server process (`.process`), the blue/green
 state (`.state`), what a server killed alone leaves (`.orphans`), draining a replaced server

@@ -761,7 +761,7 @@ def test_a_model_vllm_cannot_load_fails_with_the_cause(serving, failed_v2):
     message = str(error)
     assert "policy-v2" in message
     assert "exited with code" in message
-    # the root cause, logged by a worker far above the tail
+    # the root cause, logged by the engine core far above the tail
     assert "There is no module or parameter named 'layers.0.mlp.wrong_name'" in message
     assert "last 20 lines" in message
 
