@@ -2,7 +2,10 @@
 an S3 bucket (moto), proxied by the server. The client process has no S3 credentials; the
 model's weights go up in parts; what the registry hands back is what the policy stage wrote;
 nothing lands in a local `mlruns/` or SQLite file. Two runs race to promote on it, as a
-scheduled and a manual run would."""
+scheduled and a manual run would: one on the demo's own model and data, one on a user's own
+model and data (a locally made pretrained Qwen2 with a chat template, conversational pairs, a
+prompt-only RL set and an eval set saved with `datasets`), which wins, serves and answers a
+chat through the `openai` client."""
 from __future__ import annotations
 
 import json
@@ -14,16 +17,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
 from tasks.registry import CHAMPION, POLICY, fetch_version
+from rlhf_core.config import DemoDataConfig, load_config
+from rlhf_core.data.formats import as_conversational
+from rlhf_core.data.schema import read_table, write_jsonl
+from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.testing.listeners import Listeners
 
 LOOSE_GATES = {"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
                "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,
-               "max_degenerate_rate": 1.0, "max_kl": 1000.0}
+               "max_degenerate_rate": 1.0, "max_kl": 1000.0, "max_generation_failure_rate": 1.0}
+ZEPHYR = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def mlflow_tables(path: Path) -> bool:
@@ -37,6 +47,56 @@ def mlflow_tables(path: Path) -> bool:
 
 def files_of(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def user_data(tmp: Path) -> tuple[Path, Path, Path]:
+    """The demo task's rows in the ecosystem's formats: conversational pairs (JSONL), a prompt
+    set with answers (Parquet), an eval set written by `save_to_disk`."""
+    files = generate_demo_data(DemoDataConfig(n_sft=10, n_pairs=200, n_eval=24), tmp / "demo")
+    pairs = [as_conversational(r) for r in read_table(files.preferences)[["prompt", "chosen", "rejected"]].to_dict("records")]
+    evals = [as_conversational(r) for r in read_table(files.eval)[["prompt", "answer"]].to_dict("records")]
+    write_jsonl(pairs, tmp / "pairs.jsonl")
+    datasets.Dataset.from_list(evals).save_to_disk(str(tmp / "eval"))
+    prompts = [{"prompt": r["prompt"], "answer": r["chosen"][0]["content"]} for r in pairs[:64]]
+    datasets.Dataset.from_list(prompts).to_parquet(str(tmp / "prompts.parquet"))
+    return tmp / "pairs.jsonl", tmp / "eval", tmp / "prompts.parquet"
+
+
+def served_chat_is_rendered_as_in_training(url: str, key: str, model_dir: Path) -> None:
+    """The server answers a chat through the `openai` client, and its rendering of the
+    conversation is the trainer's (`model_dir`'s tokenizer and chat template), token for token."""
+    import httpx
+    from openai import OpenAI
+
+    from rlhf_core.chat import render_prompt
+    from rlhf_core.serving import server
+    from rlhf_core.tokenizer import load_tokenizer
+
+    [model] = server.list_models(url, key)
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "12+34="}]
+    reply = OpenAI(base_url=f"{url}/v1", api_key=key).chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0.0)
+    assert isinstance(reply.choices[0].message.content, str)
+    served = httpx.post(f"{url}/tokenize", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                        json={"model": model, "messages": messages, "add_generation_prompt": True}).json()["tokens"]
+    tokenizer = load_tokenizer(model_dir)
+    assert served == tokenizer(render_prompt(tokenizer, messages))["input_ids"]
+    assert reply.usage.prompt_tokens == len(served)
+
+
+def own_model_config(raw: dict, tmp: Path, make_pretrained) -> dict:
+    """`raw` (a test-sized config) on a user's own model and data: a pretrained Qwen2 with a chat
+    template (`make_pretrained`), the data of `user_data`, SFT skipped, the policy rewarded by
+    the reward model and by exact match against the prompt set's answer column."""
+    pairs, evals, prompts = user_data(tmp)
+    texts = [json.dumps(r) for r in read_table(pairs).to_dict("records")][:50]
+    model_dir, _ = make_pretrained(tmp, "qwen2", chat_template=ZEPHYR, texts=texts + ["<|user|> <|assistant|>"])
+    raw = {**raw, "data": {"preferences_path": str(pairs), "eval_path": str(evals), "prompts_path": str(prompts)},
+           "model": {"pretrained": str(model_dir)}, "sft": {"enabled": False}}
+    raw["reward"] = {**raw["reward"], "max_length": 96}
+    raw["policy"] = {**raw["policy"], "verifiable_reward": "answer_exact_match", "verifiable_reward_weight": 1.0,
+                     "reward_model_weight": 1.0}
+    return raw
 
 
 @pytest.mark.slow
@@ -87,25 +147,32 @@ def test_the_sampler_finds_every_listener_beyond_loopback():
 @pytest.mark.timeout(1500)
 @pytest.mark.usefixtures("prefect_server")
 def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_bucket_that_serves(
-        mlflow_server, s3_server, tmp_path, tiny_config_factory, free_ports):
+        mlflow_server, s3_server, tmp_path, tiny_config_factory, free_ports, make_pretrained):
     """Two runs (a scheduled one and a manual one) started together against the team's server,
     one serving state, both judged against no champion: the first to promote wins and serves,
     the second finds a champion it was not judged against and is refused with a message that
     says so. The two meet before promoting (`fault_injection.wait_point`), so the race is the
     same every time. The champion is what serves, fetched from the bucket through the server.
-    Every socket the runs' processes listen on is sampled: nothing beyond loopback."""
+    Every socket the runs' processes listen on is sampled: nothing beyond loopback.
+
+    The winner (run 0) is a user's own model and data through every stage: validate, SFT
+    skipped, reward model, GRPO, gates, registry, deployment; vLLM's server renders a chat as
+    the trainer did, token for token. The loser (run 1) is the demo's own model, SFT included."""
     import time
 
     from prefect.settings import PREFECT_API_URL
 
     from rlhf_core.serving import server
 
-    raw = tiny_config_factory(tmp_path)
-    raw["gates"].update(LOOSE_GATES)
-    raw["serving"] = {"ports": free_ports(2), "smoke_prompt": "12+34="}
-    raw["tracking"]["tracking_uri"] = mlflow_server.url
-    config = tmp_path / "both.yaml"
-    config.write_text(yaml.safe_dump(raw))
+    demo = tiny_config_factory(tmp_path)
+    demo["gates"].update(LOOSE_GATES)
+    demo["serving"] = {"ports": free_ports(2), "smoke_prompt": "12+34="}
+    demo["tracking"]["tracking_uri"] = mlflow_server.url
+    own = own_model_config(demo, tmp_path / "own", make_pretrained)
+    own["serving"] = {**demo["serving"], "smoke_prompt": "Hello"}
+    configs = [tmp_path / "own.yaml", tmp_path / "demo.yaml"]  # run i's config
+    for path, raw in zip(configs, (own, demo)):
+        path.write_text(yaml.safe_dump(raw))
     state_dir = tmp_path / "runs" / "serving"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -126,7 +193,7 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
 
     procs: list[subprocess.Popen] = []
     try:
-        procs += [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=cwd,
+        procs += [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(configs[i])], cwd=cwd,
                                   env={**env, "RLHF_FAULT_WAIT_AT": f"register:promote={go[i]}"},
                                   stdout=open(tmp_path / f"run{i}.log", "w"), stderr=subprocess.STDOUT,
                                   start_new_session=True) for i in range(2)]
@@ -150,7 +217,25 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
             assert "as expected (another run or a person moved it meanwhile)" in s["error"], s
             assert "rlhf evaluate" in s["error"]
 
-        # each completed run: the parent run and a nested run per stage are on the server
+        # the loser is the demo's run, which trained its own SFT policy
+        [lost] = refused
+        assert lost["stages"]["sft"]["status"] == "completed", lost["stages"]["sft"]
+        assert lost["stages"]["sft"]["trained_by_run"] == lost["mlflow_run_id"]
+        # and is on the server as a run that failed for that reason, after every stage before it finished
+        lost_parent = client.get_run(lost["mlflow_run_id"])
+        assert lost_parent.info.status == "FAILED" and lost_parent.data.tags["failure_reason"] == lost["error"][:5000]
+        lost_stages = {r.info.run_name: r.info.status for r in client.search_runs(
+            [lost_parent.info.experiment_id], f"tags.mlflow.parentRunId = '{lost_parent.info.run_id}'")}
+        assert lost_stages == dict.fromkeys(("validate", "sft", "reward", "policy", "evaluate"), "FINISHED"), lost_stages
+
+        # the winner is the user's own model through every stage, SFT skipped
+        [won] = completed
+        assert won["stages"]["pretrained"]["model_type"] == "qwen2", won["stages"]
+        assert won["stages"]["sft"]["status"] == "skipped", won["stages"]["sft"]
+        assert won["stages"]["policy"]["status"] == "completed" and won["stages"]["policy"]["accuracy_before"] is not None
+        assert won["stages"]["deploy"]["status"] == "serving", won["stages"]
+
+        # the completed run: the parent run and a nested run per stage are on the server
         stage_runs = {}
         for s in completed:
             assert s["mlflow_tracking_uri"] == mlflow_server.url
@@ -158,18 +243,11 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
             assert parent.info.status == "FINISHED" and parent.info.artifact_uri.startswith("mlflow-artifacts:")
             stages = {r.info.run_name: r for r in client.search_runs(
                 [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
-            sft = s["stages"]["sft"]
-            if sft["status"] == "cached":  # the other run's SFT finished first: its base policy is reused
-                other = next(o["mlflow_run_id"] for o in summaries if o is not s)
-                assert sft["trained_by_run"] == other, (sft, other)
-                [trained] = client.search_runs([parent.info.experiment_id],
-                                               f"tags.mlflow.parentRunId = '{other}' and attributes.run_name = 'sft'")
-                assert trained.info.status == "FINISHED"
-                assert set(stages) == {"validate", "reward", "policy", "evaluate"}
-            else:
-                assert sft["status"] == "completed" and sft["trained_by_run"] == parent.info.run_id, sft
-                assert set(stages) == {"validate", "sft", "reward", "policy", "evaluate"}
+            assert set(stages) == {"validate", "sft", "reward", "policy", "evaluate"}
+            assert stages["sft"].data.tags["sft.skipped"] == "true"
             assert all(r.info.status == "FINISHED" for r in stages.values())
+            metrics = stages["policy"].data.metrics  # both rewards: the reward model's and exact match
+            assert "policy/verifiable_reward_mean" in metrics and "policy/rm_score_mean" in metrics, sorted(metrics)
             stage_runs[str(s["stages"]["register"]["version"])] = (s, parent, stages)
         exp = client.get_experiment_by_name("tests").experiment_id
         assert not client.search_runs([exp], "attributes.status = 'RUNNING'")
@@ -201,6 +279,8 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
         current = server.current_endpoint(state_dir)
         assert current is not None and current.version == champion.version and server.health(current.url)
         assert not (state_dir / "starting.json").exists()
+        key = server.resolve_api_key(load_config(configs[0]).serving, state_dir)
+        served_chat_is_rendered_as_in_training(current.url, key, Path(won["stages"]["policy"]["model_path"]))
 
         # nothing tracked locally: no mlruns/, mlartifacts/ or MLflow SQLite file where they ran or wrote
         for root in (cwd, tmp_path / "runs"):

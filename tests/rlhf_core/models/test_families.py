@@ -6,7 +6,7 @@ takes new weights in place and then answers as the trainer's weights do, and ren
 token for token as in training (vLLM's chat renderer, the one its OpenAI server uses).
 
 The OpenAI server itself answers a chat on Mistral here (`SERVED`); on Qwen2 in
-tests/flows/test_own_model.py, and on the demo's Llama in every pipeline test's deploy: a
+tests/flows/test_tracking_server.py, and on the demo's Llama in every pipeline test's deploy: a
 server per family would start vLLM a second time to check what the engine already loaded."""
 from __future__ import annotations
 
