@@ -49,6 +49,7 @@ def main() -> None:
     from rlhf_core.data.pairs import split_by_prompt  # noqa: PLC0415
     from rlhf_core.data.prepare import Limits, prepare_inputs  # noqa: PLC0415
     from rlhf_core.data.schema import read_table  # noqa: PLC0415
+    from rlhf_core.distributed.cluster import shutdown_ray  # noqa: PLC0415
     from rlhf_core.distributed.offline_trainer import train_offline  # noqa: PLC0415
     from rlhf_core.models.pretrained import inspect_pretrained, stage_estimates  # noqa: PLC0415
     from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
@@ -72,7 +73,7 @@ def main() -> None:
                                        work / "ray", answer_checker=cfg.data.answer_checker)
             wall = time.perf_counter() - start
         finally:
-            ray.shutdown()
+            shutdown_ray()
     info = inspect_pretrained(args.model)
     estimate = stage_estimates(info, cfg)["policy"] / 2**30
     measured = max(result.peak_memory.values())

@@ -113,13 +113,13 @@ def ray_cluster():
     the local clusters it starts (`LOCAL_CLUSTER_ENV`), on loopback as they are."""
     import ray
 
-    from rlhf_core.distributed.cluster import LOCAL_CLUSTER_ENV, start_local_ray
+    from rlhf_core.distributed.cluster import LOCAL_CLUSTER_ENV, shutdown_ray, start_local_ray
 
     saved = {key: os.environ.get(key) for key in LOCAL_CLUSTER_ENV}
     os.environ.update(LOCAL_CLUSTER_ENV)
     start_local_ray(num_cpus=4)
     yield ray
-    ray.shutdown()
+    shutdown_ray()
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key)

@@ -4,6 +4,7 @@ state: `rlhf_core.rng`.)"""
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -27,6 +29,8 @@ from rlhf_core.distributed.rendezvous import LoopbackTorchConfig
 # watcher, an actor process of its own that watches for cloud nodes being reclaimed. Together
 # they took the demo's reward stage from 62-68 s to 44-46 s. Settings made outside win.
 LOCAL_CLUSTER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+log = logging.getLogger(__name__)
 
 
 def connect_ray() -> bool:
@@ -98,7 +102,7 @@ def ray_session():
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if started:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def _stop_on_sigterm():
@@ -113,11 +117,67 @@ def _stop_on_sigterm():
     def stop(signum: int, frame) -> None:
         print(f"rlhf: stopped by {signal.Signals(signum).name} in a Ray stage: stopping Ray and exiting",
               file=sys.stderr, flush=True)
-        ray.shutdown()
+        shutdown_ray()
         atexit._run_exitfuncs()  # noqa: SLF001 - what a normal exit runs: Prefect's server stops, Ray's and MLflow's hooks
         os._exit(128 + signum)
 
     return signal.signal(signal.SIGTERM, stop)
+
+
+def shutdown_ray() -> None:
+    """`ray.shutdown()`; for a cluster this process started, then `end_orphans` of its raylet.
+
+    Ray's workers and actors are meant to exit when their raylet does. One that misses it (a
+    Train controller in a futex wait was seen to) would run on without a parent, holding its
+    memory, until someone kills it."""
+    raylet = _own_raylet()
+    ray.shutdown()
+    if raylet is not None:
+        end_orphans(*raylet)
+
+
+def _own_raylet() -> tuple[int, float] | None:
+    """(pid, start time) of the raylet this process started; None where it joined a cluster."""
+    from ray._private import ray_constants
+
+    node = getattr(ray._private.worker, "_global_node", None)  # noqa: SLF001 - no public handle on the raylet
+    try:
+        [info] = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET]
+        return info.process.pid, psutil.Process(info.process.pid).create_time()
+    except (AttributeError, KeyError, ValueError, psutil.Error):
+        return None
+
+
+def end_orphans(raylet_pid: int, since: float, grace_s: float = 2.0) -> list[str]:
+    """End the processes started for the raylet `raylet_pid` (Ray puts RAY_RAYLET_PID in its
+    workers' environment, and their children inherit it) since `since` that are still running:
+    `grace_s` to leave on their own, then SIGTERM, then SIGKILL. -> "pid name" of each ended."""
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    left = []
+    for proc in psutil.process_iter():
+        try:
+            if (proc.pid not in ours and proc.create_time() >= since
+                    and proc.environ().get("RAY_RAYLET_PID") == str(raylet_pid)):
+                left.append(proc)
+        except psutil.Error:  # gone, a zombie, or another user's
+            continue
+    if left:
+        _, left = psutil.wait_procs(left, timeout=grace_s)
+    ended = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in left:
+            try:
+                name = proc.name()
+                proc.send_signal(sig)
+            except psutil.Error:
+                continue
+            if sig == signal.SIGTERM:
+                ended.append(f"{proc.pid} {name}")
+        if left:
+            _, left = psutil.wait_procs(left, timeout=grace_s)
+    if ended:
+        log.warning("Ray: ended %d process(es) that outlived the local cluster: %s", len(ended), ", ".join(ended))
+    return ended
 
 
 def check_cluster(stage: str, num_workers: int, use_gpu: bool | None) -> bool:

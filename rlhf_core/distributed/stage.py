@@ -42,7 +42,7 @@ import ray
 import ray.train
 import torch
 
-from rlhf_core.distributed.cluster import check_cluster, check_engine_room, connect_ray, torch_trainer
+from rlhf_core.distributed.cluster import check_cluster, check_engine_room, connect_ray, shutdown_ray, torch_trainer
 from rlhf_core.distributed.deepspeed_engine import import_deepspeed
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
@@ -128,7 +128,7 @@ def fit_stage(
         seconds = time.perf_counter() - start
     finally:
         if started_ray:
-            ray.shutdown()
+            shutdown_ray()
 
     summary = getattr(result, "return_value", None)
     if summary is None:

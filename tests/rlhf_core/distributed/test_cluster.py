@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 SCRIPT = """
-import ipaddress, json, os, time, urllib.request
+import ipaddress, json, os, subprocess, sys, time, urllib.request
 import psutil, ray
 from rlhf_core.distributed.cluster import connect_ray, ray_session
 
@@ -20,9 +22,16 @@ from rlhf_core.distributed.cluster import connect_ray, ray_session
 def worker_pid():
     return os.getpid()
 
+@ray.remote
+def raylet_pid():
+    return os.environ["RAY_RAYLET_PID"]
+
 seen = {}
 with ray_session():
     seen["up"] = ray.is_initialized()
+    # a process of the cluster that will miss its raylet's exit, as a Train controller once did
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True,
+                              env={**os.environ, "RAY_RAYLET_PID": ray.get(raylet_pid.remote())})
     seen["stage_started_its_own"] = connect_ray()  # what each stage calls: joins the session's cluster
     seen["env"] = {k: os.environ.get(k) for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")}
     seen["workers"] = len(set(ray.get([worker_pid.remote() for _ in range(4)])))
@@ -45,8 +54,39 @@ with ray_session():
     if metrics:  # the one server that answers without Ray's token, on loopback
         seen["monitor_answers"] = urllib.request.urlopen(f"http://{seen['monitor']}/metrics", timeout=5).status
 seen["up_after"] = ray.is_initialized()
+seen["orphan_ended"] = orphan.poll() is not None
+orphan.kill()
 print(json.dumps(seen))
 """
+
+
+def test_what_outlives_a_local_cluster_is_ended_and_nothing_else():
+    """`end_orphans`: processes of the raylet's environment started since its start, the ones
+    that ignore SIGTERM killed; another cluster's, and an older process's, left alone."""
+    from rlhf_core.distributed.cluster import end_orphans
+
+    def start(raylet: str, ignore_term: bool = False, seconds: float = 300) -> subprocess.Popen:
+        code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN) if " + repr(ignore_term)
+                + " else None; time.sleep(" + repr(seconds) + ")")
+        return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RAY_RAYLET_PID": raylet})
+
+    older = start("4242")
+    time.sleep(0.1)
+    marker = start("0")  # started after `older`, before the rest: its start time is the sweep's `since`
+    since = psutil.Process(marker.pid).create_time()
+    time.sleep(0.1)
+    stubborn, plain, leaving, other = start("4242", ignore_term=True), start("4242"), start("4242", seconds=0.2), start("4343")
+    try:
+        time.sleep(1)  # every child is up and has set its SIGTERM handler
+        ended = end_orphans(4242, since, grace_s=1.0)
+        assert sorted(int(e.split()[0]) for e in ended) == sorted((stubborn.pid, plain.pid)), ended
+        # (the sweep reaped its own children, so their exit codes are lost: SIGTERM could not end `stubborn`)
+        assert all(proc.poll() is not None for proc in (stubborn, plain, leaving))
+        assert older.poll() is None and other.poll() is None
+    finally:
+        for proc in (older, marker, stubborn, plain, leaving, other):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.slow  # starts a Ray cluster of its own
@@ -56,7 +96,7 @@ def test_one_local_cluster_for_the_stages_with_single_node_train_settings_a_user
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["up"] and not seen["stage_started_its_own"] and not seen["up_after"]
+    assert seen["up"] and not seen["stage_started_its_own"] and not seen["up_after"] and seen["orphan_ended"]
     assert seen["env"] == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
     # GCS, raylet (2), runtime-env agent, autoscaler monitor, the driver's and each worker's servers
     assert seen["workers"] >= 1 and seen["listening"] >= 6, seen
