@@ -66,19 +66,21 @@ def test_what_outlives_a_local_cluster_is_ended_and_nothing_else():
     from rlhf_core.distributed.cluster import end_orphans
 
     def start(raylet: str, ignore_term: bool = False, seconds: float = 300) -> subprocess.Popen:
-        code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN) if " + repr(ignore_term)
-                + " else None; time.sleep(" + repr(seconds) + ")")
-        return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RAY_RAYLET_PID": raylet})
+        code = ("import signal, sys, time\nif " + repr(ignore_term) + ": signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('up', flush=True)\ntime.sleep(" + repr(seconds) + ")")
+        proc = subprocess.Popen([sys.executable, "-S", "-c", code], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "RAY_RAYLET_PID": raylet})
+        assert proc.stdout.readline() == "up\n"  # running, its SIGTERM handler set
+        return proc
 
     older = start("4242")
-    time.sleep(0.1)
+    time.sleep(0.05)  # start times count in 10 ms ticks
     marker = start("0")  # started after `older`, before the rest: its start time is the sweep's `since`
     since = psutil.Process(marker.pid).create_time()
-    time.sleep(0.1)
+    time.sleep(0.05)  # start times count in 10 ms ticks
     stubborn, plain, leaving, other = start("4242", ignore_term=True), start("4242"), start("4242", seconds=0.2), start("4343")
     try:
-        time.sleep(1)  # every child is up and has set its SIGTERM handler
-        ended = end_orphans(4242, since, grace_s=1.0)
+        ended = end_orphans(4242, since, grace_s=0.5)  # `leaving` leaves within the grace
         assert sorted(int(e.split()[0]) for e in ended) == sorted((stubborn.pid, plain.pid)), ended
         # (the sweep reaped its own children, so their exit codes are lost: SIGTERM could not end `stubborn`)
         assert all(proc.poll() is not None for proc in (stubborn, plain, leaving))
