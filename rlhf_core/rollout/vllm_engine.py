@@ -53,6 +53,8 @@ Where this departs from a plain `LLM(...)`:
   generation (`skip_special_tokens`, as vLLM would). vLLM's incremental detokeniser works
   on every token of every sequence at every decode step; at 25M, 256 completions of 64 tokens,
   leaving it to the end was 7% faster.
+- vLLM's sockets go to a directory of this process's own, removed when its last engine
+  closes (`rlhf_core.vllm_scratch`), not to the temp directory, where vLLM leaves them.
 
 vLLM starts its worker (and, off CPU, its engine core) with spawn, so a script that builds an
 engine must do so under `if __name__ == "__main__":`. Always `close()` the engine (or use
@@ -74,6 +76,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.platforms import current_platform
 
+from rlhf_core import vllm_scratch
 from rlhf_core.models.memory import KV_BLOCK_TOKENS, kv_block_bytes, kv_cache_blocks
 from rlhf_core.rng import rng_state, set_rng_state
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransport
@@ -218,8 +221,9 @@ class RolloutEngine:
         self.transport = transport or SafetensorsFileTransport()
         self.llm: LLM | None = None
         self.sleep_mode, self.asleep = sleep_mode, False
+        self._scratch: Path | None = None
         try:
-            with _cpu_engine_settings() as extra:
+            with vllm_scratch.engine_start() as self._scratch, _cpu_engine_settings() as extra:
                 if kv_cache_gib is not None:
                     extra["kv_cache_memory_bytes"] = int(kv_cache_gib * GiB)
                 elif current_platform.is_cpu():
@@ -354,6 +358,8 @@ class RolloutEngine:
                     proc.join(timeout=5)
         finally:
             self.transport.close()
+            scratch, self._scratch = self._scratch, None
+            vllm_scratch.engine_closed(scratch)
 
     def _engine(self) -> LLM:
         if self.llm is None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from rlhf_core import vllm_scratch
 from rlhf_core.serving.errors import ServingError
 from rlhf_core.serving.process import KILL_GRACE_S, is_server_command
 from rlhf_core.serving.state import Endpoint, recorded_endpoint
@@ -148,6 +149,7 @@ def end_server(endpoint: Endpoint, grace_s: float = KILL_GRACE_S) -> list[int]:
     ports = {endpoint.port}
     found = server_processes(read_process_table(ports), endpoint, me())
     if not found:
+        vllm_scratch.sweep()
         return []
     signalled = {p.pid for p in found}
     _signal(found, endpoint.pid, signal.SIGTERM)
@@ -160,6 +162,7 @@ def end_server(endpoint: Endpoint, grace_s: float = KILL_GRACE_S) -> list[int]:
         left = _wait_gone(endpoint, ports, KILL_GRACE_S)  # under load, the kernel can take many seconds
     if left:
         raise ServingError(f"processes {sorted(p.pid for p in left)} of process group {endpoint.pid} survived SIGKILL")
+    vllm_scratch.sweep()  # the server's directory of vLLM's files (rlhf_core.vllm_scratch), now that it is gone
     return sorted(signalled)
 
 

@@ -26,6 +26,11 @@ sampled completions of 48 tokens, five times, in 20.8 s instead of 32.6 s on a 1
 A core list or "auto" keeps vLLM's worker process, where those threads are set up. Off CPU
 this changes nothing: one GPU already runs in the engine core.
 
+vLLM leaves its sockets and (once stopped) its CPU backend's rendezvous file in the temp
+directory: the server gets a directory of its own for them instead (`VLLM_RPC_BASE_PATH` and
+`TMPDIR`, unless VLLM_RPC_BASE_PATH is set outside), removed once the server is stopped
+(`rlhf_core.vllm_scratch`).
+
 Two middlewares of this package are loaded into the server: `RequireApiKey` (the key on every
 path but `/health` and `/metrics`) and, inside it, `DrainGate` (`rlhf_core.serving.drain`: how a
 replaced server stops taking requests and answers those it accepted before it is stopped).
@@ -52,6 +57,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlhf_core import vllm_scratch
 from rlhf_core.config import ServingConfig
 from rlhf_core.serving.auth import RequireApiKey
 from rlhf_core.serving.drain import DrainGate
@@ -107,24 +113,36 @@ def launch(
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        return subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-            cwd=log_path.parent, start_new_session=True,
-        )
+    vllm_scratch.sweep()
+    scratch = None if "VLLM_RPC_BASE_PATH" in env else vllm_scratch.new_dir()
+    if scratch is not None:  # the files vLLM leaves in the temp directory go with the server (module docstring)
+        env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
+    try:
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                cwd=log_path.parent, start_new_session=True,
+            )
+        if scratch is not None:
+            vllm_scratch.claim(scratch, proc.pid)
+    except BaseException:
+        vllm_scratch.remove(scratch)
+        raise
+    return proc
 
 
 def stop_process_group(pid: int, timeout: float = KILL_GRACE_S) -> None:
     """SIGTERM the process group led by `pid`, SIGKILL whatever is left after `timeout` s.
     Returns once no live (non-zombie) member remains."""
     if not _signal_group(pid, signal.SIGTERM):
+        vllm_scratch.sweep()
         return
-    if _wait_group_gone(pid, timeout):
-        return
-    log.warning("process group %d still running %.0f s after SIGTERM; sending SIGKILL", pid, timeout)
-    _signal_group(pid, signal.SIGKILL)
-    if not _wait_group_gone(pid, KILL_GRACE_S):  # under load, the kernel can take many seconds to reap it
-        raise ServingError(f"process group {pid} survived SIGKILL")
+    if not _wait_group_gone(pid, timeout):
+        log.warning("process group %d still running %.0f s after SIGTERM; sending SIGKILL", pid, timeout)
+        _signal_group(pid, signal.SIGKILL)
+        if not _wait_group_gone(pid, KILL_GRACE_S):  # under load, the kernel can take many seconds to reap it
+            raise ServingError(f"process group {pid} survived SIGKILL")
+    vllm_scratch.sweep()  # the group's scratch directory, now that its owner is gone
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import stat
 from dataclasses import dataclass
 
 import psutil
@@ -16,6 +17,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from rlhf_core import vllm_scratch
 from rlhf_core.config import ModelConfig, SFTConfig
 from rlhf_core.data.synthetic import answer_for, prompt_for, sum_without_carry
 from rlhf_core.eval.accuracy import greedy_completions
@@ -248,8 +250,12 @@ def test_close_stops_every_engine_process(engine_env):
     """Runs last in this module: closes the shared engine (the fixture's close is a no-op then)."""
     engine, before = engine_env
     assert set(child_processes()) - set(before), "the engine should have started processes"
+    scratch = engine._scratch  # vLLM's sockets, in this process's directory, not the temp directory
+    assert scratch == vllm_scratch.root() / f"{vllm_scratch.PREFIX}{os.getpid()}"
+    assert [p for p in scratch.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)], list(scratch.iterdir())
     engine.close()
     engine.close()  # idempotent
     assert child_processes() == before
+    assert not scratch.exists()  # this process's last engine is closed: nothing left in the temp directory
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(["07+48="])

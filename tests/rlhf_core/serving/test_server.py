@@ -18,6 +18,7 @@ vLLM's CPU attention supports): the tests check plumbing, not answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -32,12 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
+from rlhf_core import vllm_scratch
 from rlhf_core.config import ServingConfig
 from rlhf_core.data.synthetic import answer_for, prompt_for
 from rlhf_core.serving import drain as drain_module
@@ -121,10 +124,11 @@ def test_the_servers_environment_says_where_the_model_runs(tmp_path, monkeypatch
     from rlhf_core.serving import process
 
     started = {}
+    proc = SimpleNamespace(pid=os.getpid())
 
     def popen(cmd, **kwargs):
         started.update(cmd=cmd, env=kwargs["env"])
-        return "proc"
+        return proc
 
     monkeypatch.setattr(process.subprocess, "Popen", popen)
     if outside is None:
@@ -133,11 +137,46 @@ def test_the_servers_environment_says_where_the_model_runs(tmp_path, monkeypatch
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", outside)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     cfg = ServingConfig(cpu_threads_bind=bind)
-    assert process.launch(tmp_path / "m", "policy-v1", 8100, 64, cfg, "k", tmp_path / "logs" / "s.log") == "proc"
+    assert process.launch(tmp_path / "m", "policy-v1", 8100, 64, cfg, "k", tmp_path / "logs" / "s.log") is proc
     env = started["env"]
     assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == expected
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == bind and env["VLLM_API_KEY"] == "k"
     assert "VLLM_CPU_KVCACHE_SPACE" not in env  # it would override --kv-cache-memory-bytes
+    # vLLM's sockets and temp files go to a directory of the server's own, which names it
+    scratch = Path(env["VLLM_RPC_BASE_PATH"])
+    try:
+        assert env["TMPDIR"] == str(scratch) and scratch.parent == vllm_scratch.root()
+        assert (scratch / vllm_scratch.OWNER).read_text().split(":")[1] == str(proc.pid)
+    finally:
+        vllm_scratch.remove(scratch)
+
+
+def test_a_launch_that_fails_leaves_no_directory_and_an_outside_rpc_path_wins(tmp_path, monkeypatch):
+    from rlhf_core.serving import process
+
+    made = tmp_path / "scratch"
+
+    def new_dir():
+        made.mkdir()
+        return made
+
+    monkeypatch.setattr(process.vllm_scratch, "new_dir", new_dir)
+
+    def popen(cmd, **kwargs):
+        raise OSError("no such program")
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    with pytest.raises(OSError, match="no such program"):
+        process.launch(tmp_path / "m", "policy-v1", 8100, 64, ServingConfig(), "k", tmp_path / "s.log")
+    assert not made.exists()
+
+    started = {}
+    monkeypatch.setattr(process.subprocess, "Popen", lambda cmd, **kwargs: started.update(kwargs["env"]))
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/vllm")
+    process.launch(tmp_path / "m", "policy-v1", 8100, 64, ServingConfig(), "k", tmp_path / "s.log")
+    assert started["VLLM_RPC_BASE_PATH"] == "/run/vllm" and started.get("TMPDIR") == os.environ.get("TMPDIR")
+    assert not made.exists()  # none made for it
 
 
 def test_api_key_is_generated_once_with_mode_600(tmp_path, monkeypatch):
@@ -491,6 +530,16 @@ class Serving:
         return [json.loads(line) for line in (self.state_dir / "deployments.jsonl").read_text().splitlines()]
 
 
+def scratch_owned_by(pids: list[int]) -> list[Path]:
+    """The vLLM scratch directories (rlhf_core.vllm_scratch) whose owner is one of `pids`."""
+    owned = []
+    for path in vllm_scratch.root().glob(f"{vllm_scratch.PREFIX}*"):
+        with contextlib.suppress(OSError):
+            if int((path / vllm_scratch.OWNER).read_text().split(":")[1]) in pids:
+                owned.append(path)
+    return owned
+
+
 @pytest.fixture(scope="module")
 def serving(tmp_path_factory, free_ports) -> Serving:
     tmp = tmp_path_factory.mktemp("serving")
@@ -741,6 +790,11 @@ def test_v1_is_detached_and_its_key_is_in_neither_ps_nor_the_log(serving, v1):
     for proc in group:
         assert serving.key not in " ".join(proc.cmdline())
     assert serving.key not in Path(v1.endpoint.log_path).read_text(errors="replace")
+    # vLLM's sockets are in the server's own directory, which names it, not in the temp directory
+    scratch = Path(psutil.Process(pid).environ()["VLLM_RPC_BASE_PATH"])
+    assert scratch.parent == vllm_scratch.root() and scratch.name.startswith(vllm_scratch.PREFIX)
+    assert (scratch / vllm_scratch.OWNER).read_text().split(":")[1] == str(pid)
+    assert [p for p in scratch.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)], list(scratch.iterdir())
 
 
 @pytest.mark.slow
@@ -878,8 +932,11 @@ def test_an_llm_judge_labels_a_round_through_the_server_and_skips_what_it_cannot
 
 
 @pytest.mark.slow
-def test_stop_leaves_no_server(serving, v3):
+def test_stop_leaves_no_server(serving, v1, killed_deploy, v3):
+    assert scratch_owned_by([v3.endpoint.pid])  # v3 serves
     assert stop(serving.state_dir) == v3.endpoint
+    # nor a directory of vLLM's files of any server this module started, stopped or killed
+    assert scratch_owned_by([v1.endpoint.pid, killed_deploy, v3.endpoint.pid]) == []
     assert not (serving.state_dir / "current.json").exists()
     assert current_endpoint(serving.state_dir) is None
     assert not group_alive(v3.endpoint.pid)
