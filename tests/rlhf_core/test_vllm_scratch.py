@@ -54,6 +54,21 @@ def test_sweep_removes_what_a_gone_process_or_a_launch_that_died_left_and_nothin
     assert vllm_scratch.process_dir() == mine and vllm_scratch.sweep() == []
 
 
+def test_a_zombie_owner_counts_as_gone(tmp_root):
+    """A stopped server's leader stays a zombie until its parent reaps it."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        path = vllm_scratch.new_dir()
+        vllm_scratch.claim(path, proc.pid)
+        assert vllm_scratch.sweep() == [path]
+    finally:
+        proc.wait()
+
+
 def test_a_temp_directory_too_long_for_vllms_socket_paths_gets_none(tmp_path, monkeypatch):
     long_root = tmp_path / ("d" * (vllm_scratch.SOCKET_PATH_MAX - len(str(tmp_path))))
     monkeypatch.setattr(tempfile, "tempdir", str(long_root))
@@ -63,6 +78,7 @@ def test_a_temp_directory_too_long_for_vllms_socket_paths_gets_none(tmp_path, mo
 
 def test_the_process_directory_goes_with_its_last_engine_and_an_outside_rpc_path_wins(tmp_root, monkeypatch):
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    monkeypatch.setattr(vllm_scratch, "_open_engines", 0)  # engines other tests of this process left open
     with vllm_scratch.engine_start() as first:
         assert os.environ["VLLM_RPC_BASE_PATH"] == str(first)  # while the engine starts
     assert "VLLM_RPC_BASE_PATH" not in os.environ
