@@ -14,16 +14,22 @@ from pathlib import Path
 
 
 def process_start(pid: int) -> str | None:
-    """The start time of `pid`, or None if there is no such process."""
+    """The start time of `pid`, or None if there is no such process or it has exited and waits
+    to be reaped (a zombie: an orphan's can wait long for init)."""
     try:
         stat_line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat_line[stat_line.rindex(")") + 2:].split()[19]  # comm may hold spaces and ")"
+    fields = stat_line[stat_line.rindex(")") + 2:].split()  # comm may hold spaces and ")"
+    return None if fields[0] == "Z" else fields[19]
+
+
+def owner_of(pid: int) -> str:
+    return f"{socket.gethostname()}:{pid}:{process_start(pid)}"
 
 
 def this_process() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{process_start(os.getpid())}"
+    return owner_of(os.getpid())
 
 
 def owner_gone(owner: str | None) -> bool:

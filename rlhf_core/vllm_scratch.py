@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf_core.process_owner import owner_gone, process_start
+from rlhf_core.process_owner import owner_gone, owner_of
 
 PREFIX = "rlhf-vllm-"
 OWNER = "owner"
@@ -41,10 +40,6 @@ def root() -> Path:
 def fits(path: Path) -> bool:
     """vLLM's socket paths under `path` stay within a Unix socket's path limit."""
     return len(os.fsencode(str(path))) + UUID_NAME <= SOCKET_PATH_MAX
-
-
-def owner_of(pid: int) -> str:
-    return f"{socket.gethostname()}:{pid}:{process_start(pid)}"
 
 
 def claim(path: Path, pid: int) -> None:
@@ -78,21 +73,6 @@ def remove(path: Path | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _gone(owner: str) -> bool:
-    """`owner_gone`, with a zombie counted as gone: a stopped server's leader is one until its
-    parent reaps it (a killed deploy's server is reaped by init, later)."""
-    if owner_gone(owner):
-        return True
-    host, pid, _ = owner.rsplit(":", 2)
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat_line[stat_line.rindex(")") + 2:].split()[0] == "Z"
-
-
 def sweep(directory: Path | None = None) -> list[Path]:
     """Remove the directories whose process is gone, and those never claimed for
     UNCLAIMED_GRACE_S (a launch that died before it wrote the pid). Returns what it removed."""
@@ -108,7 +88,7 @@ def sweep(directory: Path | None = None) -> list[Path]:
             unclaimed_for = time.time() - path.stat().st_mtime
         except OSError:
             continue
-        if _gone(owner) if owner else unclaimed_for > UNCLAIMED_GRACE_S:
+        if owner_gone(owner) if owner else unclaimed_for > UNCLAIMED_GRACE_S:
             remove(path)
             removed.append(path)
     return removed
