@@ -67,13 +67,20 @@ def start_local_ray(**init_kwargs) -> None:
     127.0.0.1 into the machine's reachable one unless Ray treats the machine as it does a
     laptop (macOS, Windows: `ray_constants.ENABLE_RAY_CLUSTER` off, the node is loopback).
     We do that for the start of our own cluster only: nothing joins a cluster we start, and
-    `ray start` for real clusters reads the setting in its own process."""
+    `ray start` for real clusters reads the setting in its own process.
+
+    Ray starts idle Python workers for the first driver by default (one per CPU of the node,
+    two on a 2-core machine), ready for plain tasks. The work here runs in actors (Train
+    controllers and workers, rollout engines) whose environment differs from the job's, so
+    those workers were never used: each about 40 MB and 0.5 CPU-s of start-up on 2 cores. They
+    are not started; a task that needs a worker gets one when it asks."""
     from ray._private import ray_constants
 
     saved = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **init_kwargs)
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                 _system_config={"prestart_worker_first_driver": False}, **init_kwargs)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 

@@ -29,13 +29,16 @@ def raylet_pid():
 seen = {}
 with ray_session():
     seen["up"] = ray.is_initialized()
+    time.sleep(2)  # the autoscaler monitor opens its metrics server after it connects
+    seen["workers_before_work"] = sum(  # starting (default_worker.py) or started (ray::IDLE)
+        p.name() == "ray::IDLE" or (p.name() != "raylet" and "default_worker.py" in " ".join(p.cmdline()))
+        for p in psutil.Process().children(recursive=True))
     # a process of the cluster that will miss its raylet's exit, as a Train controller once did
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True,
                               env={**os.environ, "RAY_RAYLET_PID": ray.get(raylet_pid.remote())})
     seen["stage_started_its_own"] = connect_ray()  # what each stage calls: joins the session's cluster
     seen["env"] = {k: os.environ.get(k) for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")}
     seen["workers"] = len(set(ray.get([worker_pid.remote() for _ in range(4)])))
-    time.sleep(2)  # the autoscaler monitor opens its metrics server after it connects
     me = psutil.Process()
     listening = {}
     for proc in [me, *me.children(recursive=True)]:
@@ -102,6 +105,7 @@ def test_one_local_cluster_for_the_stages_with_single_node_train_settings_a_user
     assert seen["env"] == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
     # GCS, raylet (2), runtime-env agent, autoscaler monitor, the driver's and each worker's servers
     assert seen["workers"] >= 1 and seen["listening"] >= 6, seen
+    assert seen["workers_before_work"] == 0, seen  # no idle workers started ahead of any work
     assert seen["beyond_loopback"] == {}, seen
     assert seen["monitor"].startswith("127.0.0.1:") and seen["monitor_answers"] == 200, seen
 
