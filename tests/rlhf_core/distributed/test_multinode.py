@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -94,6 +95,7 @@ def two_nodes(free_ports):
                 except psutil.Error:
                     pass
         time.sleep(1)
+        shutil.rmtree(temp_dir, ignore_errors=True)  # the head's sessions and logs
 
 
 def test_a_training_stage_joins_the_cluster_and_spreads_its_workers(two_nodes, tmp_path):
