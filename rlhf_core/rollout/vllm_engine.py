@@ -53,8 +53,10 @@ Where this departs from a plain `LLM(...)`:
   generation (`skip_special_tokens`, as vLLM would). vLLM's incremental detokeniser works
   on every token of every sequence at every decode step; at 25M, 256 completions of 64 tokens,
   leaving it to the end was 7% faster.
-- vLLM's sockets go to a directory of this process's own, removed when its last engine
-  closes (`rlhf_core.vllm_scratch`), not to the temp directory, where vLLM leaves them.
+- vLLM's sockets, and the rendezvous file of an executor in this process, go to a directory
+  of this process's own, removed when its last engine closes or, if the process is killed, by
+  the next engine start (`rlhf_core.vllm_scratch`), not to the temp directory, where vLLM
+  leaves them.
 
 vLLM starts its worker (and, off CPU, its engine core) with spawn, so a script that builds an
 engine must do so under `if __name__ == "__main__":`. Always `close()` the engine (or use
@@ -65,6 +67,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,6 +78,7 @@ import numpy as np
 import torch
 from vllm import LLM, SamplingParams
 from vllm.platforms import current_platform
+from vllm.v1.executor import multiproc_executor, uniproc_executor
 
 from rlhf_core import vllm_scratch
 from rlhf_core.models.memory import KV_BLOCK_TOKENS, kv_block_bytes, kv_cache_blocks
@@ -100,6 +104,26 @@ class Rollout:
     response_text: str  # special tokens removed
     logprobs: list[float]  # one per response token, see the module docstring
     finish_reason: str  # "stop" (</s>) or "length" (max_tokens)
+
+
+@contextmanager
+def rendezvous_in(path: Path | None) -> Iterator[None]:
+    """While an engine starts: an executor in this process (on CPU the engine core runs here)
+    names its worker's rendezvous file (torch's FileStore, `vllm_dist_<hex>`) in `path`, not in
+    the temp directory, where a killed process leaves it. vLLM 0.32's executors take the name
+    from their module's `get_file_store_init_method` (vLLM is pinned in constraints.txt)."""
+    if path is None:
+        yield
+        return
+    executors = [m for m in (multiproc_executor, uniproc_executor) if hasattr(m, "get_file_store_init_method")]
+    saved = [m.get_file_store_init_method for m in executors]
+    for module in executors:
+        module.get_file_store_init_method = lambda: f"file://{path}/vllm_dist_{uuid.uuid4().hex}"
+    try:
+        yield
+    finally:
+        for module, original in zip(executors, saved):
+            module.get_file_store_init_method = original
 
 
 @contextmanager
@@ -223,7 +247,8 @@ class RolloutEngine:
         self.sleep_mode, self.asleep = sleep_mode, False
         self._scratch: Path | None = None
         try:
-            with vllm_scratch.engine_start() as self._scratch, _cpu_engine_settings() as extra:
+            with (vllm_scratch.engine_start() as self._scratch, rendezvous_in(self._scratch),
+                  _cpu_engine_settings() as extra):
                 if kv_cache_gib is not None:
                     extra["kv_cache_memory_bytes"] = int(kv_cache_gib * GiB)
                 elif current_platform.is_cpu():

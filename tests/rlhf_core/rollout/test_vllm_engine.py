@@ -253,6 +253,7 @@ def test_close_stops_every_engine_process(engine_env):
     scratch = engine._scratch  # vLLM's sockets, in this process's directory, not the temp directory
     assert scratch == vllm_scratch.root() / f"{vllm_scratch.PREFIX}{os.getpid()}"
     assert [p for p in scratch.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)], list(scratch.iterdir())
+    assert list(scratch.glob("vllm_dist_*")), list(scratch.iterdir())  # its worker's rendezvous file
     engine.close()
     engine.close()  # idempotent
     assert child_processes() == before
