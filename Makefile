@@ -100,7 +100,7 @@ test test-fast demo: export PYTHONDONTWRITEBYTECODE :=
 test: setup test-tools
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The fast set on FAST_WORKERS pytest-xdist processes: about 100 s on 2 cores (no subprocess pytest in it).
+# The fast set on FAST_WORKERS pytest-xdist processes: about 2 minutes on 2 cores (no subprocess pytest in it).
 FAST_WORKERS ?= 2
 test-fast: setup test-tools
 	$(PY) -m pytest -m "not slow" -n $(FAST_WORKERS) $(PYTEST_ARGS)
