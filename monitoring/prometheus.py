@@ -71,6 +71,7 @@ WORKER_GAUGES = {  # worker/<rank>/<figure> -> gauge (labels run, stage, rank, h
     "gpu_memory_used_bytes": "rlhf_worker_gpu_memory_used_bytes",
 }
 _WORKER_KEY = re.compile(r"^worker/(\d+)/(\w+)$")
+SHUTDOWN_POLL_S = 0.05  # how often the serving loop looks for a shutdown: what closing an exporter waits
 _HELP = {
     "rlhf_policy_kl": "Mean per-sequence KL to the reference policy at the last step",
     "rlhf_policy_entropy": "Mean token entropy of the last step's rollouts (nats)",
@@ -124,7 +125,9 @@ class JobExporter:
         self._running.labels(run, stage).set(1)
         self._nonfinite.labels(run, stage)  # exported as 0 from the start: increase() needs a baseline
         self._server = ThreadingHTTPServer((host, port), _handler(self))
-        self._thread = threading.Thread(target=self._server.serve_forever, name=f"metrics-{stage}", daemon=True)
+        # close() waits for the serving loop to see the shutdown: at most one poll interval (0.5 s by default)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
+                                        name=f"metrics-{stage}", daemon=True)
         self._thread.start()
         self._write_target()
 

@@ -63,7 +63,7 @@ def fake_upstream(state_dir: Path, version: str = "1"):
     server = ThreadingHTTPServer(("127.0.0.1", 0), None)
     fake = FakeUpstream(url=f"http://127.0.0.1:{server.server_address[1]}")
     server.RequestHandlerClass = _handler(fake)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)  # quick shutdown
     thread.start()
     announce(state_dir, url=fake.url, served_model_name=f"policy-v{version}", version=version, model_dir="/m")
     try:
