@@ -116,12 +116,21 @@ def _sigterm_once_running(tmp_path: Path, config_args: list[str], marker: str) -
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=120)
         _, alive = psutil.wait_procs(family, timeout=30)
+        alive = [p for p in alive if not _ended(p)]
     finally:
         run.kill()
         for p in family:
             with contextlib.suppress(psutil.Error):
                 p.kill()
     return run.returncode, log.read_text(), [" ".join(_cmdline(p))[:120] for p in alive]
+
+
+def _ended(p: psutil.Process) -> bool:
+    """Gone, or a zombie: it exited, and its new parent (init, once the run is gone) may be slow to reap it."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
