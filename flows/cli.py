@@ -49,6 +49,7 @@ from flows.serving_commands import promote_command, serving_command
 from flows.show import print_environment, print_rows
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.config.default import DEFAULT_CONFIG
+from flows import quick_exit
 
 __all__ = ["main", "quiet_telemetry"]
 
@@ -259,5 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         unroute_logs()
 
 
+def run() -> None:
+    """The `rlhf` command: `main` in a process of its own, which ends without the interpreter's
+    teardown once its exit handlers have run (`flows.quick_exit`: seconds after a command
+    that loaded the model stack)."""
+    quick_exit.arm()
+    sys.exit(quick_exit.finish(main()))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

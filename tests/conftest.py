@@ -11,9 +11,15 @@ import yaml
 from flows.cli import quiet_telemetry  # noqa: E402
 from rlhf_core.testing.configs import tiny_config_dict
 from rlhf_core.testing.order import longest_modules_first, module_seconds
+from flows import quick_exit
 from rlhf_core.testing.ports import free_ports as free_ports_
 
 quiet_telemetry()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # an xdist worker, which holds the model stack and the tests, ends 6-8 s sooner once its session
+    # finished: the controller waits for it. The exit handlers registered before this one are
+    # logging's (which quick_exit runs) and execnet's, for gateways a worker does not open.
+    quick_exit.arm()
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
@@ -43,6 +49,12 @@ def pytest_collection_modifyitems(config, items):
                 no_cuda = not torch.cuda.is_available()
             if no_cuda:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        quick_exit.finish(int(exitstatus))
 
 
 @pytest.fixture(scope="session")
