@@ -13,7 +13,8 @@ MODEL_STACK = ("torch", "transformers", "great_expectations", "ray", "vllm", "de
 
 
 def loaded_after_import(module: str) -> set[str]:
-    code = f"import sys, json, {module}; print(json.dumps(sorted(sys.modules)))"
+    # os._exit once printed: the interpreter's teardown after the model stack (2-3 s) tests nothing here
+    code = f"import os, sys, json, {module}; print(json.dumps(sorted(sys.modules)), flush=True); os._exit(0)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     return {m.split(".")[0] for m in json.loads(out.stdout.splitlines()[-1])}
