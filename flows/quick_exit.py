@@ -3,8 +3,8 @@
 After its exit handlers, CPython clears every module and runs full garbage collections to free
 what refers to itself. A process that loaded the model stack (torch, transformers, vLLM,
 MLflow, Prefect, pydantic's schemas) holds 700,000 objects or more, and those collections walk
-all of them only for the process to end: about 3 s after `import flows.pipeline` on a 2-core
-machine (0.5 s a collection), 6-8 s in a pytest worker that also holds the tests.
+all of them only for the process to end: 2.2-2.8 s after `import flows.pipeline` on a 2-core
+machine (0.5 s a collection; `bench/exit_time.py`), 6-8 s in a pytest worker that also holds the tests.
 
 `arm()`, called early in an entry point, registers an exit handler; `finish(code)` records the
 process's exit code. A process that finished this way still exits through Python's exit as
@@ -12,7 +12,7 @@ usual: non-daemon threads are joined, and every exit handler registered after `a
 (Ray's, MLflow's and Prefect's shutdowns, `weakref` finalizers such as temporary directories'
 clean-up, multiprocessing's children). Exit handlers run last-registered first, so `arm()`'s
 runs after those; it then does what the handlers registered before it would have done
-(logging's flush and close: the only one an entry point's imports register, which the tests
+(logging's flush and close: the only one `flows.cli`'s imports register, which the tests
 check), flushes stdout and stderr, and ends the process with `os._exit(code)`. A process that
 did not call `finish` (an exception, a signal's SystemExit) gets the whole usual teardown.
 
