@@ -41,6 +41,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from flows import quick_exit
 from flows.config_view import print_config
 from flows.console import print_failure, print_validated, unroute_logs
 from flows.launch import flow_module, run_flow, run_plain_flow
@@ -49,7 +50,6 @@ from flows.serving_commands import promote_command, serving_command
 from flows.show import print_environment, print_rows
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.config.default import DEFAULT_CONFIG
-from flows import quick_exit
 
 __all__ = ["main", "quiet_telemetry"]
 

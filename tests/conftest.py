@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows import quick_exit
 from flows.cli import quiet_telemetry  # noqa: E402
 from rlhf_core.testing.configs import tiny_config_dict
 from rlhf_core.testing.order import longest_modules_first, module_seconds
-from flows import quick_exit
 from rlhf_core.testing.ports import free_ports as free_ports_
 
 quiet_telemetry()
