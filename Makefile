@@ -25,9 +25,9 @@ PYTEST_ARGS ?=
 # checking that torch sees the GPU. On a CPU machine it ends by building DeepSpeed's CPU collectives op
 # (~35 s once, instead of in every stage).
 SEES_A_GPU := import torch, sys; torch.cuda.is_available() or sys.exit('torch ' + torch.__version__ + ' sees no GPU')
-# pip compiles what it installs to bytecode on one core (about 60 s here); compileall does it on every core
-# (about 40 s on 2) once the installs are done. Like pip, it leaves the few files that do not compile on this
-# Python (torch's Python 3.12 test helpers) to fail quietly: nothing imports them.
+# pip compiles what it installs to bytecode on one core; compileall does it on every core once the installs
+# are done (a fresh install 134-142 s, not 148-174 s, on 2 cores: bench/setup_compile.py). Like pip, it lets
+# the few files that do not compile on this Python (torch's Python 3.12 test helpers) fail quietly.
 # A new .venv takes about 5 GiB, and pip unpacks wheels beside it: refuse early, not halfway.
 SETUP_DISK_GIB ?= 7
 $(STAMP): pyproject.toml $(CONSTRAINTS)
