@@ -31,7 +31,8 @@ Where this departs from a plain `LLM(...)`:
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless you set it) and only the worker in a process
   of its own. vLLM's CPU backend starts every process with spawn, and each imports vLLM
   again: keeping the core here cut the engine's start from 21.5 s to 11.5 s on the demo
-  policy. `generate` waits for its results either way.
+  policy. An engine of a group runs its worker in its Ray actor as well (`engine_group`): that
+  process holds no trainer. `generate` waits for its results either way.
 - On CPU the KV cache holds exactly `max_num_seqs` sequences of `max_model_len` tokens (vLLM's
   `num_gpu_blocks_override`; blocks of 128 tokens, plus vLLM's one reserved block), unless
   `kv_cache_gib` gives a size. A cache sized in GiB had to be guessed per model: 0.25 GiB held

@@ -12,7 +12,7 @@ from rlhf_core.distributed.cluster import check_engine_room, engine_bundles, eng
 from rlhf_core.distributed.policy_rollouts import engine_sleeps
 from rlhf_core.models.memory import ENGINE_OVERHEAD
 from rlhf_core.models.pretrained import PretrainedInfo, engine_gpu_problem, training_bytes
-from rlhf_core.rollout.engine_group import RemoteEngines, shares
+from rlhf_core.rollout.engine_group import RemoteEngines, executor_backend, shares
 
 
 def test_shares_cut_a_batch_into_contiguous_ranges_that_differ_by_at_most_one():
@@ -35,6 +35,13 @@ def test_an_engine_takes_a_gpu_and_a_cpu_per_tensor_parallel_rank_or_its_cpus():
     assert engine_bundles(2, use_gpu=False) == [{"CPU": 2.0}]
     assert engines_resources(4, 2, use_gpu=True) == {"GPU": 8.0, "CPU": 8.0}
     assert engines_resources(3, 1, use_gpu=False) == {"CPU": 3.0}
+
+
+def test_an_engine_of_one_cpu_process_runs_its_model_in_the_actor_and_tensor_parallel_gpus_in_ray_actors():
+    assert executor_backend(1, use_gpu=False) == "uni"  # no second process importing vLLM
+    assert executor_backend(2, use_gpu=False) is None  # vLLM's own (its CPU workers in processes)
+    assert executor_backend(1, use_gpu=True) is None  # one GPU: vLLM already runs it in its engine core
+    assert executor_backend(4, use_gpu=True) == "ray"  # workers as actors in the engine's placement group
 
 
 def test_the_cluster_must_hold_the_workers_and_the_engines_together():
@@ -113,6 +120,7 @@ def test_two_engines_as_ray_actors_answer_as_one_and_follow_streamed_weights(ray
     the trainer's; seeded samples are those one engine draws for the whole batch; weights streamed
     over one gloo group (the trainer rank 0, each engine's worker at its own rank) reach both; and
     closing leaves no actor or placement group behind."""
+    import psutil
     import ray
 
     from rlhf_core.eval.accuracy import greedy_completions
@@ -130,6 +138,10 @@ def test_two_engines_as_ray_actors_answer_as_one_and_follow_streamed_weights(ray
     actors, groups = list(group.actors), list(group.groups)
     try:
         assert len({ray.get(a.node_id.remote()) for a in actors}) == 1 and len(groups) == 2
+        # each engine is one process: its model runs in the actor, no vLLM worker process beside it
+        children = ray.get([a.__ray_call__.remote(lambda actor: [c.name() for c in psutil.Process().children()])
+                            for a in actors])
+        assert not [name for names in children for name in names if name.startswith("VLLM::")], children
 
         def greedy() -> list[str]:
             return [r.response_text for r in group.generate(prompts, n=1, temperature=0.0, max_tokens=max_new)]
