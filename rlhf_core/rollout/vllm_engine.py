@@ -31,8 +31,8 @@ Where this departs from a plain `LLM(...)`:
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless you set it) and only the worker in a process
   of its own. vLLM's CPU backend starts every process with spawn, and each imports vLLM
   again: keeping the core here cut the engine's start from 21.5 s to 11.5 s on the demo
-  policy. An engine of a group runs its worker in its Ray actor as well (`engine_group`): that
-  process holds no trainer. `generate` waits for its results either way.
+  policy (an engine actor of a group runs its worker in the actor too: `engine_group`).
+  `generate` waits for its results either way.
 - On CPU the KV cache holds exactly `max_num_seqs` sequences of `max_model_len` tokens (vLLM's
   `num_gpu_blocks_override`; blocks of 128 tokens, plus vLLM's one reserved block), unless
   `kv_cache_gib` gives a size. A cache sized in GiB had to be guessed per model: 0.25 GiB held
@@ -128,13 +128,14 @@ def rendezvous_in(path: Path | None) -> Iterator[None]:
 
 
 @contextmanager
-def _cpu_engine_settings() -> Iterator[dict[str, Any]]:
+def _cpu_engine_settings(worker_here: bool = False) -> Iterator[dict[str, Any]]:
     """While the engine starts, on CPU (its processes inherit the environment; a setting made
     outside wins): its worker is bound to all the cores this process may use, and its engine
     core runs in this process (see the module docstring). Yields the extra `LLM(...)` arguments.
 
     An engine core in this process seeds the global RNGs and drops torch to one thread here:
-    both are put back, so that a trainer holding the engine keeps its own."""
+    both are put back, so that a trainer holding the engine keeps its own. Not `worker_here`: with
+    vLLM's "uni" executor the process is the engine's alone (an engine actor), its worker's own."""
     if not current_platform.is_cpu():
         yield {}
         return
@@ -144,14 +145,14 @@ def _cpu_engine_settings() -> Iterator[dict[str, Any]]:
     rng, threads = rng_state(), torch.get_num_threads()
     os.environ.update(settings)
     try:
-        # the worker still gets a process of its own: vLLM's CPU worker binds and pins the
-        # threads of the process it runs in, which must not be the trainer's
-        yield {"distributed_executor_backend": "mp"} if in_process else {}
+        # the worker in a process of its own: vLLM's CPU worker pins its process's threads
+        yield {"distributed_executor_backend": "mp"} if in_process and not worker_here else {}
     finally:
         for key in settings:
             os.environ.pop(key, None)
-        set_rng_state(rng)
-        torch.set_num_threads(threads)
+        if not worker_here:
+            set_rng_state(rng)
+            torch.set_num_threads(threads)
 
 
 def prompt_seeds(seed: int, count: int) -> list[int]:
@@ -238,7 +239,7 @@ class RolloutEngine:
         gives the engine's GPU memory back between a batch's generation and the next sync (vLLM's
         sleep mode, CUDA only). tensor_parallel_size > 1 splits the model over that many devices;
         `distributed_executor_backend` "ray" starts those workers as Ray actors in the current
-        placement group (`engine_group.EngineGroup`); None: vLLM's choice."""
+        placement group (`engine_group.EngineGroup`); "uni": the model here (an engine actor); None: vLLM's."""
         if sleep_mode and current_platform.is_cpu():
             raise ValueError("policy.rollout.sleep: vLLM's CPU backend has no sleep mode; set it false (or null)")
         start = time.perf_counter()
@@ -249,7 +250,7 @@ class RolloutEngine:
         self._scratch: Path | None = None
         try:
             with (vllm_scratch.engine_start() as self._scratch, rendezvous_in(self._scratch),
-                  _cpu_engine_settings() as extra):
+                  _cpu_engine_settings(worker_here=distributed_executor_backend == "uni") as extra):
                 if kv_cache_gib is not None:
                     extra["kv_cache_memory_bytes"] = int(kv_cache_gib * GiB)
                 elif current_platform.is_cpu():

@@ -152,6 +152,9 @@ def test_two_engines_as_ray_actors_answer_as_one_and_follow_streamed_weights(ray
         whole = ray.get(actors[1].generate.remote(prompts, {"n": 4, "max_tokens": max_new,
                                                               "seeds": prompt_seeds(11, len(prompts))}))
         assert [r.response_token_ids for r in whole] == [r.response_token_ids for r in sampled]
+        # unseeded samples follow each engine's generator, seeded with the engine's seed (seed + i)
+        # as vLLM's worker seeds its process, not the actor's random start
+        assert ray.get([a.__ray_call__.remote(lambda actor: torch.initial_seed()) for a in actors]) == [0, 1]
 
         torch.manual_seed(0)
         with torch.no_grad():
