@@ -134,8 +134,8 @@ def _cpu_engine_settings(worker_here: bool = False) -> Iterator[dict[str, Any]]:
     core runs in this process (see the module docstring). Yields the extra `LLM(...)` arguments.
 
     An engine core in this process seeds the global RNGs and drops torch to one thread here:
-    both are put back, so that a trainer holding the engine keeps its own. Not `worker_here`: with
-    vLLM's "uni" executor the process is the engine's alone (an engine actor), its worker's own."""
+    both are put back, so that a trainer holding the engine keeps its own, unless `worker_here`:
+    with vLLM's "uni" executor the process is the engine's alone (an engine actor); they stay vLLM's."""
     if not current_platform.is_cpu():
         yield {}
         return
