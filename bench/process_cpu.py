@@ -110,6 +110,15 @@ def by_kind(start: dict, seen: dict) -> list[dict]:
             for name, seconds in sorted(cpu.items(), key=lambda item: -item[1])]
 
 
+def top_processes(start: dict, seen: dict, n: int = 40) -> list[dict]:
+    """The `n` processes that used the most CPU: kind, seconds and the head of the command line
+    (what the table's "other" rows are made of)."""
+    used = [((ticks - start.get(key, 0)) / TICKS, kind(cmdline, comm), cmdline[:160] or comm)
+            for key, (ticks, cmdline, comm) in seen.items()]
+    return [{"cpu_s": round(seconds, 1), "kind": name, "command": command}
+            for seconds, name, command in sorted(used, reverse=True)[:n] if seconds > 0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", default="", help="results file: process_cpu_LABEL.json")
@@ -130,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{total / (wall * cores):.0%} busy; the command exited {proc.returncode}")
     save("process_cpu" + (f"_{args.label}" if args.label else ""),
          {"command": command, "exit_code": proc.returncode, "wall_s": round(wall, 1), "cpu_s": round(total, 1),
-          "cores": cores, "kinds": rows})
+          "cores": cores, "kinds": rows, "top_processes": top_processes(start, seen)})
     return proc.returncode
 
 

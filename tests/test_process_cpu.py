@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-from bench.process_cpu import TICKS, by_kind, kind, sample_while
+from bench.process_cpu import TICKS, by_kind, kind, sample_while, top_processes
 
 
 def test_ray_and_vllm_processes_are_known_by_the_names_they_give_themselves():
@@ -31,3 +31,13 @@ def test_a_child_that_computes_is_counted_with_its_cpu_time():
     used = (ticks - start.get(key, 0)) / TICKS  # what it used after the first reading
     assert cmdline.endswith("pass") and 0.5 <= used < 2.0, (used, cmdline)
     assert any(r["kind"] == "other Python" and r["cpu_s"] >= round(used, 1) for r in by_kind(start, seen))  # 0.1 s rows
+
+
+def test_the_top_processes_name_each_one_by_its_command_most_cpu_first():
+    start = {(10, 1): 0, (11, 1): 5 * TICKS}
+    seen = {(10, 1): (3 * TICKS, "/v/bin/python -c work", "python"), (11, 1): (5 * TICKS, "VLLM::Worker", "VLLM::Worker"),
+            (12, 1): (7 * TICKS, "/v/bin/python -m flows.cli run --config c.yaml", "python")}  # started after the first reading
+    assert top_processes(start, seen, n=5) == [
+        {"cpu_s": 7.0, "kind": "rlhf run (CLI)", "command": "/v/bin/python -m flows.cli run --config c.yaml"},
+        {"cpu_s": 3.0, "kind": "other Python", "command": "/v/bin/python -c work"},
+    ]  # the worker used nothing since the first reading: not listed
