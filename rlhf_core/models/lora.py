@@ -13,17 +13,19 @@ refuses each one that matches nothing, naming the model's own linear modules.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
 
 from rlhf_core.config import LoRAConfig
 from rlhf_core.models.llama import load_policy
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
 
@@ -47,8 +49,18 @@ def check_target_modules(model: torch.nn.Module, targets: str | Sequence[str]) -
             f"its linear modules are {', '.join(linear_module_names(model))}, or use {ALL_LINEAR!r}")
 
 
+def is_lora_model(model: Any) -> bool:
+    """Whether `model` is a PeftModel. peft is imported where adapters are made (`with_lora`), so a
+    process that never imported it holds none: a rollout engine's worker, which only receives
+    weights, is spared the import (0.6 s)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 def with_lora(model: torch.nn.Module, cfg: LoRAConfig) -> PeftModel:
     """`model` with LoRA adapters on `cfg.target_modules` (checked first); only they train."""
+    from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415 - see is_lora_model
+    from peft import get_peft_model  # noqa: PLC0415
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
     check_target_modules(model, targets)
     config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,

@@ -49,10 +49,8 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
-from peft import PeftModel
-
 from rlhf_core.distributed.deepspeed_engine import is_partitioned, module_entries
-from rlhf_core.models.lora import merged_entries, merged_weights
+from rlhf_core.models.lora import is_lora_model, merged_entries, merged_weights
 from rlhf_core.rollout.weight_sync import (
     WeightSyncExtension,
     WeightSyncTimeout,
@@ -297,7 +295,7 @@ class TrainerEngineTransport(WeightTransport):
         within_timeout(lambda: self._send(llm, source), self.timeout_s, self._give_up)
 
     def _source_of(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> WeightSource:
-        if isinstance(weights, PeftModel):
+        if is_lora_model(weights):
             return MergedLoraSource(weights, self.source.dtype, self.source.device)
         if isinstance(weights, torch.nn.Module):
             return ModuleSource(weights, self.source.dtype, self.source.device)

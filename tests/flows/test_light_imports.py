@@ -24,8 +24,11 @@ def test_the_deploy_and_rollback_flows_load_no_model_stack():
     assert loaded_after_import("flows.serving") & set(MODEL_STACK) == set()
 
 
-def test_the_pipeline_loads_great_expectations_only_to_validate():
+def test_the_pipeline_loads_great_expectations_only_to_validate_and_peft_only_for_adapters():
     # also the control: the check sees the model stack where it is loaded. A resumed run whose
     # validation is journalled never needs Great Expectations (2 s of every start otherwise).
+    # peft comes with the first LoRA adapters (`lora.with_lora`): the modules that only handle
+    # weights, a rollout engine's worker among them, import `rlhf_core.models.lora` without it.
     loaded = loaded_after_import("flows.pipeline")
     assert {"torch", "transformers", "ray"} <= loaded and "great_expectations" not in loaded
+    assert "peft" not in loaded

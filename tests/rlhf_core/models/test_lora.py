@@ -9,8 +9,8 @@ import torch
 from rlhf_core.config import LoRAConfig, ModelConfig, PolicyConfig
 from rlhf_core.models.llama import build_policy, load_policy, save_pretrained_atomic
 from rlhf_core.models.lora import (
-    check_target_modules, load_policy_for_training, merged_entries, merged_policy, merged_state_dict, merged_weights,
-    reference_view, with_lora,
+    check_target_modules, is_lora_model, load_policy_for_training, merged_entries, merged_policy, merged_state_dict,
+    merged_weights, reference_view, with_lora,
 )
 from rlhf_core.tokenizer import load_tokenizer, train_tokenizer
 
@@ -42,6 +42,7 @@ def test_a_target_module_the_model_lacks_is_refused_naming_its_modules(base_dir)
 def test_only_the_adapters_train_and_the_reference_is_the_base_with_them_off(base_dir):
     base = load_policy(base_dir).eval()
     model = with_lora(load_policy(base_dir), LoRAConfig(enabled=True, rank=4, target_modules=["q_proj", "v_proj"]))
+    assert is_lora_model(model) and not is_lora_model(base)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert len(trainable) == 2 * 2 * TINY.num_layers  # A and B on q_proj and v_proj of each layer
