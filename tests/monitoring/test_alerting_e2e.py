@@ -478,8 +478,8 @@ NEIGHBOUR_NICE = 19  # the lowest priority: the throttled worker and its neighbo
 
 def noisy_neighbours(cpu: int, n: int = 3) -> list[subprocess.Popen]:
     """`n` busy loops pinned to `cpu` at `NEIGHBOUR_NICE`: a worker pinned there at the same
-    priority gets at most 1/(n+1) of it, as on an oversubscribed node, and the loops take
-    nothing from the other processes of the machine (the test suite's, on a busy machine).
+    priority gets at most 1/(n+1) of it, as on an oversubscribed node, and the loops take next
+    to nothing from the other processes of the machine (the test suite's, on a busy machine).
     SIGSTOP duty cycles would not do: they land between the short forward passes, not inside
     them, and the worker's compute time hardly changes."""
     code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nos.nice({NEIGHBOUR_NICE})\nwhile True:\n    pass\n"
