@@ -20,6 +20,7 @@ import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
 from rlhf_core.distributed.rendezvous import LoopbackTorchConfig
 
@@ -260,16 +261,26 @@ def cuda_unusable(local_only: bool) -> str | None:
 
 
 class StageTrainer(TorchTrainer):
-    """Ray Train's TorchTrainer, less the dataset manager when no Ray Dataset is passed (the
-    stages hand their data over in the object store, not as Ray Datasets). Ray Train 2.60 starts
-    that manager, an actor process of its own importing Ray Train and Ray Data, in every fit,
-    datasets or not: about 1.4 CPU-s and 190 MB for nothing. The workers take no dataset shard
-    provider then (Ray Train's own default). tests/rlhf_core/distributed/test_cluster.py fails if
-    a Ray upgrade moves what this relies on."""
+    """Ray Train's TorchTrainer, less two helper actors that Ray Train 2.60 starts in every fit
+    (each an actor process of its own that imports Ray Train and Ray Data) where they do nothing:
+
+    - the dataset manager, when no Ray Dataset is passed (the stages hand their data over in the
+      object store, not as Ray Datasets): about 1.4 CPU-s and 190 MB. The workers take no
+      dataset shard provider then (Ray Train's own default);
+    - the placement-group cleaner, on a cluster this process started. The cleaner removes the
+      workers' placement group when the Train controller dies without removing it, for a driver
+      that goes on using a cluster that outlives it. A cluster this process started ends with
+      it (`shutdown_ray`), and its placement groups with it. Each fit waits for the cleaner to
+      start: about 1.4 s and 2 CPU-s a fit on 2 cores. On a cluster we joined ($RAY_ADDRESS)
+      the cleaner stays.
+
+    tests/rlhf_core/distributed/test_cluster.py fails if a Ray upgrade moves what this relies on."""
 
     def _create_default_callbacks(self) -> list:
-        callbacks = super()._create_default_callbacks()
-        return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+        left_out = () if self.datasets else (DatasetsCallback,)
+        if _own_raylet() is not None:
+            left_out += (PlacementGroupCleanerCallback,)
+        return [c for c in super()._create_default_callbacks() if not isinstance(c, left_out)]
 
 
 def torch_trainer(

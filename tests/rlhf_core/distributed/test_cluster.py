@@ -153,64 +153,82 @@ def _listening_sockets_beyond_loopback_and_ray() -> dict:
     return {"ranks": gathered}
 
 
+HELPERS = ("DatasetManager", "PlacementGroupCleaner")  # the helper actors StageTrainer can leave out
+
+
 def _fit(trainer_cls, torch_config, tmp_path, name):
-    """The ranks' findings, and the dataset-manager actors the fit started (by actor id)."""
+    """The ranks' findings, and the class names of the HELPERS actors the fit started, one per actor."""
     import ray
     from ray import cloudpickle
     from ray.train import RunConfig, ScalingConfig
 
-    def dataset_managers() -> set[str]:
-        return {a for a, info in ray._private.state.actors().items() if info["ActorClassName"] == "DatasetManager"}
+    def helpers() -> dict[str, str]:
+        return {a: info["ActorClassName"] for a, info in ray._private.state.actors().items()
+                if info["ActorClassName"] in HELPERS}
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
-    before = dataset_managers()
+    before = helpers()
     trainer = trainer_cls(_listening_sockets_beyond_loopback_and_ray, torch_config=torch_config,
                           scaling_config=ScalingConfig(num_workers=2),
                           run_config=RunConfig(name=name, storage_path=str(tmp_path)))
     ranks = trainer.fit().return_value["ranks"]
-    return ranks, dataset_managers() - before
+    return ranks, sorted(name for actor, name in helpers().items() if actor not in before)
 
 
 @pytest.mark.slow  # a Ray Train fit
 def test_the_training_process_group_listens_on_loopback_only(ray_cluster, tmp_path):
     """With the pipeline's set-up (`torch_trainer`: `StageTrainer` and `LoopbackTorchConfig`) two
     workers on one node rendezvous and talk over loopback: no socket of theirs beyond Ray's own
-    server is reachable from another host; and a fit given no Ray Dataset starts no dataset
-    manager. Ray Train's default set-up, the control, opens the store on every interface and
-    starts one."""
+    server is reachable from another host; and a fit given no Ray Dataset, on a cluster this
+    process started, starts no dataset manager and no placement-group cleaner. Ray Train's
+    default set-up, the control, opens the store on every interface and starts one of each."""
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from rlhf_core.distributed.cluster import StageTrainer
     from rlhf_core.distributed.rendezvous import LoopbackTorchConfig
 
-    ours, managers = _fit(StageTrainer, LoopbackTorchConfig(), tmp_path, "loopback")
+    ours, helpers = _fit(StageTrainer, LoopbackTorchConfig(), tmp_path, "loopback")
     assert [r["sum"] for r in ours] == [2.0, 2.0]  # the group works
     assert [r["open"] for r in ours] == [[], []], ours
-    assert managers == set()
+    assert helpers == []
 
-    default, managers = _fit(TorchTrainer, TorchConfig(), tmp_path, "default")
+    default, helpers = _fit(TorchTrainer, TorchConfig(), tmp_path, "default")
     assert any(r["open"] for r in default), default  # the control: the check sees an open store
     assert any(addr.endswith(f":{default[0]['store_port']}") for addr in default[0]["open"]), default
-    assert len(managers) == 1, managers  # the control: the actor table shows the manager Ray Train starts
+    assert helpers == sorted(HELPERS), helpers  # the control: the actor table shows the helpers Ray Train starts
 
 
-def test_a_stage_trainer_leaves_out_only_the_dataset_manager_and_only_without_datasets(tmp_path):
+def test_a_stage_trainer_leaves_out_the_dataset_manager_without_datasets_and_the_cleaner_on_its_own_cluster(
+        tmp_path, monkeypatch):
     """What `StageTrainer` relies on in Ray Train (the default callbacks, among them
-    DatasetsCallback): a Ray upgrade that moves it fails here, not in a fit."""
+    DatasetsCallback and PlacementGroupCleanerCallback): a Ray upgrade that moves it fails here,
+    not in a fit. On a cluster this process did not start (one it joined), the cleaner stays."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
+    from rlhf_core.distributed import cluster
     from rlhf_core.distributed.cluster import StageTrainer, torch_trainer
 
     trainer = torch_trainer(lambda: None, num_workers=1, use_gpu=False, placement_strategy="PACK", run_name="r",
                             storage_path=tmp_path, max_failures=0, env={})
-    assert isinstance(trainer, StageTrainer)
-    ours = [type(c) for c in trainer._create_default_callbacks()]
-    theirs = [type(c) for c in TorchTrainer._create_default_callbacks(trainer)]
-    assert DatasetsCallback in theirs and ours == [t for t in theirs if t is not DatasetsCallback]
     with_data = StageTrainer(lambda: None, datasets={"train": lambda: None})
-    assert [type(c) for c in with_data._create_default_callbacks()] == [
-        type(c) for c in TorchTrainer._create_default_callbacks(with_data)]
+    assert isinstance(trainer, StageTrainer)
+
+    def ours_and_theirs(t) -> tuple[list[type], list[type]]:
+        return [type(c) for c in t._create_default_callbacks()], [type(c) for c in TorchTrainer._create_default_callbacks(t)]
+
+    monkeypatch.setattr(cluster, "_own_raylet", lambda: None)  # joined a cluster
+    ours, theirs = ours_and_theirs(trainer)
+    assert DatasetsCallback in theirs and PlacementGroupCleanerCallback in theirs
+    assert ours == [t for t in theirs if t is not DatasetsCallback]
+    assert ours_and_theirs(with_data)[0] == ours_and_theirs(with_data)[1]
+
+    monkeypatch.setattr(cluster, "_own_raylet", lambda: (1234, 0.0))  # connected to a cluster it started
+    ours, theirs = ours_and_theirs(trainer)
+    assert ours == [t for t in theirs if t not in (DatasetsCallback, PlacementGroupCleanerCallback)]
+    ours, theirs = ours_and_theirs(with_data)
+    assert ours == [t for t in theirs if t is not PlacementGroupCleanerCallback]
 
 
 @pytest.mark.parametrize(("built", "available", "nodes", "use_gpu", "expected"), [
