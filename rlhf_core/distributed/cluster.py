@@ -21,6 +21,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
 from rlhf_core.distributed.rendezvous import LoopbackTorchConfig
 
@@ -261,26 +262,48 @@ def cuda_unusable(local_only: bool) -> str | None:
 
 
 class StageTrainer(TorchTrainer):
-    """Ray Train's TorchTrainer, less two helper actors that Ray Train 2.60 starts in every fit
-    (each an actor process of its own that imports Ray Train and Ray Data) where they do nothing:
+    """Ray Train's TorchTrainer, less what Ray Train 2.60 starts in every fit that does nothing
+    here (each an actor process of its own that imports Ray Train and Ray Data):
 
     - the dataset manager, when no Ray Dataset is passed (the stages hand their data over in the
-      object store, not as Ray Datasets): about 1.4 CPU-s and 190 MB. The workers take no
-      dataset shard provider then (Ray Train's own default);
-    - the placement-group cleaner, on a cluster this process started. The cleaner removes the
-      workers' placement group when the Train controller dies without removing it, for a driver
-      that goes on using a cluster that outlives it. A cluster this process started ends with
-      it (`shutdown_ray`), and its placement groups with it. Each fit waits for the cleaner to
-      start: about 1.4 s and 2 CPU-s a fit on 2 cores. On a cluster we joined ($RAY_ADDRESS)
-      the cleaner stays.
+      object store, not as Ray Datasets). The workers take no dataset shard provider then (Ray
+      Train's own default).
 
-    tests/rlhf_core/distributed/test_cluster.py fails if a Ray upgrade moves what this relies on."""
+    And on a cluster this process started, which ends with it (`shutdown_ray`):
+
+    - the placement-group cleaner, which removes the workers' placement group should the Train
+      controller die without removing it, for a driver that goes on using a cluster that
+      outlives it; the placement groups of a cluster we started end with the cluster. Each fit
+      waits for its cleaner to start;
+    - the autoscaling coordinator (one a cluster) and the controller's resource requests to it
+      (`LocalScalingPolicy`): they ask Ray's autoscaler for nodes, and a cluster we started has
+      none. The first fit on a cluster waits for the coordinator to start.
+
+    `bench/fit_helpers.py` measures what they cost. On a cluster we joined ($RAY_ADDRESS) the
+    cleaner and the coordinator stay. tests/rlhf_core/distributed/test_cluster.py fails if a Ray
+    upgrade moves what this relies on."""
 
     def _create_default_callbacks(self) -> list:
         left_out = () if self.datasets else (DatasetsCallback,)
         if _own_raylet() is not None:
             left_out += (PlacementGroupCleanerCallback,)
         return [c for c in super()._create_default_callbacks() if not isinstance(c, left_out)]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        if _own_raylet() is not None and type(controller_init_kwargs.get("scaling_policy")) is FixedScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = LocalScalingPolicy(self.scaling_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+
+class LocalScalingPolicy(FixedScalingPolicy):
+    """Ray Train's fixed-size scaling policy without its resource requests to the autoscaling
+    coordinator: for a cluster without an autoscaler (`StageTrainer`)."""
+
+    def after_controller_start(self, train_run_context) -> None:
+        """Ray Train's registers a requester and sends its first request here: nothing to do."""
+
+    def _maybe_send_resource_request(self) -> None:
+        """Nothing to ask for (the policy's decisions call this on every poll)."""
 
 
 def torch_trainer(

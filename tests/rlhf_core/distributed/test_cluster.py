@@ -153,7 +153,8 @@ def _listening_sockets_beyond_loopback_and_ray() -> dict:
     return {"ranks": gathered}
 
 
-HELPERS = ("DatasetManager", "PlacementGroupCleaner")  # the helper actors StageTrainer can leave out
+# the helper actors StageTrainer can leave out (the coordinator: one a cluster, made by its first fit)
+HELPERS = ("DatasetManager", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor")
 
 
 def _fit(trainer_cls, torch_config, tmp_path, name):
@@ -180,8 +181,9 @@ def test_the_training_process_group_listens_on_loopback_only(ray_cluster, tmp_pa
     """With the pipeline's set-up (`torch_trainer`: `StageTrainer` and `LoopbackTorchConfig`) two
     workers on one node rendezvous and talk over loopback: no socket of theirs beyond Ray's own
     server is reachable from another host; and a fit given no Ray Dataset, on a cluster this
-    process started, starts no dataset manager and no placement-group cleaner. Ray Train's
-    default set-up, the control, opens the store on every interface and starts one of each."""
+    process started, starts no dataset manager, no placement-group cleaner and no autoscaling
+    coordinator. Ray Train's default set-up, the control, opens the store on every interface
+    and starts one of each."""
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from rlhf_core.distributed.cluster import StageTrainer
@@ -198,17 +200,20 @@ def test_the_training_process_group_listens_on_loopback_only(ray_cluster, tmp_pa
     assert helpers == sorted(HELPERS), helpers  # the control: the actor table shows the helpers Ray Train starts
 
 
-def test_a_stage_trainer_leaves_out_the_dataset_manager_without_datasets_and_the_cleaner_on_its_own_cluster(
+def test_a_stage_trainer_leaves_out_the_dataset_manager_without_datasets_and_more_on_its_own_cluster(
         tmp_path, monkeypatch):
     """What `StageTrainer` relies on in Ray Train (the default callbacks, among them
-    DatasetsCallback and PlacementGroupCleanerCallback): a Ray upgrade that moves it fails here,
-    not in a fit. On a cluster this process did not start (one it joined), the cleaner stays."""
+    DatasetsCallback and PlacementGroupCleanerCallback; the controller's scaling policy): a Ray
+    upgrade that moves it fails here, not in a fit. On a cluster this process did not start (one
+    it joined), the cleaner and Ray Train's scaling policy stay."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy, ResizeDecision, create_scaling_policy
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     from rlhf_core.distributed import cluster
-    from rlhf_core.distributed.cluster import StageTrainer, torch_trainer
+    from rlhf_core.distributed.cluster import LocalScalingPolicy, StageTrainer, torch_trainer
 
     trainer = torch_trainer(lambda: None, num_workers=1, use_gpu=False, placement_strategy="PACK", run_name="r",
                             storage_path=tmp_path, max_failures=0, env={})
@@ -218,17 +223,34 @@ def test_a_stage_trainer_leaves_out_the_dataset_manager_without_datasets_and_the
     def ours_and_theirs(t) -> tuple[list[type], list[type]]:
         return [type(c) for c in t._create_default_callbacks()], [type(c) for c in TorchTrainer._create_default_callbacks(t)]
 
+    controllers = []  # the scaling policy each (stubbed) controller would be given
+    monkeypatch.setattr(DataParallelTrainer, "_initialize_and_run_controller",
+                        lambda self, **kwargs: controllers.append(kwargs["scaling_policy"]))
+
+    def policy_given(t):
+        t._initialize_and_run_controller(scaling_policy=create_scaling_policy(t.scaling_config), callbacks=[])
+        return controllers[-1]
+
     monkeypatch.setattr(cluster, "_own_raylet", lambda: None)  # joined a cluster
     ours, theirs = ours_and_theirs(trainer)
     assert DatasetsCallback in theirs and PlacementGroupCleanerCallback in theirs
     assert ours == [t for t in theirs if t is not DatasetsCallback]
     assert ours_and_theirs(with_data)[0] == ours_and_theirs(with_data)[1]
+    assert type(policy_given(trainer)) is FixedScalingPolicy
 
     monkeypatch.setattr(cluster, "_own_raylet", lambda: (1234, 0.0))  # connected to a cluster it started
     ours, theirs = ours_and_theirs(trainer)
     assert ours == [t for t in theirs if t not in (DatasetsCallback, PlacementGroupCleanerCallback)]
     ours, theirs = ours_and_theirs(with_data)
     assert ours == [t for t in theirs if t is not PlacementGroupCleanerCallback]
+    policy = policy_given(trainer)
+    assert type(policy) is LocalScalingPolicy and policy.scaling_config is trainer.scaling_config
+    # it decides as Ray Train's does, with no coordinator to ask (Ray Train's would need one: the control)
+    policy.after_controller_start(None)
+    decision = policy.make_decision_for_non_running_worker_group()
+    assert isinstance(decision, ResizeDecision) and decision.num_workers == 1
+    with pytest.raises(AssertionError):
+        FixedScalingPolicy(trainer.scaling_config).make_decision_for_non_running_worker_group()
 
 
 @pytest.mark.parametrize(("built", "available", "nodes", "use_gpu", "expected"), [

@@ -45,8 +45,9 @@ TRAIN = textwrap.dedent("""
                                 on_metrics=exporter.sink(), run_name="multinode")
     exporter.close()
     import ray  # still connected to the cluster it joined: its actor table holds finished actors too
-    cleaners = [a for a in ray._private.state.actors().values() if a["ActorClassName"] == "PlacementGroupCleaner"]
-    print("RESULT " + json.dumps({"workers": exporter.workers, "steps": result.steps, "cleaners": len(cleaners)}))
+    helpers = [a["ActorClassName"] for a in ray._private.state.actors().values()
+               if a["ActorClassName"] in ("PlacementGroupCleaner", "_AutoscalingCoordinatorActor")]
+    print("RESULT " + json.dumps({"workers": exporter.workers, "steps": result.steps, "helpers": sorted(helpers)}))
 """)
 
 
@@ -108,7 +109,8 @@ def test_a_training_stage_joins_the_cluster_and_spreads_its_workers(two_nodes, t
     result = json.loads(line.removeprefix("RESULT "))
     workers = result["workers"]
     assert set(workers) == {"0", "1"} and result["steps"] > 0
-    assert result["cleaners"] == 1  # on a cluster it joined, the stage keeps Ray Train's placement-group cleaner
+    # on a cluster it joined, the stage keeps Ray Train's placement-group cleaner and autoscaling coordinator
+    assert result["helpers"] == ["PlacementGroupCleaner", "_AutoscalingCoordinatorActor"], result["helpers"]
     nodes = {w["node"] for w in workers.values()}
     print(f"\nworkers: {workers}")
     assert len(nodes) == 2, f"both workers ran on one node: {workers}"
