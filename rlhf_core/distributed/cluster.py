@@ -273,8 +273,9 @@ class StageTrainer(TorchTrainer):
 
     - the placement-group cleaner, which removes the workers' placement group should the Train
       controller die without removing it, for a driver that goes on using a cluster that
-      outlives it; the placement groups of a cluster we started end with the cluster. Each fit
-      waits for its cleaner to start;
+      outlives it. A controller that dies fails its stage, and with it the run, whose process
+      then ends with the cluster and its placement groups. Each fit waits for its cleaner to
+      start;
     - the autoscaling coordinator (one a cluster) and the controller's resource requests to it
       (`LocalScalingPolicy`): they ask Ray's autoscaler for nodes, and a cluster we started has
       none. The first fit on a cluster waits for the coordinator to start.
