@@ -129,14 +129,14 @@ def main() -> None:
 
     os.environ.update({k: os.environ.get(k, v) for k, v in LOCAL_CLUSTER_ENV.items()})
     one_cluster, fresh = variants()
-    storage = tempfile.mkdtemp(prefix="fit-helpers-")
-    start_local_ray(num_cpus=2, log_to_driver=False)
-    try:
-        one_fit(one_cluster["Ray Train's defaults (TorchTrainer)"], storage, "warm-up")  # makes the coordinator
-        per_fit = summary(rounds(one_cluster, args.rounds, storage, fresh_cluster=False))
-    finally:
-        shutdown_ray()
-    first_fit = summary(rounds(fresh, args.rounds, storage, fresh_cluster=True))
+    with tempfile.TemporaryDirectory(prefix="fit-helpers-") as storage:  # the fits' checkpoints and records
+        start_local_ray(num_cpus=2, log_to_driver=False)
+        try:
+            one_fit(one_cluster["Ray Train's defaults (TorchTrainer)"], storage, "warm-up")  # makes the coordinator
+            per_fit = summary(rounds(one_cluster, args.rounds, storage, fresh_cluster=False))
+        finally:
+            shutdown_ray()
+        first_fit = summary(rounds(fresh, args.rounds, storage, fresh_cluster=True))
     columns = ["trainer", "helpers started", "wall_s", "wall_range", "cpu_s", "cpu_range"]
     print("Every fit (one cluster):")
     print(table(per_fit, columns))
