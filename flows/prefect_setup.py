@@ -2,9 +2,11 @@
 temporary API server started early when no server is configured."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -43,12 +45,31 @@ def start_prefect_server_early() -> Callable[[], None]:
     import prefect.main  # noqa: F401 - sets up Prefect's logging, so the server's start is logged as before
     from prefect.server.api.server import SubprocessASGIServer
 
+    server = SubprocessASGIServer()  # the one per-process instance the flow will find
+
     def start() -> None:
         try:
-            SubprocessASGIServer().start()
+            server.start()
         except Exception:  # noqa: BLE001 - the flow retries the start and reports the error
             logging.getLogger(__name__).debug("early Prefect server start failed", exc_info=True)
 
     thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
+    atexit.register(stop_when_started, server, thread)
     thread.start()
     return thread.join
+
+
+def stop_when_started(server, thread: threading.Thread, wait_s: float = 10.0) -> None:
+    """At exit, stop the server the thread is starting, even when the exit came first.
+
+    Prefect registers its own stop only once the server's process is spawned. An exit in
+    between (a SIGTERM while the flow's libraries import, on a busy machine) would otherwise
+    leave the uvicorn process running with no parent. So wait, briefly, for the thread to
+    get past the spawn or give up, then stop whatever it started; once stopped, a second
+    stop does nothing.
+    """
+    deadline = time.monotonic() + wait_s
+    while thread.is_alive() and server.server_process is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if server.server_process is not None:
+        server.stop()

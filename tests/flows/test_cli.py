@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import yaml
 
 from flows import cli, serving_commands
 from flows.cli import _parser, main
+from flows.prefect_setup import stop_when_started
 from rlhf_core.config.default import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,13 +118,13 @@ def _sigterm_once_running(tmp_path: Path, config_args: list[str], marker: str) -
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=120)
         _, alive = psutil.wait_procs(family, timeout=30)
-        alive = [p for p in alive if not _ended(p)]
+        left = [" ".join(_cmdline(p))[:120] for p in alive if not _ended(p)]  # named before they are killed
     finally:
         run.kill()
         for p in family:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-    return run.returncode, log.read_text(), [" ".join(_cmdline(p))[:120] for p in alive]
+    return run.returncode, log.read_text(), left
 
 
 def _ended(p: psutil.Process) -> bool:
@@ -148,6 +150,44 @@ def test_a_sigterm_while_the_flow_imports_stops_prefects_temporary_server_too(tm
     assert status == 143, out[-3000:]
     assert "rlhf: stopped by SIGTERM" in out and "flow run" not in out.lower()
     assert left == []
+
+
+def test_an_exit_while_prefects_server_is_being_spawned_still_stops_it(monkeypatch):
+    """The early start's thread spawns the server, and only then does Prefect register its stop
+    at exit. An exit in between (a SIGTERM during the imports, on a busy machine) must not leave
+    the server's process behind: the exit handler waits for the spawn and stops it."""
+    from prefect.server.api.server import SubprocessASGIServer  # the server's app: not for every test's collection
+
+    spawned, go_on = threading.Event(), threading.Event()
+    children: list[subprocess.Popen] = []
+
+    def spawn_then_stall(self):  # Prefect's spawn, with the thread held just after it
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]))
+        spawned.set()
+        go_on.wait(1.0)
+        return children[-1]
+
+    monkeypatch.setattr(SubprocessASGIServer, "_run_uvicorn_command", spawn_then_stall)
+    monkeypatch.setattr(SubprocessASGIServer, "_instances", {})  # not the instance a flow in this process uses
+    server = SubprocessASGIServer(port=1)  # nothing answers there: the health poll only waits
+
+    def start() -> None:
+        with contextlib.suppress(Exception):  # it fails once stopped: the early start's thread ignores that too
+            server.start(timeout=3)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    try:
+        assert spawned.wait(30)
+        assert server.server_process is None  # the window: spawned, and no stop registered yet
+        stop_when_started(server, thread)
+        assert children[0].wait(timeout=10) is not None
+    finally:
+        go_on.set()
+        thread.join(10)
+        for child in children:
+            child.kill()
+            child.wait()
 
 
 @pytest.mark.slow  # a pipeline up to its reward stage
