@@ -162,6 +162,13 @@ def start_deepspeed(device: torch.device):
     return deepspeed
 
 
+def stop_deepspeed() -> None:
+    """Close the process group `start_deepspeed` opened, so that NCCL's communicators are released
+    before the interpreter exits rather than left to its teardown."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def measured_run(label: str, plan: Plan, device: torch.device, failed: list[str], deepspeed=None) -> dict:
     """`run_grpo` with its memory beside the preflight's estimate; what did not hold is added to
     `failed`. An OOM or a bug on the device becomes the run's error, so the rest of the check runs."""
@@ -221,6 +228,8 @@ def main() -> int:
     print(f"\n[3/3] GRPO on {device.type} under DeepSpeed, as the policy stage runs it", flush=True)
     deepspeed = start_deepspeed(device)
     grpo_ds = measured_run("GRPO under DeepSpeed", plan, device, failed, deepspeed) if deepspeed else None
+    if deepspeed:
+        stop_deepspeed()
     peaks = [r["memory"]["peak_gpu_memory_gib"] for r in (grpo, grpo_ds) if r and r["memory"]["peak_gpu_memory_gib"]]
     payload = {"machine": machine(device), "dry_run": dry_run, "device": device.type,
                "model": {"shape": plan.name, **plan.model, "parameters": parameter_count(plan)},

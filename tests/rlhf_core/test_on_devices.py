@@ -259,6 +259,8 @@ args = list(args)
 args[6] = 0  # the receiver's device index, as vLLM's IPC engine overwrites it
 buffer = rebuild_cuda_tensor(*args)
 parts = [buffer[start:end].clone().float().cpu() for start, end in offsets]
+del buffer  # let go of the mapping, as vLLM's consumer does once it has cloned a chunk
+torch.cuda.synchronize()
 pickle.dump([p.tolist() for p in parts], sys.stdout.buffer)
 """
 
@@ -277,6 +279,7 @@ def test_a_packed_bf16_buffer_shared_by_its_cuda_ipc_handle_reads_back_whole_in_
 
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(37, 11, generator=gen), torch.randn(5, generator=gen), torch.randn(64, 3, generator=gen)]
+    allocated = torch.cuda.memory_allocated()
     buffer = torch.empty(sum(t.numel() for t in tensors), dtype=torch.bfloat16, device="cuda")
     offsets, start = [], 0
     for t in tensors:
@@ -293,3 +296,6 @@ def test_a_packed_bf16_buffer_shared_by_its_cuda_ipc_handle_reads_back_whole_in_
         assert got == t.flatten().to(torch.bfloat16).float().tolist()
     del buffer
     torch.cuda.ipc_collect()
+    # The reader let go of its mapping, so the exporter's buffer is freed rather than parked in
+    # torch's limbo of IPC-shared blocks: what the sync's `ipc_collect` after each chunk relies on.
+    assert torch.cuda.memory_allocated() == allocated, "the IPC-shared buffer was not freed after the reader let go"
