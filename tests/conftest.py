@@ -11,7 +11,7 @@ import yaml
 from flows import quick_exit
 from flows.cli import quiet_telemetry  # noqa: E402
 from rlhf_core.testing.configs import tiny_config_dict
-from rlhf_core.testing.order import longest_modules_first, module_seconds
+from rlhf_core.testing.order import lane_scheduler, longest_modules_first, module_seconds
 from rlhf_core.testing.ports import free_ports as free_ports_
 
 quiet_telemetry()
@@ -49,6 +49,12 @@ def pytest_collection_modifyitems(config, items):
                 no_cuda = not torch.cuda.is_available()
             if no_cuda:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s scheduling: each worker its lane first (`lane_scheduler`)."""
+    return lane_scheduler(config, log)
 
 
 @pytest.hookimpl(trylast=True)

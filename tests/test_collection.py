@@ -86,3 +86,65 @@ def test_the_slowest_modules_come_first_each_kept_whole_and_in_order(tmp_path):
     assert [i.nodeid for i in items] == ["tests/b.py::t2", "tests/b.py::t1", "tests/c.py::t1", "tests/c.py::t0",
                                          "tests/a.py::t1"]  # unmeasured (a new module) last
     assert module_seconds(tmp_path / "none.json") == {} and module_seconds(tmp_path) == {}
+
+
+def test_each_worker_runs_its_own_lane_first_then_the_rest_then_takes_from_the_other_lane():
+    from rlhf_core.testing.order import LANES, next_module
+
+    lanes = (("a", "b"), ("c", "d"))
+    queued = ["c", "a", "d", "x", "b", "y"]  # slowest first
+    assert next_module(queued, 0, lanes) == "a" and next_module(queued, 1, lanes) == "c"
+    assert next_module(["d", "x", "y"], 0, lanes) == "x"  # its lane done: the slowest of no lane
+    assert next_module(["c", "d"], 0, lanes) == "d"  # nothing else: the other lane's last
+    assert next_module(["c", "d", "x"], 2, lanes) == "x"  # a worker with no lane
+    # make test's lanes: each module once, every one of them a module of the tree
+    laned = [module for lane in LANES for module in lane]
+    assert len(laned) == len(set(laned)) and all((REPO / module).is_file() for module in laned)
+
+
+def test_the_lane_scheduler_hands_each_worker_its_lane_then_shares_the_rest():
+    """pytest-xdist's own loadfile scheduler, driven as its controller drives it, with the lanes'
+    choice in: two workers, each test reported done in turn."""
+    from types import SimpleNamespace
+
+    from rlhf_core.testing.order import lane_scheduler
+
+    class Config:
+        option = SimpleNamespace(loadscopereorder=False)
+
+        def __init__(self, **values):
+            self.values = {"tx": ["2*popen"], "dist": "loadfile", "numprocesses": 2} | values
+
+        def getvalue(self, name):
+            return self.values[name]
+
+    class Worker:
+        def __init__(self, name):
+            self.gateway, self.shutting_down, self.pending, self.ran = SimpleNamespace(id=name), False, [], []
+
+        def send_runtest_some(self, indices):
+            self.pending += indices
+
+        def shutdown(self):
+            self.shutting_down = True
+
+    lanes = (("tests/a.py", "tests/b.py"), ("tests/c.py",))
+    modules = ["tests/c.py", "tests/a.py", "tests/x.py", "tests/b.py", "tests/y.py"]  # slowest first
+    collection = [f"{module}::t{i}" for module in modules for i in range(3)]
+    assert lane_scheduler(Config(numprocesses=3), lanes=lanes) is None  # not make test's two workers
+    assert lane_scheduler(Config(dist="load"), lanes=lanes) is None
+    scheduler = lane_scheduler(Config(), lanes=lanes)
+    workers = [Worker("gw0"), Worker("gw1")]
+    for worker in workers:
+        scheduler.add_node(worker)
+        scheduler.add_node_collection(worker, collection)
+    scheduler.schedule()
+    while any(worker.pending for worker in workers):
+        for worker in workers:
+            if worker.pending:
+                index = worker.pending.pop(0)
+                worker.ran.append(collection[index].split("::")[0])
+                scheduler.mark_test_complete(worker, index)
+    ran = [list(dict.fromkeys(worker.ran)) for worker in workers]
+    assert ran[0][:2] == ["tests/a.py", "tests/b.py"] and ran[1][0] == "tests/c.py"
+    assert sorted(ran[0] + ran[1]) == sorted(modules) and sum(len(w.ran) for w in workers) == len(collection)
