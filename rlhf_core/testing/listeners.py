@@ -3,9 +3,15 @@ whole runs check that nothing of the project's listens beyond loopback."""
 from __future__ import annotations
 
 import ipaddress
+import os
+import sys
+import socket
 import threading
+from pathlib import Path
 
 import psutil
+
+TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}
 
 
 def loopback(ip: str) -> bool:
@@ -15,9 +21,51 @@ def loopback(ip: str) -> bool:
     return address.is_loopback or bool(getattr(address, "ipv4_mapped", None) and address.ipv4_mapped.is_loopback)
 
 
+def decode_address(hex_address: str, family: int) -> str:
+    """`0100007F:1F90` (/proc/net/tcp: the address as the kernel's 32-bit words in this
+    machine's byte order, the port big-endian) -> "127.0.0.1:8080", written as psutil writes it."""
+    hex_ip, hex_port = hex_address.split(":")
+    raw = bytes.fromhex(hex_ip)
+    ip = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+    return f"{socket.inet_ntop(family, ip)}:{int(hex_port, 16)}"
+
+
+def listening_sockets(proc_net: Path = Path("/proc/net")) -> dict[int, str]:
+    """inode -> "ip:port" of every listening TCP socket in this network namespace."""
+    found = {}
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = (proc_net / name).read_text().splitlines()[1:]
+        except FileNotFoundError:  # no IPv6 in this kernel
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == TCP_LISTEN:
+                found[int(fields[9])] = decode_address(fields[1], family)
+    return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets among a process's open files (`socket:[INODE]` links)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
 class Listeners(threading.Thread):
     """Every listening TCP socket of the processes under `roots` (their descendants included:
     Ray's daemons and workers, the served model), sampled every 0.3 s until `stop()`.
+
+    A sample reads the machine's table of listening sockets once; only a socket not seen
+    before sends it through the processes' open files to find whose it is. (psutil's
+    per-process `net_connections` reads the whole table again for every process: over the
+    fifty-odd processes of two pipeline runs that was a third of a core.)
 
     A process is named by the longest command line any sample read: one first sampled while it
     exits reads as empty (the kernel frees its memory before its files), and its parent's
@@ -27,23 +75,34 @@ class Listeners(threading.Thread):
         super().__init__(daemon=True)
         self.roots, self.seen, self._done = roots, {}, threading.Event()  # pid -> (cmdline, {addr})
         self.parents: dict[int, str] = {}  # pid -> the parent's command line
+        self._known: set[int] = set()  # the inodes of listening sockets already looked for
 
     def run(self) -> None:
         while not self._done.wait(0.3):
-            for root in self.roots:
+            self.sample()
+
+    def sample(self) -> None:
+        """One reading: the new listening sockets, and which of the processes under the roots
+        hold them (a socket none of them holds is another program's, looked for once)."""
+        listening = listening_sockets()
+        new = {inode: addr for inode, addr in listening.items() if inode not in self._known}
+        if not new:
+            return
+        for root in self.roots:
+            try:
+                procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for proc in procs:
                 try:
-                    procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
-                except psutil.NoSuchProcess:
+                    held = socket_inodes(proc.pid) & new.keys()
+                    cmdline = " ".join(proc.cmdline())
+                    parent = proc.parent()
+                    parent_cmdline = " ".join(parent.cmdline()) if parent else ""
+                except (OSError, psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
-                for proc in procs:
-                    try:
-                        socks = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
-                        cmdline = " ".join(proc.cmdline())
-                        parent = proc.parent()
-                        parent_cmdline = " ".join(parent.cmdline()) if parent else ""
-                    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                        continue
-                    self.record(proc.pid, cmdline, parent_cmdline, {f"{a.ip}:{a.port}" for a in socks})
+                self.record(proc.pid, cmdline, parent_cmdline, {new[inode] for inode in held})
+        self._known |= new.keys()
 
     def record(self, pid: int, cmdline: str, parent_cmdline: str, addrs: set[str]) -> None:
         known, seen_addrs = self.seen.get(pid, ("", set()))

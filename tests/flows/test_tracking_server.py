@@ -8,6 +8,7 @@ prompt-only RL set and an eval set saved with `datasets`), which wins, serves an
 chat through the `openai` client."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -141,6 +142,65 @@ def test_the_sampler_finds_every_listener_beyond_loopback():
     sampler.record(6, "ray::IDLE", raylet, set())  # a later sample names it; the name stays
     sampler.record(6, "", raylet, set())
     assert sampler.seen[6][0] == "ray::IDLE"
+
+
+LISTENER = """
+import socket, sys
+held = []
+def listen(family, host):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.bind((host, 0)); s.listen(); held.append(s)
+listen(socket.AF_INET, "127.0.0.1")
+listen(socket.AF_INET, "0.0.0.0")
+try:
+    listen(socket.AF_INET6, "::1")
+except OSError:  # a kernel without IPv6
+    pass
+held.append(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))  # open, not listening
+print(len(held) - 1, flush=True)
+sys.stdin.readline()
+listen(socket.AF_INET, "127.0.0.2")
+print(len(held) - 1, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_sampler_reads_the_listening_sockets_psutil_reads():
+    """The sampler reads the machine's socket table once a sample and looks through the
+    processes only for a socket it has not seen; psutil, reading each process's own, is the
+    reference. A child of a child listens on loopback, on every interface and (where the
+    kernel has IPv6) on ::1, and later on one more address."""
+    import psutil
+
+    launcher = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {LISTENER!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs = [psutil.Process(parent.pid)]
+    try:
+        made = int(parent.stdout.readline())
+        procs += procs[0].children()
+        child = procs[1]
+
+        def psutils_view() -> set[str]:
+            return {f"{c.laddr.ip}:{c.laddr.port}" for c in child.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+
+        sampler = Listeners([parent.pid])
+        sampler.sample()
+        first = psutils_view()
+        assert made in (2, 3) and len(first) == made and sampler.seen[child.pid][1] == first, (sampler.seen, first)
+        assert sampler.seen[parent.pid][1] == set()  # the parent holds none of them
+        wide = {pid: addrs for pid, (_, addrs) in sampler.beyond_loopback().items()}
+        assert wide == {child.pid: [a for a in first if a.startswith("0.0.0.0:")]}, sampler.beyond_loopback()
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert int(parent.stdout.readline()) == made + 1
+        sampler.sample()
+        now = psutils_view()
+        assert len(now) == made + 1 and sampler.seen[child.pid][1] == now and now - first, (sampler.seen, now)
+    finally:
+        for proc in reversed(procs):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        parent.wait(10)
 
 
 @pytest.mark.slow
