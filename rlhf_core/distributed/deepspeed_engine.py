@@ -2,6 +2,7 @@
 backward-and-step of a pre-normalised loss, and the full weights gathered from the ranks."""
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import sys
@@ -191,7 +192,14 @@ def import_deepspeed(use_gpu: bool):
     DeepSpeed's autotuner imports MLflow whenever it is installed, to log autotuning results we
     never ask for: a third of DeepSpeed's import time, paid by every training worker of every
     stage. A process that has not imported MLflow imports DeepSpeed with MLflow hidden (the
-    autotuner then records that it has none), and MLflow imports normally afterwards."""
+    autotuner then records that it has none), and MLflow imports normally afterwards.
+
+    ZeRO imports DeepSpeed's Muon optimizer at its first gradient reduction, to ask whether the
+    optimizer is Muon. That module wraps Muon's kernels in `torch.compile` as it loads, which
+    imports the rest of torch's compiler (dynamo's debugging tools, functorch's partitioners,
+    networkx): 1.2 CPU-s of every training worker. The optimizer here is always AdamW
+    (`deepspeed_config`), so the module is imported once here with its kernels left as plain
+    functions; ZeRO then finds it imported."""
     if not use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
@@ -203,7 +211,29 @@ def import_deepspeed(use_gpu: bool):
     finally:
         if hide_mlflow:
             del sys.modules["mlflow"]
+    _import_muon_uncompiled()
     return deepspeed
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer module with `deepspeed.runtime.compiler.compile` a
+    no-op decorator meanwhile (see `import_deepspeed`). Nothing to do once it is imported, or
+    in a DeepSpeed without Muon."""
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler  # noqa: PLC0415
+
+    compile_ = compiler.compile
+    compiler.compile = lambda: (lambda fn: fn)
+    try:
+        importlib.import_module(MUON_MODULE)
+    except ImportError:
+        pass
+    finally:
+        compiler.compile = compile_
 
 
 def build_deepspeed_ops() -> float:
