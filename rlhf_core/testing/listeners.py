@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import sys
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -30,12 +30,12 @@ def decode_address(hex_address: str, family: int) -> str:
     return f"{socket.inet_ntop(family, ip)}:{int(hex_port, 16)}"
 
 
-def listening_sockets(proc_net: Path = Path("/proc/net")) -> dict[int, str]:
+def listening_sockets() -> dict[int, str]:
     """inode -> "ip:port" of every listening TCP socket in this network namespace."""
     found = {}
     for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
-            lines = (proc_net / name).read_text().splitlines()[1:]
+            lines = (Path("/proc/net") / name).read_text().splitlines()[1:]
         except FileNotFoundError:  # no IPv6 in this kernel
             continue
         for line in lines:
@@ -65,7 +65,7 @@ class Listeners(threading.Thread):
     A sample reads the machine's table of listening sockets once; only a socket not seen
     before sends it through the processes' open files to find whose it is. (psutil's
     per-process `net_connections` reads the whole table again for every process: over the
-    fifty-odd processes of two pipeline runs that was a third of a core.)
+    fifty-odd processes of the suite's pipeline runs that was a third of a core.)
 
     A process is named by the longest command line any sample read: one first sampled while it
     exits reads as empty (the kernel frees its memory before its files), and its parent's
