@@ -106,14 +106,30 @@ def test_agreement_rows_compare_tokens_and_stripped_text():
 
 
 @pytest.mark.slow
-def test_the_real_gguf_converts_and_transformers_and_vllm_agree(tmp_path):
-    """Fails (never skips) without the package: the message says to run `make chat-model`."""
+def test_the_real_gguf_converts_and_transformers_and_vllm_agree(tmp_path, monkeypatch):
+    """Fails (never skips) without the package: the message says to run `make chat-model`.
+    The conversion parses the file once and builds gguf's tensor-name map once (transformers
+    alone: three parses, and one map per submodule)."""
+    import gguf as gguf_package
     from transformers import AutoConfig
 
     from rlhf_core.tokenizer import load_tokenizer
 
+    parsed, mapped = [], []
+
+    class CountingReader(gguf_package.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parsed.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    name_map = gguf_package.get_tensor_name_map
+    monkeypatch.setattr(gguf_package, "GGUFReader", CountingReader)
+    monkeypatch.setattr(gguf_package, "get_tensor_name_map", lambda *a: mapped.append(a) or name_map(*a))
+
     gguf = find_smollm2_gguf()
     out = convert_gguf(gguf, tmp_path / "smollm2")
+    assert len(parsed) == 1 and len(mapped) == 1, (parsed, mapped)
+    assert gguf_package.GGUFReader is CountingReader  # put back after the conversion
     record = read_conversion(out)
     assert record["source"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and record["dtype"] == "float32"
     assert 130e6 < record["num_parameters"] < 140e6  # 134.5M, the embedding tied to the head
