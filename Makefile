@@ -2,7 +2,9 @@
 #   make demo   set up .venv (first time only) and run the whole pipeline on configs/demo.yaml
 #   make test   set up .venv (first time only) and run the test suite
 SHELL := /bin/bash
-PYTHON ?= python3
+# The interpreter a new .venv is made with: PYTHON where given, else the fastest Python 3.10-3.12 on
+# PATH (infra/scripts/pick-python.sh: builds of one version differ by a quarter in speed).
+PYTHON ?=
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -37,7 +39,7 @@ $(PIP_STAMP):
 	@test -x $(PY) || { free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	  [ "$$free" -ge $(SETUP_DISK_GIB) ] || { echo "error: a new $(VENV) needs about $(SETUP_DISK_GIB) GiB free on\
 	 $$(df -P . | awk 'NR==2 {print $$6}'), which has $$free GiB: free some space and run make again" >&2; exit 1; }; }
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { py=$(or $(PYTHON),$$(bash infra/scripts/pick-python.sh)) && $$py -m venv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
 	@touch $(PIP_STAMP)
 
@@ -122,7 +124,7 @@ test-fast: setup test-tools
 # The GPU path on one GPU in minutes, with torch/transformers/peft only (no setup: a GPU machine has no .venv);
 # a dry run on the CPU where there is no CUDA device. docs/performance-notes.md, "Checking the GPU path".
 gpu-check:
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu_check.py
+	$(if $(wildcard $(PY)),$(PY),$(or $(PYTHON),python3)) bench/gpu_check.py
 
 # docs/configuration.md is generated from the config models (rlhf_core/config.py)
 docs: setup
@@ -137,7 +139,7 @@ lock: setup
 # longer resolves, so a conflict is caught before a user on a GPU machine meets it. With the pip of
 # .venv where there is one (pip >= 24, from setup): about 30 s and 29 CPU-s on 2 cores, against 75 s
 # and 72 CPU-s with a system pip 23.2.
-RESOLVER_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+RESOLVER_PY = $(if $(wildcard $(PY)),$(PY),$(or $(PYTHON),python3))
 lock-gpu:
 	$(RESOLVER_PY) infra/scripts/gpu_constraints.py lock
 
