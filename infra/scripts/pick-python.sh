@@ -4,10 +4,10 @@
 # unless another is more than 10% faster. Says on stderr which it took and why.
 #
 # Builds of one Python version differ more than versions do. pyenv's default build (libpython
-# as a shared library, no profile-guided or link-time optimisation) ran a loop of dict and str
-# work in 0.34 s where the distribution's build of Python 3.11 (static, optimised) took 0.25 s,
-# and imported the pipeline's stack with 14% less CPU; a run of the pipeline or of the tests
-# starts hundreds of Python processes. docs/benchmarks.md, "The interpreter".
+# as a shared library, no profile-guided or link-time optimisation) ran the loop below in
+# 0.034-0.044 s where the distribution's build of Python 3.11 (static, optimised) took
+# 0.023-0.030 s, and imported the pipeline's stack with 14-20% more CPU; a run of the pipeline or
+# of the tests starts hundreds of Python processes. docs/benchmarks.md, "The interpreter".
 set -euo pipefail
 
 # min of 5 runs of a small loop of what imports and the pipeline's Python do (calls, dicts, str)
