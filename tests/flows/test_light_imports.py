@@ -32,3 +32,25 @@ def test_the_pipeline_loads_great_expectations_only_to_validate_and_peft_only_fo
     loaded = loaded_after_import("flows.pipeline")
     assert {"torch", "transformers", "ray"} <= loaded and "great_expectations" not in loaded
     assert "peft" not in loaded
+    # scikit-learn, which transformers imports with every model class and the pipeline never
+    # calls, waits for its first use (rlhf_core.lazy_imports)
+    assert "sklearn" not in loaded
+
+
+def test_assisted_decoding_still_gets_scikit_learns_roc_curve_on_its_first_call():
+    # transformers' assisted decoding is the one caller of what rlhf_core.lazy_imports defers:
+    # it still sees scikit-learn as installed, and the curve is scikit-learn's own (its
+    # documentation's example), imported only by that call
+    code = (
+        "import json, sys, rlhf_core, transformers.generation.candidate_generator as cg\n"
+        "before = 'sklearn' in sys.modules\n"
+        "fpr, tpr, thresholds = cg.roc_curve([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8])\n"
+        "print(json.dumps([before, cg.is_sklearn_available(), 'sklearn.metrics' in sys.modules,"
+        " fpr.tolist(), tpr.tolist(), thresholds[1:].tolist()]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    before, available, after, fpr, tpr, thresholds = json.loads(out.stdout.splitlines()[-1])
+    assert (before, available, after) == (False, True, True)
+    assert fpr == [0.0, 0.0, 0.5, 0.5, 1.0] and tpr == [0.0, 0.5, 0.5, 1.0, 1.0]
+    assert thresholds == [0.8, 0.4, 0.35, 0.1]
