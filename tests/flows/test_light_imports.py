@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL_STACK = ("torch", "transformers", "great_expectations", "ray", "vllm", "deepspeed")
 
@@ -24,33 +26,45 @@ def test_the_deploy_and_rollback_flows_load_no_model_stack():
     assert loaded_after_import("flows.serving") & set(MODEL_STACK) == set()
 
 
-def test_the_pipeline_loads_great_expectations_only_to_validate_and_peft_only_for_adapters():
+PIPELINE_THEN_ROC_CURVE = """
+import json, os, sys
+import flows.pipeline
+loaded = sorted(sys.modules)
+import transformers.generation.candidate_generator as cg
+fpr, tpr, thresholds = cg.roc_curve([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8])
+print(json.dumps({"loaded": loaded, "available": cg.is_sklearn_available(), "after": "sklearn.metrics" in sys.modules,
+                  "roc": [fpr.tolist(), tpr.tolist(), thresholds[1:].tolist()]}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def pipeline_process() -> dict:
+    """One process that imports the pipeline and lists what it loaded, then calls the one
+    scikit-learn function transformers' assisted decoding uses (the module's two tests share it)."""
+    out = subprocess.run([sys.executable, "-c", PIPELINE_THEN_ROC_CURVE], cwd=REPO, capture_output=True, text=True,
+                         check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_the_pipeline_loads_great_expectations_only_to_validate_and_peft_only_for_adapters(pipeline_process):
     # also the control: the check sees the model stack where it is loaded. A resumed run whose
     # validation is journalled never needs Great Expectations (2 s of every start otherwise).
     # peft comes with the first LoRA adapters (`lora.with_lora`): the modules that only handle
     # weights, a rollout engine's worker among them, import `rlhf_core.models.lora` without it.
-    loaded = loaded_after_import("flows.pipeline")
+    loaded = {m.split(".")[0] for m in pipeline_process["loaded"]}
     assert {"torch", "transformers", "ray"} <= loaded and "great_expectations" not in loaded
     assert "peft" not in loaded
     # scikit-learn, which transformers imports with every model class and the pipeline never
-    # calls, waits for its first use (rlhf_core.lazy_imports)
-    assert "sklearn" not in loaded
+    # calls, waits for its first use (rlhf_core.lazy_imports), though the module that uses it is loaded
+    assert "sklearn" not in loaded and "transformers.generation.candidate_generator" in pipeline_process["loaded"]
 
 
-def test_assisted_decoding_still_gets_scikit_learns_roc_curve_on_its_first_call():
+def test_assisted_decoding_still_gets_scikit_learns_roc_curve_on_its_first_call(pipeline_process):
     # transformers' assisted decoding is the one caller of what rlhf_core.lazy_imports defers:
     # it still sees scikit-learn as installed, and the curve is scikit-learn's own (its
-    # documentation's example), imported only by that call
-    code = (
-        "import json, sys, rlhf_core, transformers.generation.candidate_generator as cg\n"
-        "before = 'sklearn' in sys.modules\n"
-        "fpr, tpr, thresholds = cg.roc_curve([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8])\n"
-        "print(json.dumps([before, cg.is_sklearn_available(), 'sklearn.metrics' in sys.modules,"
-        " fpr.tolist(), tpr.tolist(), thresholds[1:].tolist()]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    before, available, after, fpr, tpr, thresholds = json.loads(out.stdout.splitlines()[-1])
-    assert (before, available, after) == (False, True, True)
+    # documentation's example), imported by that call
+    assert pipeline_process["available"] and pipeline_process["after"]
+    fpr, tpr, thresholds = pipeline_process["roc"]
     assert fpr == [0.0, 0.0, 0.5, 0.5, 1.0] and tpr == [0.0, 0.5, 0.5, 1.0, 1.0]
     assert thresholds == [0.8, 0.4, 0.35, 0.1]
