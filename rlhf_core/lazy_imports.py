@@ -4,8 +4,8 @@ transformers' assisted-generation module (`transformers.generation.candidate_gen
 every model class imports) imports scikit-learn's metrics whenever scikit-learn is installed,
 for one function: `roc_curve`, which only assisted decoding with a confidence threshold calls.
 MLflow installs scikit-learn, so every process that loaded a model paid for most of
-scikit-learn (and SciPy's statistics) at start-up: 0.6-1.1 CPU-s on the 2-core machine, in each
-trainer worker, rollout engine and run of the CLI.
+scikit-learn (and SciPy with it) at start-up: about 1 CPU-s on the 2-core machine, a fifth of
+importing transformers' model classes, in each trainer worker, rollout engine and run of the CLI.
 
 `install()` (called by `import rlhf_core`) adds an import hook that loads that module as if
 scikit-learn were absent and then gives it back the real availability check and a `roc_curve`
@@ -31,7 +31,8 @@ def roc_curve(*args, **kwargs):
 
 class _WithoutSklearnAtImport(importlib.abc.Loader):
     """Runs the module's code with transformers' `is_sklearn_available` answering False, then
-    gives the module the real check and the lazy `roc_curve` its assisted decoding calls."""
+    gives the module the real check and the lazy `roc_curve` its assisted decoding calls. (Another
+    thread asking transformers in that moment is told False too.)"""
 
     def __init__(self, loader: importlib.abc.Loader):
         self.loader = loader
