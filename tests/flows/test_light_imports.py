@@ -14,12 +14,17 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_STACK = ("torch", "transformers", "great_expectations", "ray", "vllm", "deepspeed")
 
 
+def printed_json(code: str):
+    """What `code`, run in a fresh interpreter from the checkout, printed last as JSON."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def loaded_after_import(module: str) -> set[str]:
     # os._exit once printed: the interpreter's teardown after the model stack (2-3 s) tests nothing here
     code = f"import os, sys, json, {module}; print(json.dumps(sorted(sys.modules)), flush=True); os._exit(0)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return {m.split(".")[0] for m in json.loads(out.stdout.splitlines()[-1])}
+    return {m.split(".")[0] for m in printed_json(code)}
 
 
 def test_the_deploy_and_rollback_flows_load_no_model_stack():
@@ -42,9 +47,7 @@ os._exit(0)
 def pipeline_process() -> dict:
     """One process that imports the pipeline and lists what it loaded, then calls the one
     scikit-learn function transformers' assisted decoding uses (the module's two tests share it)."""
-    out = subprocess.run([sys.executable, "-c", PIPELINE_THEN_ROC_CURVE], cwd=REPO, capture_output=True, text=True,
-                         check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return json.loads(out.stdout.splitlines()[-1])
+    return printed_json(PIPELINE_THEN_ROC_CURVE)
 
 
 def test_the_pipeline_loads_great_expectations_only_to_validate_and_peft_only_for_adapters(pipeline_process):
