@@ -60,7 +60,8 @@ def start_engine(w: PolicyWorker):
 
     return RolloutEngine(w.loop.sft_dir, seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step, max_model_len=context,
                          transport=weight_transport(rollout, settings["dtype"], w.device),
-                         sleep_mode=engine_sleeps(rollout, cfg.pipeline.max_lag, w.device.type), **settings)
+                         sleep_mode=engine_sleeps(rollout, cfg.pipeline.max_lag, w.device.type),
+                         guest=cfg.pipeline.max_lag == 0, **settings)  # pipelined: generates on a thread of its own
 
 
 def engine_sleeps(rollout: RolloutEngineConfig, max_lag: int, device_type: str) -> bool:

@@ -33,6 +33,15 @@ Where this departs from a plain `LLM(...)`:
   again: keeping the core here cut the engine's start from 21.5 s to 11.5 s on the demo
   policy (an engine actor of a group runs its worker in the actor too: `engine_group`).
   `generate` waits for its results either way.
+- On CPU the worker runs in this process too, as a guest, where that changes nothing for the
+  process (`worker_fits_here`: no torch.distributed world beyond one rank, one memory node):
+  the trainer's rank of a one-worker run, the evaluation, the CLI. Spawning the worker imported
+  vLLM again: two start-ups and closes of a test-sized engine took 10 CPU-s instead of 38-42.
+  The guest samples with the global RNGs of its own, swapped in for each `generate`; the
+  host's RNGs, its torch threads and `torch.set_num_threads` (which vLLM's worker replaces)
+  are put back, and so is the host's process group, which vLLM's engine core destroys as it
+  shuts down. A pipelined trainer, which generates on another thread while it computes, keeps
+  the worker in a process of its own (`guest=False`).
 - On CPU the KV cache holds exactly `max_num_seqs` sequences of `max_model_len` tokens (vLLM's
   `num_gpu_blocks_override`; blocks of 128 tokens, plus vLLM's one reserved block), unless
   `kv_cache_gib` gives a size. A cache sized in GiB had to be guessed per model: 0.25 GiB held
@@ -44,7 +53,7 @@ Where this departs from a plain `LLM(...)`:
   size if it is set; the block count of the default sizing stays (checked: 257 blocks for
   256 sequences with the variable at 1 and without it).
 - On CPU a request's prompt is never split across scheduler steps (chunked prefill off; a
-  step takes whole prompts up to `CPU_PREFILL_TOKENS` tokens, or one of `max_model_len`).
+  step takes whole prompts up to `cpu_engine.CPU_PREFILL_TOKENS` tokens, or one of `max_model_len`).
   vLLM's CPU backend cannot sample a seeded request whose prefill was split: it winds the
   request's generator back, and CPU generators have no offset ("CPU Generator does not use
   offset"; vLLM 0.32). With chunked prefill, 32 prompts of 34 tokens x 8 samples (8,704
@@ -65,10 +74,7 @@ engine must do so under `if __name__ == "__main__":`. Always `close()` the engin
 """
 from __future__ import annotations
 
-import json
-import os
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,17 +85,21 @@ import numpy as np
 import torch
 from vllm import LLM, SamplingParams
 from vllm.platforms import current_platform
-from vllm.v1.executor import multiproc_executor, uniproc_executor
 
 from rlhf_core import vllm_scratch
-from rlhf_core.models.memory import KV_BLOCK_TOKENS, kv_block_bytes, kv_cache_blocks
 from rlhf_core.rng import rng_state, set_rng_state
+from rlhf_core.rollout.cpu_engine import (
+    cpu_engine_settings,
+    cpu_kv_cache,
+    cpu_prefill,
+    keeping_the_hosts_process_group,
+    rendezvous_in,
+    worker_fits_here,
+)
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransport
 
 EXTENSION = "rlhf_core.rollout.weight_transfer.EngineWorkerExtension"
 GiB = 1 << 30
-CPU_BLOCK_SIZE = KV_BLOCK_TOKENS  # vLLM's CPU default, stated so the block count uses the same size
-CPU_PREFILL_TOKENS = 4096  # vLLM's CPU default token budget of a scheduler step
 
 
 @dataclass(frozen=True)
@@ -107,54 +117,6 @@ class Rollout:
     finish_reason: str  # "stop" (</s>) or "length" (max_tokens)
 
 
-@contextmanager
-def rendezvous_in(path: Path | None) -> Iterator[None]:
-    """While an engine starts: an executor in this process (on CPU the engine core runs here)
-    names its worker's rendezvous file (torch's FileStore, `vllm_dist_<hex>`) in `path`, not in
-    the temp directory, where a killed process leaves it. vLLM 0.32's executors take the name
-    from their module's `get_file_store_init_method` (vLLM is pinned in constraints.txt)."""
-    if path is None:
-        yield
-        return
-    executors = [m for m in (multiproc_executor, uniproc_executor) if hasattr(m, "get_file_store_init_method")]
-    saved = [m.get_file_store_init_method for m in executors]
-    for module in executors:
-        module.get_file_store_init_method = lambda: f"file://{path}/vllm_dist_{uuid.uuid4().hex}"
-    try:
-        yield
-    finally:
-        for module, original in zip(executors, saved):
-            module.get_file_store_init_method = original
-
-
-@contextmanager
-def _cpu_engine_settings(worker_here: bool = False) -> Iterator[dict[str, Any]]:
-    """While the engine starts, on CPU (its processes inherit the environment; a setting made
-    outside wins): its worker is bound to all the cores this process may use, and its engine
-    core runs in this process (see the module docstring). Yields the extra `LLM(...)` arguments.
-
-    An engine core in this process seeds the global RNGs and drops torch to one thread here:
-    both are put back, so that a trainer holding the engine keeps its own, unless `worker_here`:
-    with vLLM's "uni" executor the process is the engine's alone (an engine actor); they stay vLLM's."""
-    if not current_platform.is_cpu():
-        yield {}
-        return
-    settings = {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(os.sched_getaffinity(0)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    settings = {k: v for k, v in settings.items() if k not in os.environ}
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0"
-    rng, threads = rng_state(), torch.get_num_threads()
-    os.environ.update(settings)
-    try:
-        # the worker in a process of its own: vLLM's CPU worker pins its process's threads
-        yield {"distributed_executor_backend": "mp"} if in_process and not worker_here else {}
-    finally:
-        for key in settings:
-            os.environ.pop(key, None)
-        if not worker_here:
-            set_rng_state(rng)
-            torch.set_num_threads(threads)
-
-
 def prompt_seeds(seed: int, count: int) -> list[int]:
     """A seed for each of `count` prompts sampled under `seed` (>= 0), drawn from numpy's
     SeedSequence of (seed, position). They are 62-bit, so the seed + i of a prompt's i-th
@@ -168,49 +130,6 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
     if seed < 0:
         raise ValueError(f"generate: seed must be >= 0, got {seed}")
     return [int(np.random.SeedSequence([seed, j]).generate_state(1, np.uint64)[0] >> 2) for j in range(count)]
-
-
-def cpu_kv_cache(model_dir: Path, max_num_seqs: int, max_model_len: int | None) -> dict[str, int]:
-    """`LLM(...)` arguments for a CPU KV cache of exactly `max_num_seqs` sequences of
-    `max_model_len` tokens (the model's context length if None), in float32 blocks of
-    CPU_BLOCK_SIZE tokens. The block count is what vLLM allocates; the byte size only marks
-    the cache as sized, which skips vLLM's warm-up pass in eager mode."""
-    config = json.loads((model_dir / "config.json").read_text())
-    blocks = kv_cache_blocks(max_num_seqs, context_length(model_dir, max_model_len))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    block_bytes = kv_block_bytes(config["num_hidden_layers"], kv_heads, head_dim)
-    return {"block_size": CPU_BLOCK_SIZE, "num_gpu_blocks_override": blocks, "kv_cache_memory_bytes": blocks * block_bytes}
-
-
-def cpu_prefill(model_dir: Path, max_num_seqs: int, max_model_len: int | None) -> dict[str, Any]:
-    """`LLM(...)` arguments that keep a CPU engine from splitting a prompt across scheduler
-    steps (see the module docstring): chunked prefill off, and a step budget of vLLM's CPU
-    default (CPU_PREFILL_TOKENS), at most what `max_num_seqs` sequences hold (vLLM warns above
-    that) and at least one prompt of the context length and one token per sequence (vLLM
-    refuses less without chunked prefill)."""
-    tokens = context_length(model_dir, max_model_len)
-    budget = max(tokens, max_num_seqs, min(CPU_PREFILL_TOKENS, max_num_seqs * tokens))
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
-
-
-def context_length(model_dir: Path, max_model_len: int | None) -> int:
-    """`max_model_len`, or the model's own context length when it is None."""
-    return max_model_len or json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-
-
-def cpu_list(cpus: set[int] | Sequence[int]) -> str:
-    """`{0, 1, 2, 5}` -> "0-2,5", the form VLLM_CPU_OMP_THREADS_BIND takes."""
-    ids, parts = sorted(cpus), []
-    start = prev = ids[0]
-    for i in [*ids[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ",".join(parts)
 
 
 class RolloutEngine:
@@ -231,6 +150,7 @@ class RolloutEngine:
         sleep_mode: bool = False,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        guest: bool = True,
     ):
         """max_num_seqs: sequences decoded together; give it the largest `generate` batch
         (prompts x n) so that a batch runs in one wave. kv_cache_gib: a KV cache size; by
@@ -239,7 +159,10 @@ class RolloutEngine:
         gives the engine's GPU memory back between a batch's generation and the next sync (vLLM's
         sleep mode, CUDA only). tensor_parallel_size > 1 splits the model over that many devices;
         `distributed_executor_backend` "ray" starts those workers as Ray actors in the current
-        placement group (`engine_group.EngineGroup`); "uni": the model here (an engine actor); None: vLLM's."""
+        placement group (`engine_group.EngineGroup`); "uni": the model here (an engine actor); None: vLLM's,
+        except that on CPU the worker runs in this process where it fits (`worker_fits_here`), unless
+        not `guest`: a caller that generates on another thread while it computes (pipelined rollouts)
+        gives it a process of its own."""
         if sleep_mode and current_platform.is_cpu():
             raise ValueError("policy.rollout.sleep: vLLM's CPU backend has no sleep mode; set it false (or null)")
         start = time.perf_counter()
@@ -248,9 +171,16 @@ class RolloutEngine:
         self.llm: LLM | None = None
         self.sleep_mode, self.asleep = sleep_mode, False
         self._scratch: Path | None = None
+        # torch's default process group before the engine: the host's (a trainer's), kept at close
+        self._hosts_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        worker = ("own" if distributed_executor_backend == "uni" else
+                  "guest" if distributed_executor_backend is None and guest and worker_fits_here() else "process")
+        self.worker = worker  # where its worker runs, on CPU: "own", "guest" (see above), "process"
+        self._engine_rng: dict[str, Any] | None = None  # a guest's RNG state, in place while it runs
         try:
             with (vllm_scratch.engine_start() as self._scratch, rendezvous_in(self._scratch),
-                  _cpu_engine_settings(worker_here=distributed_executor_backend == "uni") as extra):
+                  cpu_engine_settings(worker) as started):
+                extra = started.extra
                 if kv_cache_gib is not None:
                     extra["kv_cache_memory_bytes"] = int(kv_cache_gib * GiB)
                 elif current_platform.is_cpu():
@@ -275,6 +205,7 @@ class RolloutEngine:
                     tensor_parallel_size=tensor_parallel_size,
                     **extra,
                 )
+            self._engine_rng = started.engine_rng
             self.tokenizer = self.llm.get_tokenizer()
         except BaseException:
             self.close()  # stops a started engine core, and closes the transport
@@ -315,7 +246,8 @@ class RolloutEngine:
             for s in seeds
         ]
         start = time.perf_counter()
-        outputs = self._engine().generate(list(prompts), params, use_tqdm=False)
+        with self._own_rng():
+            outputs = self._engine().generate(list(prompts), params, use_tqdm=False)
         seconds = time.perf_counter() - start
         completions = [(group, out, c) for group, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)]
         texts = self.tokenizer.batch_decode([list(c.token_ids) for _, _, c in completions], skip_special_tokens=True)
@@ -379,7 +311,8 @@ class RolloutEngine:
         try:
             if llm is not None:
                 client = llm.llm_engine.engine_core
-                client.shutdown(timeout=timeout)
+                with keeping_the_hosts_process_group(self._hosts_group):
+                    client.shutdown(timeout=timeout)
                 manager = getattr(getattr(client, "resources", None), "engine_manager", None)
                 for proc in getattr(manager, "processes", []):
                     proc.join(timeout=5)
@@ -387,6 +320,21 @@ class RolloutEngine:
             self.transport.close()
             scratch, self._scratch = self._scratch, None
             vllm_scratch.engine_closed(scratch)
+
+    @contextmanager
+    def _own_rng(self) -> Iterator[None]:
+        """While a guest worker samples: the global RNGs are its own, as in a process of its own
+        (an unseeded request draws from them), and the host's are put back after."""
+        if self._engine_rng is None:
+            yield
+            return
+        host = rng_state()
+        set_rng_state(self._engine_rng)
+        try:
+            yield
+        finally:
+            self._engine_rng = rng_state()
+            set_rng_state(host)
 
     def _engine(self) -> LLM:
         if self.llm is None:

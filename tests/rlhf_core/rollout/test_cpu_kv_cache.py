@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from rlhf_core.rollout.vllm_engine import CPU_BLOCK_SIZE, cpu_kv_cache
+from rlhf_core.rollout.cpu_engine import CPU_BLOCK_SIZE, cpu_kv_cache
 
 LLAMA_25M = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 8,
              "max_position_embeddings": 80}

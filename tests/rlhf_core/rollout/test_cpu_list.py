@@ -1,7 +1,7 @@
 """The CPU list the rollout engine binds vLLM's worker to (VLLM_CPU_OMP_THREADS_BIND syntax)."""
 import pytest
 
-from rlhf_core.rollout.vllm_engine import cpu_list
+from rlhf_core.rollout.cpu_engine import cpu_list
 
 
 @pytest.mark.parametrize(("cpus", "expected"), [

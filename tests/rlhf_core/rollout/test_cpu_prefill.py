@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlhf_core.rollout.vllm_engine import CPU_PREFILL_TOKENS, cpu_prefill
+from rlhf_core.rollout.cpu_engine import CPU_PREFILL_TOKENS, cpu_prefill
 
 
 @pytest.fixture

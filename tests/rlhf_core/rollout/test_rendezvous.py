@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from vllm.v1.executor import multiproc_executor, uniproc_executor
 
-from rlhf_core.rollout.vllm_engine import rendezvous_in
+from rlhf_core.rollout.cpu_engine import rendezvous_in
 
 EXECUTORS = (multiproc_executor, uniproc_executor)
 

@@ -96,7 +96,8 @@ def engine_env(policy, tmp_path_factory):
 
     model_dir = save_pretrained_atomic(policy.model, policy.tokenizer, tmp_path_factory.mktemp("rollout") / "policy")
     before = child_processes()
-    engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64, max_num_seqs=MAX_SEQS)
+    # its worker in a process of its own (as under a trainer of more than one rank, or pipelined)
+    engine = RolloutEngine(model_dir, dtype="float32", seed=0, max_model_len=64, max_num_seqs=MAX_SEQS, guest=False)
     print(f"\nengine start: {engine.start_seconds:.1f} s")
     try:
         yield engine, before
@@ -219,7 +220,7 @@ def test_seeded_prompts_hold_more_tokens_than_a_scheduler_step(engine, policy):
     takes (4,096). With chunked prefill vLLM split one of them across two steps, and sampling
     a seeded request whose prefill was split crashed the CPU engine ("CPU Generator does not
     use offset")."""
-    from rlhf_core.rollout.vllm_engine import CPU_PREFILL_TOKENS
+    from rlhf_core.rollout.cpu_engine import CPU_PREFILL_TOKENS
 
     def worked_examples(j: int) -> str:  # four solved sums, then one to solve
         rows = range(5 * j, 5 * j + 5)
@@ -244,6 +245,105 @@ def test_engine_worker_computes_on_every_core_this_process_may_use(engine_env):
         cores = set().union(*(os.sched_getaffinity(t.id) for t in worker.threads()))
         assert cores == allowed, f"{worker.name()} computes on cores {sorted(cores)} of {sorted(allowed)}"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ, "the binding leaked into this process"
+
+
+@pytest.fixture(scope="module")
+def guest_env(engine_env):
+    """The module's policy in a second engine whose worker runs in this process (a guest, as in a
+    trainer's rank of a world of one), started inside a torch.distributed world of one, as a
+    Ray Train worker's. -> (engine, this process's children before it started)."""
+    import torch.distributed as dist
+
+    from rlhf_core.rollout.vllm_engine import RolloutEngine
+
+    engine, _ = engine_env
+    before = child_processes()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    guest = None
+    try:
+        guest = RolloutEngine(engine.model_dir, dtype="float32", seed=0, max_model_len=64, max_num_seqs=MAX_SEQS)
+        yield guest, before
+    finally:
+        if guest is not None:
+            guest.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_guest_worker_samples_what_a_worker_process_samples(engine, guest_env, policy):
+    guest, _ = guest_env
+    assert (engine.worker, guest.worker) == ("process", "guest")
+    prompts = policy.prompts[:32]
+    assert greedy_engine(guest, prompts) == greedy_engine(engine, prompts)
+    a = engine.generate(prompts, n=4, temperature=1.0, max_tokens=MAX_NEW, seed=11)
+    b = guest.generate(prompts, n=4, temperature=1.0, max_tokens=MAX_NEW, seed=11)
+    assert [r.response_token_ids for r in a] == [r.response_token_ids for r in b]
+    assert len({tuple(r.response_token_ids) for r in a}) > 8  # sampled: the comparison means something
+    diff = torch.cat([(torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs() for x, y in zip(a, b)])
+    assert diff.max() < LOGPROB_ATOL, diff.max()
+
+
+def test_a_guest_worker_keeps_to_its_own_rngs_threads_and_process(guest_env, policy):
+    """The host's global RNGs do not move while the guest samples, and the guest's own move on
+    (two unseeded calls differ, as in a process of its own); `torch.set_num_threads` is torch's
+    again after vLLM's worker replaced it; the guest started no process."""
+    import numpy as np
+
+    from rlhf_core.rng import rng_state
+
+    guest, before = guest_env
+    host = rng_state()
+    first, second = (guest.generate(policy.prompts[:16], n=4, temperature=1.0, max_tokens=MAX_NEW) for _ in range(2))
+    assert [r.response_token_ids for r in first] != [r.response_token_ids for r in second]
+    now = rng_state()
+    assert now["python"] == host["python"] and torch.equal(now["torch"], host["torch"])
+    assert all(np.array_equal(x, y) for x, y in zip(now["numpy"], host["numpy"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert torch.get_num_threads() == threads + 1
+    finally:
+        torch.set_num_threads(threads)
+    assert child_processes() == before
+
+
+def test_a_guest_closes_and_leaves_the_hosts_process_group(guest_env):
+    """vLLM's engine core destroys torch's default process group as it shuts down: the host's
+    (a trainer's) stays, and still computes."""
+    import torch.distributed as dist
+
+    guest, before = guest_env
+    guest.close()
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    ones = torch.ones(3)
+    dist.all_reduce(ones)
+    assert ones.tolist() == [1.0, 1.0, 1.0]
+    assert child_processes() == before
+
+
+def test_a_worker_joins_its_host_only_where_it_changes_nothing_for_it(monkeypatch):
+    """Not on a world of more than one rank (every rank would have to build vLLM's groups), nor on
+    a machine of two memory nodes (vLLM binds its process's memory to one), nor with the engine
+    core in a process of its own."""
+    import torch.distributed as dist
+    from vllm.utils import cpu_resource_utils
+
+    from rlhf_core.rollout.cpu_engine import worker_fits_here
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr(cpu_resource_utils, "get_visible_memory_node", lambda: [0])
+    assert worker_fits_here()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert worker_fits_here()
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert not worker_fits_here()
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(cpu_resource_utils, "get_visible_memory_node", lambda: [0, 1])
+    assert not worker_fits_here()
+    monkeypatch.setattr(cpu_resource_utils, "get_visible_memory_node", lambda: [0])
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert not worker_fits_here()
 
 
 def test_close_stops_every_engine_process(engine_env):
