@@ -78,9 +78,9 @@ def cpu_engine_settings(worker: str) -> Iterator[EngineStart]:
     `worker`: "own" (vLLM's "uni" executor in a process that is the engine's alone, an engine
     actor), "guest" ("uni" in a process that goes on with its own work, `worker_fits_here`) or
     "process" (a process of its own). An engine core here seeds the global RNGs and drops torch
-    to one thread, and a worker here replaces `torch.set_num_threads` with a no-op: unless the
-    process is the engine's own, all are put back, so that a trainer holding the engine keeps
-    its own."""
+    to one thread; a worker here replaces `torch.set_num_threads` with a no-op and sets torch's
+    float32 matmul precision to vLLM's. Unless the process is the engine's own, all are put back,
+    so that a trainer holding the engine keeps its own."""
     if not current_platform.is_cpu():
         yield EngineStart({})
         return
@@ -88,10 +88,10 @@ def cpu_engine_settings(worker: str) -> Iterator[EngineStart]:
     settings = {k: v for k, v in settings.items() if k not in os.environ}
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0"
     rng, threads, set_num_threads = rng_state(), torch.get_num_threads(), torch.set_num_threads
+    precision = torch.get_float32_matmul_precision()
     os.environ.update(settings)
-    # the worker in a process of its own: vLLM's CPU worker pins its process's threads
     start = EngineStart({"distributed_executor_backend": "uni"} if worker == "guest"
-                   else {"distributed_executor_backend": "mp"} if in_process and worker == "process" else {})
+                        else {"distributed_executor_backend": "mp"} if in_process and worker == "process" else {})
     try:
         yield start
     finally:
@@ -103,6 +103,7 @@ def cpu_engine_settings(worker: str) -> Iterator[EngineStart]:
             set_rng_state(rng)
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
+            torch.set_float32_matmul_precision(precision)
 
 
 @contextmanager

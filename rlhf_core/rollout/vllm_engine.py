@@ -38,9 +38,9 @@ Where this departs from a plain `LLM(...)`:
   the trainer's rank of a one-worker run, the evaluation, the CLI. Spawning the worker imported
   vLLM again: two start-ups and closes of a test-sized engine took 10 CPU-s instead of 38-42.
   The guest samples with the global RNGs of its own, swapped in for each `generate`; the
-  host's RNGs, its torch threads and `torch.set_num_threads` (which vLLM's worker replaces)
-  are put back, and so is the host's process group, which vLLM's engine core destroys as it
-  shuts down. A pipelined trainer, which generates on another thread while it computes, keeps
+  host's RNGs, torch threads, `torch.set_num_threads` (which vLLM's worker replaces) and float32
+  matmul precision are put back, and the host's process group is kept, which vLLM's engine core
+  destroys as it shuts down. A pipelined trainer, which generates on another thread while it computes, keeps
   the worker in a process of its own (`guest=False`).
 - On CPU the KV cache holds exactly `max_num_seqs` sequences of `max_model_len` tokens (vLLM's
   `num_gpu_blocks_override`; blocks of 128 tokens, plus vLLM's one reserved block), unless

@@ -259,11 +259,14 @@ def guest_env(engine_env):
     engine, _ = engine_env
     before = child_processes()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # not vLLM's ("highest"): the host's must stay
     guest = None
     try:
         guest = RolloutEngine(engine.model_dir, dtype="float32", seed=0, max_model_len=64, max_num_seqs=MAX_SEQS)
         yield guest, before
     finally:
+        torch.set_float32_matmul_precision(precision)
         if guest is not None:
             guest.close()
         if dist.is_initialized():
@@ -286,7 +289,8 @@ def test_a_guest_worker_samples_what_a_worker_process_samples(engine, guest_env,
 def test_a_guest_worker_keeps_to_its_own_rngs_threads_and_process(guest_env, policy):
     """The host's global RNGs do not move while the guest samples, and the guest's own move on
     (two unseeded calls differ, as in a process of its own); `torch.set_num_threads` is torch's
-    again after vLLM's worker replaced it; the guest started no process."""
+    again after vLLM's worker replaced it, and the float32 matmul precision the host's; the guest
+    started no process."""
     import numpy as np
 
     from rlhf_core.rng import rng_state
@@ -304,6 +308,7 @@ def test_a_guest_worker_keeps_to_its_own_rngs_threads_and_process(guest_env, pol
         assert torch.get_num_threads() == threads + 1
     finally:
         torch.set_num_threads(threads)
+    assert torch.get_float32_matmul_precision() == "high"
     assert child_processes() == before
 
 
