@@ -1,7 +1,8 @@
 """Where a CPU rollout engine's processes run and what its KV cache holds: the settings
 `vllm_engine.RolloutEngine` starts vLLM with on CPU (see that module's docstring for why),
 the rendezvous file of an executor in this process, and the state vLLM changes in a process
-that hosts its engine core or worker (global RNGs, torch threads, the default process group)."""
+that hosts its engine core or worker (global RNGs, torch threads, matmul precision, the default
+process group)."""
 from __future__ import annotations
 
 import json
@@ -72,8 +73,8 @@ class EngineStart:
 @contextmanager
 def cpu_engine_settings(worker: str) -> Iterator[EngineStart]:
     """While the engine starts, on CPU (its processes inherit the environment; a setting made
-    outside wins): its worker is bound to all the cores this process may use, and its engine
-    core runs in this process (see `vllm_engine`'s docstring).
+    outside wins): its engine core runs in this process, and a worker in a process of its own is
+    bound to all the cores this process may use (see `vllm_engine`'s docstring).
 
     `worker`: "own" (vLLM's "uni" executor in a process that is the engine's alone, an engine
     actor), "guest" ("uni" in a process that goes on with its own work, `worker_fits_here`) or
