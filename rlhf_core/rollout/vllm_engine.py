@@ -40,8 +40,8 @@ Where this departs from a plain `LLM(...)`:
   The guest samples with the global RNGs of its own, swapped in for each `generate`; the
   host's RNGs, torch threads, `torch.set_num_threads` (which vLLM's worker replaces) and float32
   matmul precision are put back, and the host's process group is kept, which vLLM's engine core
-  destroys as it shuts down. A pipelined trainer, which generates on another thread while it computes, keeps
-  the worker in a process of its own (`guest=False`).
+  destroys as it shuts down. A pipelined trainer, which generates on another thread while it
+  computes, keeps the worker in a process of its own (`guest=False`).
 - On CPU the KV cache holds exactly `max_num_seqs` sequences of `max_model_len` tokens (vLLM's
   `num_gpu_blocks_override`; blocks of 128 tokens, plus vLLM's one reserved block), unless
   `kv_cache_gib` gives a size. A cache sized in GiB had to be guessed per model: 0.25 GiB held
@@ -176,7 +176,7 @@ class RolloutEngine:
         worker = ("own" if distributed_executor_backend == "uni" else
                   "guest" if distributed_executor_backend is None and guest and worker_fits_here() else "process")
         self.worker = worker  # where its worker runs, on CPU: "own", "guest" (see above), "process"
-        self._engine_rng: dict[str, Any] | None = None  # a guest's RNG state, in place while it runs
+        self._engine_rng: dict[str, Any] | None = None  # a guest's RNG state, set aside between its calls
         try:
             with (vllm_scratch.engine_start() as self._scratch, rendezvous_in(self._scratch),
                   cpu_engine_settings(worker) as started):
