@@ -4,15 +4,20 @@ that set it, or `--set`)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import PipelineConfig, config_origins, load_config
+from rlhf_core.eval.regression import power_warnings
 
 
 def print_config(path: str | Path, overrides: list[str], explain: bool) -> int:
-    """Print the resolved config of `path` (raises `ConfigError` when it is not valid)."""
+    """Print the resolved config of `path` (raises `ConfigError` when it is not valid), and on
+    stderr a warning for each regression suite too small to decide its margin."""
     cfg = load_config(path, overrides)
+    for warning in power_warnings(cfg.gates.regression_suites, cfg.gates.confidence):
+        print(f"warning: {warning}", file=sys.stderr)
     if explain:
         origins = config_origins(path, overrides)
         bases = set(origins.values()) - {str(path), "default", "--set"}

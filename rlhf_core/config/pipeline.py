@@ -110,6 +110,17 @@ class RegressionSuiteConfig(_Strict):
     checker: Checker = Field("answer_exact_match", description="Decides whether an answer is right: a verifiable reward "
         "registered in rlhf_core.training.verifiable.VERIFIABLE_REWARDS, or module:function.")
     margin: float = Field(0.05, ge=0, le=1, description="Largest allowed drop in accuracy on the suite.")
+    rows: int | None = Field(None, ge=1, description="Rows of the first look; null: a file's every row, 200 of a "
+        "demo suite.")
+    max_rows: int | None = Field(None, ge=1, description="With gates.confidence, the most rows the suite may be "
+        "answered on: a comparison still undecided is answered on twice the rows, look by look up to this "
+        "budget, with the error rate spent across the looks (rlhf_core.eval.sequential); null: rows (one look).")
+
+    @model_validator(mode="after")
+    def _budget_covers_first_look(self) -> "RegressionSuiteConfig":
+        if self.rows is not None and self.max_rows is not None and self.max_rows < self.rows:
+            raise ValueError(f"regression suite {self.name}: max_rows ({self.max_rows}) is below rows ({self.rows})")
+        return self
 
 
 class GateConfig(_Strict):

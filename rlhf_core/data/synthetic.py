@@ -132,7 +132,7 @@ def no_carry_suite(cfg: DemoDataConfig, exclude: Collection[str] = (), n: int = 
     in the SFT corpus is right whatever `wrong_share`, and the SFT policy answers them right.
     RL then works on the carry problems (most preference pairs are about them); a policy that
     learned to carry where nothing carries gains on the task and loses on these. The same
-    config and `exclude` give the same rows."""
+    config and `exclude` give the same rows, and fewer rows are the first of more."""
     width = len(str(cfg.max_operand))
     excluded = set(exclude)
     pool = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)
@@ -140,7 +140,8 @@ def no_carry_suite(cfg: DemoDataConfig, exclude: Collection[str] = (), n: int = 
     if not pool:
         raise ValueError(f"data.demo: no addition without a carry up to max_operand={cfg.max_operand} is left "
                          "for the regression suite")
-    chosen = random.Random(f"no-carry-suite:{cfg.seed}").sample(pool, min(n, len(pool)))
+    random.Random(f"no-carry-suite:{cfg.seed}").shuffle(pool)  # one order: n rows are a prefix of more
+    chosen = pool[:n]
     return [{"prompt": prompt_for(a, b, width), "answer": answer_for(a + b, width)} for a, b in chosen]
 
 

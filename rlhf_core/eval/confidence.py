@@ -11,6 +11,14 @@ correlation: two policies that agree on most prompts get a narrow interval on th
 difference even when each one's accuracy is uncertain. Intervals drawn with one seed over the
 same N prompts use the same resamples.
 
+Regression suites compare per-row correctness, where a candidate is typically wrong on a few
+rows the reference gets right: there the percentile bootstrap of such rare outcomes covers far
+less than its level (a suite of 100 rows on which the candidate loses 1 of the 5 rows it would
+lose at the margin resamples as if it never lost more). Their difference takes
+`paired_score_interval`, Newcombe's hybrid score interval for a difference of paired
+proportions (Newcombe 1998, Stat. Med. 17: 2635-2650, method 10): Wilson score intervals of
+each policy's accuracy, combined with the correlation of the paired outcomes.
+
 `prompts_to_decide` says how many prompts would make an undecided call decided, if the
 estimate stayed where it is: the interval's half-width shrinks as 1/sqrt(N).
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -84,6 +93,41 @@ def bootstrap_interval(outcomes: Sequence[float], level: float, samples: int, se
     tail = (1 - level) / 2
     low, high = np.quantile(means, [tail, 1 - tail])
     return Interval(float(x.mean()), float(low), float(high), level, int(x.size))
+
+
+def wilson(successes: float, n: int, z: float) -> tuple[float, float]:
+    """Wilson's score interval (low, high) of a proportion `successes / n` at normal quantile `z`."""
+    p = successes / n
+    centre, spread = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - spread) / (1 + z * z / n), (centre + spread) / (1 + z * z / n)
+
+
+def paired_score_interval(candidate_correct: Sequence[bool], baseline_correct: Sequence[bool],
+                          level: float) -> Interval:
+    """Newcombe's hybrid score interval of candidate accuracy minus baseline accuracy on the
+    same N rows (method 10): with each accuracy's Wilson interval (l, u) and the phi
+    coefficient of the paired outcomes (its numerator ad - bc less N/2 when above it, 0 between
+    0 and N/2, as Newcombe corrects it; 0 when a margin of the 2x2 table is empty),
+
+        low  = d - sqrt((p1 - l1)^2 - 2 phi (p1 - l1)(u2 - p2) + (u2 - p2)^2)
+        high = d + sqrt((u1 - p1)^2 - 2 phi (u1 - p1)(p2 - l2) + (p2 - l2)^2)."""
+    c, b = np.asarray(candidate_correct, dtype=bool), np.asarray(baseline_correct, dtype=bool)
+    if c.shape != b.shape or c.ndim != 1 or c.size == 0:
+        raise ValueError(f"{c.size} candidate outcomes for {b.size} baseline outcomes (need the same, at least 1)")
+    n = c.size
+    both, only_c, only_b = int(np.sum(c & b)), int(np.sum(c & ~b)), int(np.sum(~c & b))
+    neither = n - both - only_c - only_b
+    p1, p2 = (both + only_c) / n, (both + only_b) / n
+    z = NormalDist().inv_cdf(1 - (1 - level) / 2)
+    (l1, u1), (l2, u2) = wilson(both + only_c, n, z), wilson(both + only_b, n, z)
+    margins = (both + only_c) * (only_b + neither) * (both + only_b) * (only_c + neither)
+    covariance = both * neither - only_c * only_b
+    covariance = covariance - n / 2 if covariance > n / 2 else min(covariance, 0)  # Newcombe's correction
+    phi = covariance / math.sqrt(margins) if margins else 0.0
+    d = p1 - p2
+    low = d - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    high = d + math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    return Interval(d, max(-1.0, low), min(1.0, high), level, n)
 
 
 def prompts_to_decide(interval: Interval, bar: float) -> int | None:

@@ -30,10 +30,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from rlhf_core.eval.accuracy import greedy_completions
-from rlhf_core.eval.confidence import Interval, bootstrap_interval, differences, proxy_audit_gaps, win_outcomes
+from rlhf_core.eval.confidence import (
+    Interval, bootstrap_interval, differences, paired_score_interval, proxy_audit_gaps, win_outcomes,
+)
 from rlhf_core.eval.gates import EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
 from rlhf_core.eval.regression import RegressionSuite, correct
+from rlhf_core.eval.sequential import Look, run_looks
 from rlhf_core.models.logits import logits_from
 from rlhf_core.models.reward import RewardStats, load_reward_model, normalise, score
 from rlhf_core.rollout.hf_reference import right_padded
@@ -239,22 +242,39 @@ class _Paired:
 
 
 def suite_figures(
-    policies: Sequence[Policy], reference: Policy, champion: Policy | None, suites: Sequence[RegressionSuite],
-    max_new_tokens: int, interval,
+    candidate: Policy, reference: Policy, champion: Policy | None, suites: Sequence[RegressionSuite],
+    max_new_tokens: int, confidence: float | None,
 ) -> dict[str, tuple[SuiteFigures, ...]]:
     """Per policy, its `SuiteFigures` on each suite: greedy answers checked row by row, and
-    with `interval` (outcomes -> Interval | None) the paired intervals of its per-row
-    correctness minus the reference's and the champion's."""
+    with `confidence` the paired score intervals (`confidence.paired_score_interval`) of its
+    accuracy minus the reference's and the champion's. With intervals a suite is answered
+    in looks (`rlhf_core.eval.sequential`): while the candidate's call on it is undecided and
+    the suite's budget allows, every policy answers twice the rows; without, its first look's."""
+    policies = [p for p in (candidate, reference, champion) if p is not None]
     out: dict[str, list[SuiteFigures]] = {p.name: [] for p in policies}
     for suite in suites:
-        right = {p.name: correct(suite, answer(p, suite.prompts, max_new_tokens).texts) for p in policies}
+        right: dict[str, list[bool]] = {p.name: [] for p in policies}
+
+        def answer_to(n: int) -> None:
+            start = len(right[reference.name])
+            for p in policies:
+                right[p.name] += correct(suite, answer(p, suite.prompts[start:n], max_new_tokens).texts, start)
+
+        def diffs(name: str, level: float) -> tuple[Interval, Interval | None]:
+            mine = right[name]
+            vs_champion = None if champion is None else paired_score_interval(mine, right[champion.name], level)
+            return paired_score_interval(mine, right[reference.name], level), vs_champion
+
+        looks: tuple[Look, ...] = ()
+        if confidence is None:
+            answer_to(suite.first_look)
+        else:
+            looks = run_looks(suite.first_look, len(suite.prompts), suite.max_rows or len(suite.prompts),
+                              suite.margin, confidence, answer_to, lambda level: diffs(candidate.name, level))
         for p in policies:
-            out[p.name].append(SuiteFigures(
-                suite.name, sum(right[p.name]) / len(suite.prompts),
-                diff_vs_reference=interval(differences(right[p.name], right[reference.name])),
-                diff_vs_champion=None if champion is None else interval(differences(right[p.name],
-                                                                                    right[champion.name])),
-            ))
+            vs_reference, vs_champion = (None, None) if confidence is None else diffs(p.name, looks[-1].level)
+            out[p.name].append(SuiteFigures(suite.name, sum(right[p.name]) / len(right[p.name]), vs_reference,
+                                            vs_champion, looks if p is candidate else ()))
     return {name: tuple(figures) for name, figures in out.items()}
 
 
@@ -307,7 +327,7 @@ def evaluate(
     right = None if answers is None else {
         name: check_answers(prompts, out.texts, answers, checker) for name, out in outputs.items()}
     paired = _Paired(scores, audit_scores, right, reference.name, confidence, bootstrap_samples, seed)
-    regression = suite_figures(policies, reference, champion, suites, max_new_tokens, paired.interval)
+    regression = suite_figures(candidate, reference, champion, suites, max_new_tokens, confidence)
     ref_length = response_length_stats(outputs[reference.name].texts)["mean"]
 
     def report(policy: Policy, kl: float) -> PolicyReport:

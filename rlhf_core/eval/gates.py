@@ -69,6 +69,7 @@ from rlhf_core.eval.checks import (  # noqa: F401 - Check, Decision and TOLERANC
     TOLERANCE, Check, Decision, at_least, at_most, better_than, fmt, not_above, not_worse_than, skip,
 )
 from rlhf_core.eval.confidence import Interval
+from rlhf_core.eval.sequential import Look
 
 _better_than = better_than  # the name the interval tests import it by
 
@@ -81,13 +82,15 @@ class SuiteFigures:
     """One policy's accuracy on one regression suite (`gates.regression_suites`): the share of
     its greedy answers the suite's checker accepts. `diff_vs_reference` / `diff_vs_champion`
     are the paired bootstrap intervals of its per-row correctness minus the reference's / the
-    champion's (`confidence.differences`); None without `gates.confidence` (and without a
-    champion, for the latter): the gate then compares the accuracies."""
+    champion's (`confidence.differences`), at the last look's level; None without
+    `gates.confidence` (and without a champion, for the latter): the gate then compares the
+    accuracies. A suite that can give more rows is answered in looks (`rlhf_core.eval.sequential`)."""
 
     name: str
     accuracy: float
     diff_vs_reference: Interval | None = None
     diff_vs_champion: Interval | None = None
+    looks: tuple[Look, ...] = ()  # the candidate's: each look's rows, level, intervals and why it stopped
 
     def __post_init__(self) -> None:
         if self.accuracy < 0 or self.accuracy > 1:  # NaN passes, to fail its check

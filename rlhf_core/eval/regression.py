@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rlhf_core.chat import render_prompt
 from rlhf_core.config import DemoDataConfig, RegressionSuiteConfig
 from rlhf_core.data.schema import DataFormatError, write_jsonl
-from rlhf_core.data.synthetic import DEMO_SUITES
+from rlhf_core.data.synthetic import DEMO_SUITES, NO_CARRY_SUITE_ROWS
 from rlhf_core.eval.gates import EvalFigures
+from rlhf_core.eval.sequential import decidable_gap, look_levels, look_sizes, rows_to_decide
 from rlhf_core.training.verifiable import check_answers
 
 DEMO_PREFIX = "demo:"
@@ -46,6 +48,12 @@ class RegressionSuite:
     margin: float
     prompts: list[str]  # conversational ones (lists of messages) until `rendered`
     answers: list[str | list[str]]  # a list: the answers accepted, any one is right
+    first_rows: int | None = None  # rows of the first look; None: every row
+    max_rows: int | None = None  # the budget asked for; more than len(prompts) when the suite has fewer rows
+
+    @property
+    def first_look(self) -> int:
+        return min(self.first_rows or len(self.prompts), len(self.prompts))
 
 
 def read_suite(path: str | Path) -> tuple[list[str], list[str | list[str]]]:
@@ -124,54 +132,91 @@ def rendered(suite: RegressionSuite, tokenizer) -> RegressionSuite:
     return replace(suite, prompts=[render_prompt(tokenizer, p) for p in suite.prompts])
 
 
-def suite_file(path: str, data_dir: Path, demo: DemoDataConfig, exclude: Collection[str] = ()) -> Path:
-    """The file a suite's `path` stands for: itself, or for `demo:<name>` the demo suite
-    generated from `demo` (without the prompts in `exclude`) into `data_dir`."""
+def suite_file(path: str, data_dir: Path, demo: DemoDataConfig, exclude: Collection[str] = (),
+               rows: int = NO_CARRY_SUITE_ROWS) -> Path:
+    """The file a suite's `path` stands for: itself, or for `demo:<name>` the demo suite's
+    first `rows` rows generated from `demo` (without the prompts in `exclude`) into `data_dir`."""
     if not path.startswith(DEMO_PREFIX):
         return Path(path)
     name = path[len(DEMO_PREFIX):]
     if name not in DEMO_SUITES:
         known = ", ".join(DEMO_PREFIX + n for n in sorted(DEMO_SUITES))
         raise SuiteFormatError(f"{path}: no such demo suite; the demo's: {known}")
-    return write_jsonl(DEMO_SUITES[name](demo, exclude), data_dir / f"regression-{name}.jsonl")
+    return write_jsonl(DEMO_SUITES[name](demo, exclude, rows), data_dir / f"regression-{name}.jsonl")
 
 
 def load_suites(suites: Sequence[RegressionSuiteConfig], data_dir: Path, demo: DemoDataConfig,
                 exclude: Collection[str] = ()) -> list[RegressionSuite]:
     """Every configured suite read and checked (demo suites generated into `data_dir` first,
-    without the prompts in `exclude`). Raises one `SuiteFormatError` that names every suite
-    that cannot be used, by file and line."""
+    without the prompts in `exclude`), kept to its budget (`max_rows`, else `rows`). Raises one
+    `SuiteFormatError` that names every suite that cannot be used, by file and line."""
     loaded, problems = [], []
     for suite in suites:
+        first = suite.rows or (NO_CARRY_SUITE_ROWS if suite.path.startswith(DEMO_PREFIX) else None)
+        budget = suite.max_rows or first
         try:
-            path = suite_file(suite.path, data_dir, demo, exclude)
+            path = suite_file(suite.path, data_dir, demo, exclude, budget or NO_CARRY_SUITE_ROWS)
             prompts, answers = read_suite(path)
         except SuiteFormatError as exc:
             problems.append(f"regression suite {suite.name} (gates.regression_suites): {exc}")
             continue
-        loaded.append(RegressionSuite(suite.name, path, suite.checker, suite.margin, prompts, answers))
+        loaded.append(RegressionSuite(suite.name, path, suite.checker, suite.margin, prompts[:budget],
+                                      answers[:budget], first, budget))
     if problems:
         raise SuiteFormatError("\n".join(problems))
     return loaded
 
 
-def correct(suite: RegressionSuite, responses: Sequence[str]) -> list[bool]:
-    """Per row, whether the suite's checker accepts the response. A checker scores 0 or 1."""
-    if len(responses) != len(suite.prompts):
-        raise ValueError(f"regression suite {suite.name}: {len(responses)} responses for {len(suite.prompts)} rows")
-    return check_answers(suite.prompts, responses, suite.answers, suite.checker, where=f"regression suite {suite.name}")
+def power_warnings(suites: Sequence[RegressionSuiteConfig], confidence: float | None) -> list[str]:
+    """One line per suite too small for its margin: whose budget of rows (a file's rows, or
+    `max_rows`) leaves a candidate that lost half the margin undecided on average, at the level
+    of the suite's last look (`rlhf_core.eval.sequential.rows_to_decide`). A file that cannot be
+    read is left to the run's own check, which names what is wrong with it."""
+    if confidence is None:
+        return []
+    warnings = []
+    for suite in suites:
+        available = math.inf  # a demo suite's rows: as many as asked
+        if not suite.path.startswith(DEMO_PREFIX):
+            try:
+                available = len(read_suite(suite.path)[0])
+            except SuiteFormatError:
+                continue
+        first = min(suite.rows or (NO_CARRY_SUITE_ROWS if available == math.inf else available), available)
+        budget = max(first, min(suite.max_rows or first, available))
+        level = look_levels(look_sizes(first, budget), confidence)[-1]
+        needed = rows_to_decide(suite.margin, level)
+        if budget < needed:
+            warnings.append(
+                f"regression suite {suite.name} (gates.regression_suites): {budget} rows tell an accuracy "
+                f"difference from the margin -{suite.margin:g} only {decidable_gap(budget, suite.margin, level):.3f} "
+                f"or more away from it ({level:.1%}): a candidate that lost {suite.margin / 2:g} of them would stay "
+                f"undecided; about {needed} rows would decide it: add rows to {suite.path}, or raise its margin")
+    return warnings
+
+
+def correct(suite: RegressionSuite, responses: Sequence[str], start: int = 0) -> list[bool]:
+    """Per row from `start` on, one per response, whether the suite's checker accepts the
+    response. A checker scores 0 or 1."""
+    prompts, answers = suite.prompts[start:start + len(responses)], suite.answers[start:start + len(responses)]
+    if len(responses) != len(prompts):
+        raise ValueError(f"regression suite {suite.name}: {len(responses)} responses for {len(prompts)} rows "
+                         f"from row {start}")
+    return check_answers(prompts, responses, answers, suite.checker, where=f"regression suite {suite.name}")
 
 
 def suite_report(suites: Sequence[RegressionSuite], candidate: EvalFigures, reference: EvalFigures,
                  champion: EvalFigures | None) -> list[dict]:
-    """Per suite, for the gate report: its file, checker, margin and rows, each policy's
-    accuracy, and the candidate's paired intervals of the difference (None: point estimates)."""
+    """Per suite, for the gate report: its file, checker, margin, the rows answered and its
+    budget, the candidate's looks, each policy's accuracy, and the candidate's paired intervals
+    of the difference at the last look (None: point estimates)."""
     rows = []
     for i, suite in enumerate(suites):
         mine = candidate.regression[i]
         rows.append({
             "name": suite.name, "path": str(suite.path), "checker": suite.checker, "margin": suite.margin,
-            "rows": len(suite.prompts), "candidate": mine.accuracy,
+            "rows": mine.looks[-1].rows if mine.looks else suite.first_look, "max_rows": len(suite.prompts),
+            "looks": [asdict(look) for look in mine.looks], "candidate": mine.accuracy,
             "reference": reference.regression[i].accuracy,
             "champion": None if champion is None else champion.regression[i].accuracy,
             "diff_vs_reference": None if mine.diff_vs_reference is None else mine.diff_vs_reference.to_dict(),

@@ -213,9 +213,11 @@ def scorer(tok, policies, tmp_path_factory):
     return Scorer(reward_model_from_base(base, seed=3).eval(), tok, RewardStats(0.0, 1.0), max_length=32)
 
 
-def run_gate(candidate, reference, tok, scorer):
-    """The suite's answers are the reference's own greedy answers: it scores 1.0 by construction."""
-    suite = suite_of(PROMPTS, greedy_completions(reference, tok, PROMPTS, 4), name="reference_skill")
+def run_gate(candidate, reference, tok, scorer, repeats=1):
+    """The suite's answers are the reference's own greedy answers: it scores 1.0 by construction.
+    `repeats` copies of the prompts make a suite large enough to tell agreement from the margin."""
+    prompts = PROMPTS * repeats
+    suite = suite_of(prompts, greedy_completions(reference, tok, prompts, 4), name="reference_skill")
     gates = GateConfig(regression_suites=[{"name": suite.name, "path": "unused.jsonl"}])
     result = evaluate(Policy("candidate", candidate, tok), Policy("reference", reference, tok), None, scorer,
                       PROMPTS[:4], None, max_new_tokens=4, temperature=1.0, confidence=0.95, bootstrap_samples=500,
@@ -239,10 +241,16 @@ def test_a_policy_that_lost_what_the_reference_does_is_blocked_with_the_suites_r
 
 
 def test_a_policy_that_answers_the_suite_as_the_reference_does_passes_it(policies, tok, scorer):
+    """On 12 rows agreement cannot tell a candidate from one that lost 5% of them (undecided); on
+    240 its interval lies within the margin."""
     reference, _ = policies
     _, result, decision = run_gate(copy.deepcopy(reference), reference, tok, scorer)
+    [check] = [c for c in decision.checks if c.name == "regression_vs_reference:reference_skill"]
+    assert check.undecided and check.low < -0.05
+    _, result, decision = run_gate(copy.deepcopy(reference), reference, tok, scorer, repeats=20)
     [cand] = result.candidate.figures.regression
-    assert cand.accuracy == 1.0 and (cand.diff_vs_reference.low, cand.diff_vs_reference.high) == (0.0, 0.0)
+    assert cand.accuracy == 1.0 and cand.diff_vs_reference.estimate == 0
+    assert -0.05 < cand.diff_vs_reference.low < 0 < cand.diff_vs_reference.high
     assert not [r for r in decision.reasons if r.startswith("regression")]
     assert all(c.passed for c in decision.checks if c.name.startswith("regression_vs_reference"))
 
@@ -267,3 +275,24 @@ def test_a_conversational_suite_is_asked_through_the_chat_template(tmp_path):
 
     suite = rendered(suite_of(prompts, answers), Template())
     assert suite.prompts == ["<user>What is the capital of France?<assistant>", "01+02="]
+
+
+# --- check-config's power calculation -------------------------------------------------------
+
+def test_check_config_warns_for_a_suite_too_small_for_its_margin(tmp_path, capsys):
+    """60 rows cannot tell a candidate that lost 2.5% of them from a margin of 5% (about 150
+    would); the demo's suite, 200 rows looked at up to 1,600, can."""
+    from flows.cli import main
+
+    small = write(tmp_path / "small.jsonl", *[ROW] * 60)
+    large = write(tmp_path / "large.jsonl", *[ROW] * 400)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base: {REPO / 'configs' / 'demo.yaml'}\ngates:\n  regression_suites:\n"
+                      f"    - {{name: small, path: {small}}}\n    - {{name: large, path: {large}}}\n"
+                      f"    - {{name: no_carry, path: 'demo:no_carry', rows: 200, max_rows: 1600}}\n")
+    assert main(["check-config", str(config)]) == 0
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warning.startswith("warning: regression suite small (gates.regression_suites): 60 rows tell")
+    assert "about 150 rows would decide it" in warning
+    assert main(["check-config", str(REPO / "configs" / "demo.yaml")]) == 0
+    assert "warning:" not in capsys.readouterr().err
