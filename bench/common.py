@@ -81,11 +81,12 @@ def defences_off(cfg, answer_key: bool = False):
 
 
 def gates_vs_reference(cfg, policy_dir: Path, sft_dir: Path, reward_dir: Path, prompts: list[str],
-                       answers: list[str], seed: int):
+                       answers: list[str], seed: int, suites=()):
     """The pipeline's promotion gates on the candidate against its SFT policy (a fresh machine
     has no champion), as the evaluate stage computes them: under the reward model and the
     audit (the policy's, kept current by preference rounds, else the reward stage's), on
-    intervals at `cfg.gates.confidence`. -> (the decision, the candidate's figures)."""
+    intervals at `cfg.gates.confidence`, with the regression `suites` (`load_suites`; none:
+    their checks are left out). -> (the decision, the candidate's figures)."""
     from rlhf_core.eval.evaluate import Policy, evaluate, scorers_for  # noqa: PLC0415
     from rlhf_core.eval.gates import gate  # noqa: PLC0415
     from rlhf_core.models.llama import load_policy  # noqa: PLC0415
@@ -99,9 +100,10 @@ def gates_vs_reference(cfg, policy_dir: Path, sft_dir: Path, reward_dir: Path, p
         Policy("reference", load_policy(sft_dir), load_tokenizer(sft_dir)), None,
         scorer, prompts[:n], answers[:n], max_new_tokens=cfg.policy.max_new_tokens,
         temperature=cfg.policy.temperature, seed=seed, audit=audit, confidence=cfg.gates.confidence,
-        bootstrap_samples=cfg.gates.bootstrap_samples,
+        bootstrap_samples=cfg.gates.bootstrap_samples, suites=suites, checker=cfg.data.answer_checker,
     )
-    return gate(result.candidate.figures, result.reference.figures, None, cfg.gates), result.candidate.figures
+    gates = cfg.gates if suites else cfg.gates.model_copy(update={"regression_suites": []})
+    return gate(result.candidate.figures, result.reference.figures, None, gates), result.candidate.figures
 
 
 def timed(fn, repeats: int, warmup: int = 1) -> list[float]:

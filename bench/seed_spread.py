@@ -1,12 +1,15 @@
-"""The demo's recipe over seeds and thread counts: does every seed learn, and by how much?
+"""The demo's recipe over seeds, kernel paths and thread counts: does every row get through the gates?
 
 Runs the demo's SFT, reward-model and policy stages (configs/demo.yaml, the rlhf_core entry
-points the pipeline's tasks call, without Prefect or MLflow) once per seed and torch thread
-count, on the demo's data (generated once: the data seed stays the demo's). The seed is set
-for every stage (`sft.seed`, `reward.seed`, `policy.seed`); the thread count applies to this
-process, where SFT and its held-out evaluation run (the Ray workers of the reward and policy
-stages use one thread each whatever it is). A different thread count changes the order in
-which the kernels sum, so the same seed trains differently: it stands in for another CPU.
+points the pipeline's tasks call, without Prefect or MLflow) and its promotion gates (regression
+suites included) once per seed, CPU kernel path and torch thread count, on the demo's data
+(generated once: the data seed stays the demo's). The seed is set for every stage (`sft.seed`,
+`reward.seed`, `policy.seed`); the thread count applies to this process, where SFT and its
+held-out evaluation run (the Ray workers of the reward and policy stages use one thread each
+whatever it is). A different thread count changes the order in which the kernels sum, and a
+kernel path (`KERNEL_PATHS`: the ISA that ATen, oneDNN and MKL may use, set in the environment
+of a child process per path, Ray's workers included) changes the kernels themselves: both stand
+in for another CPU, so one machine tries the numerics of the others.
 
 Per row: SFT steps and the step at which it reached the no-carry plateau (the running loss
 within `PLATEAU_MARGIN` nats of the floor that the corpus's own label noise sets), the base
@@ -17,6 +20,8 @@ the row met every bar the demo config sets (`sft.min_eval_accuracy`, the plateau
 with their own bars off, so a row that misses one still reports every figure.
 
     .venv/bin/python bench/seed_spread.py                      # seeds 0-7 x threads 1, 2: about an hour
+    .venv/bin/python bench/seed_spread.py --seeds 0 1 --threads 1 2 --kernel-paths native avx2 default \
+        --name seed_spread_kernels                             # 12 rows over 3 kernel paths
     .venv/bin/python bench/seed_spread.py --threads 2 1 --sft-only-threads 1   # RL stages at 2 threads only
     .venv/bin/python bench/seed_spread.py --seeds 0 1 --threads 2 --sft-only
 """
@@ -26,7 +31,9 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +47,7 @@ from bench.common import REPO, RESULTS, gates_vs_reference, save, table  # noqa:
 from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
 from rlhf_core.data.schema import read_table  # noqa: E402
 from rlhf_core.data.synthetic import DemoFiles, generate_demo_data, has_carry  # noqa: E402
+from rlhf_core.eval.regression import load_suites  # noqa: E402
 from rlhf_core.training.base_policy import make_base_policy  # noqa: E402
 
 # The plateau: the SFT loss within this many nats per token of the corpus's noise floor.
@@ -47,6 +55,13 @@ PLATEAU_MARGIN = 0.1
 # A seed has margin when it reaches the plateau by this share of the SFT budget.
 MAX_PLATEAU_SHARE = 0.6
 LOSS_WINDOW = 5  # logged losses (every 10 steps) averaged for the plateau test
+# A kernel path: the environment that caps the ISA of ATen's kernels, oneDNN's and MKL's
+# (`native`: what this CPU picks). Set before torch is imported, so each runs in a child process.
+KERNEL_PATHS = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
 
 
 def noise_floor(sft_rows: list[dict], wrong_share: float) -> float:
@@ -102,7 +117,8 @@ def run_seed(cfg: PipelineConfig, files: DemoFiles, seed: int, threads: int, wor
     sft_s = time.perf_counter() - t0
     floor = noise_floor(sft_rows, cfg.data.demo.wrong_share)
     plateau = plateau_step(history, floor + PLATEAU_MARGIN)
-    row = {"seed": seed, "threads": threads, "stages": "sft" if sft_only else "all",
+    row = {"seed": seed, "threads": threads, "kernel_path": os.environ.get("SEED_SPREAD_KERNEL_PATH", "native"),
+           "aten_capability": torch.backends.cpu.get_cpu_capability(), "stages": "sft" if sft_only else "all",
            "sft_steps": base.sft_steps, "sft_plateau_step": plateau,
            "sft_plateau_share": plateau / base.sft_steps if plateau else None, "sft_final_loss": base.sft_final_loss,
            "loss_floor": floor, "base_accuracy": base.eval_accuracy, "sft_s": sft_s}
@@ -121,10 +137,15 @@ def run_seed(cfg: PipelineConfig, files: DemoFiles, seed: int, threads: int, wor
         row.update(final_accuracy=policy.accuracy_after, gain=policy.accuracy_gain, kl_max=policy.kl_max,
                    policy_s=time.perf_counter() - t0, labels=reward.proxy_pairs + reward.audit_pairs
                    + policy.labels_asked)
-        decision, _ = gates_vs_reference(cfg, policy.path, base.path, reward.proxy.path, list(evals["prompt"]),
-                                         list(evals["answer"]), seed)
-        row.update(gate_passed=decision.passed, gate_status=decision.status,
-                   gate_reasons="; ".join(decision.reasons or decision.undecided) or None)
+        suites = load_suites(cfg.gates.regression_suites, work / "suites", cfg.data.demo, list(evals["prompt"]))
+        decision, figures = gates_vs_reference(cfg, policy.path, base.path, reward.proxy.path, list(evals["prompt"]),
+                                               list(evals["answer"]), seed, suites)
+        row.update(gate_passed=decision.passed, gate_status=decision.status, verdict=decision.status.upper(),
+                   gate_reasons="; ".join(decision.reasons or decision.undecided) or None,
+                   regression={s.name: {"accuracy": s.accuracy, "looks": [(look.rows, look.vs_reference["estimate"],
+                                                                           look.vs_reference["low"], look.stopped)
+                                                                          for look in s.looks]}
+                               for s in figures.regression})
     row["wall_s"] = row["sft_s"] + row.get("reward_s", 0.0) + row.get("policy_s", 0.0)
     row["failure"] = failure(row, cfg, sft_only)
     row["success"] = row["failure"] is None
@@ -173,11 +194,16 @@ def main() -> None:
     parser.add_argument("--merge", type=Path, action="append", default=[], metavar="JSON",
                         help="also report the rows of another result file of this script (a split or interrupted run)")
     parser.add_argument("--name", default="seed_spread", help="result file name under bench/results/")
+    parser.add_argument("--kernel-paths", nargs="*", default=[], choices=sorted(KERNEL_PATHS),
+                        help="run the rows once per kernel path, each in a child process, and merge them")
     args = parser.parse_args()
+    if args.kernel_paths:
+        args.merge += [run_kernel_path(path, args) for path in args.kernel_paths]
+        args.seeds = []
     cfg = load_config(args.config, args.overrides)
     rows: list[dict] = [merged(row, cfg) for path in args.merge for row in json.loads(path.read_text())["rows"]]
-    columns = ["seed", "threads", "stages", "sft_steps", "sft_plateau_step", "sft_plateau_share", "base_accuracy",
-               "reward_accuracy", "final_accuracy", "gain", "labels", "sft_s", "wall_s", "success", "failure"]
+    columns = ["kernel_path", "seed", "threads", "stages", "sft_steps", "sft_plateau_step", "sft_plateau_share", "base_accuracy",
+               "reward_accuracy", "final_accuracy", "gain", "labels", "sft_s", "wall_s", "verdict", "success", "failure"]
     with tempfile.TemporaryDirectory(prefix="seed-spread-") as tmp:
         files = generate_demo_data(cfg.data.demo, Path(tmp) / "data")
         only_sft = args.sft_only or set(args.threads) <= set(args.sft_only_threads) or not args.seeds
@@ -199,6 +225,18 @@ def main() -> None:
         if s:
             print(f"  {key:<18} mean {s['mean']:.3f}  sd {s['sd']:.3f}  min {s['min']:.3f}  max {s['max']:.3f}")
     print(f"\nwritten {RESULTS / (args.name + '.json')}")
+
+
+def run_kernel_path(path: str, args: argparse.Namespace) -> Path:
+    """This script on `args`' seeds and threads in a child process whose environment caps the
+    kernels at `path`; -> its result file (bench/results/<name>_<path>.json)."""
+    name = f"{args.name}_{path}"
+    command = [sys.executable, __file__, "--config", str(args.config), "--name", name, "--seeds",
+               *map(str, args.seeds), "--threads", *map(str, args.threads),
+               *(["--sft-only"] if args.sft_only else []), *(f"--set={o}" for o in args.overrides)]
+    env = {**os.environ, **KERNEL_PATHS[path], "SEED_SPREAD_KERNEL_PATH": path}
+    subprocess.run(command, env=env, check=True)
+    return RESULTS / f"{name}.json"
 
 
 def write(args: argparse.Namespace, rows: list[dict]) -> dict:

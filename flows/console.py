@@ -77,6 +77,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     for name, info in summary.get("stages", {}).items():
         figures = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("status", "error", "report", "model_path"))
         print(f"  {name:<10} {info.get('status', '?'):<10} {figures}")
+    if summary.get("next_steps"):
+        version = summary.get("stages", {}).get("register", {}).get("version", "?")
+        print(f"Undecided:   v{version} is registered with no alias and serves nowhere; to decide it:")
+        for what, command in summary["next_steps"].items():
+            print(f"  {what + ':':<22} {command}")
     print(f"MLflow run:  {summary['mlflow_run_id']}  ({summary['mlflow_tracking_uri']})")
     print(f"Summary:     {summary['summary_path']}")
     report = summary.get("report") or {}

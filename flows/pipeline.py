@@ -10,8 +10,10 @@ without parsing logs. Its `status` is one of:
 - `rejected`: the candidate failed a gate; it is not registered, `reasons` say why, and
   what serves is unchanged. The MLflow run is FINISHED with tag `gate.passed=false`;
 - `undecided`: no gate failed, but the evaluation cannot tell the candidate from a bar (a
-  candidate as good as the champion): handled like `rejected`, and `reasons` say which calls
-  are open and how many eval prompts would decide them;
+  candidate as good as the champion): it is registered with no alias (tag
+  `gate.status=undecided`) and nothing serves it; `reasons` say which calls are open and how
+  many eval prompts would decide them, `next_steps` the commands that look at more rows or
+  promote it past the gates;
 - `failed`: a stage raised; `failed_stage` and `error` say which and why.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from rlhf_core.config.default import DEFAULT_CONFIG
 from tasks.cluster import training_cluster
 from tasks.data import prepare_data, validate_data
 from tasks.deploy import deploy_champion
-from tasks.evaluate import Candidate, evaluate_candidate, register_candidate
+from tasks.evaluate import Candidate, evaluate_candidate, register_candidate, undecided_next_steps
 from tasks.policy import optimise_policy
 from tasks.pretrained import prepare_pretrained
 from tasks.reward import train_reward_model_task
@@ -80,11 +82,16 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         })
         prompts, answers = data.eval_set  # the reward model's held-out prompts without an eval file
         evaluation = record_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)
-        if not evaluation.passed:
-            d = evaluation.decision
-            summary.update(status=d.status, reasons=[*d.reasons, *d.undecided])
+        d = evaluation.decision
+        if d.status == "rejected":
+            summary.update(status=d.status, reasons=list(d.reasons))
             return summary
         registration = record_stage(stages, "register", register_candidate, evaluation, cfg, run)
+        if d.status == "undecided":
+            named = None if config_path == DEFAULT_CONFIG else config_path
+            summary.update(status=d.status, reasons=list(d.undecided),
+                           next_steps=undecided_next_steps(evaluation, registration.version, named))
+            return summary
         if registration.promoted and cfg.serving.enabled:
             record_stage(stages, "deploy", deploy_champion, cfg)
     return summary

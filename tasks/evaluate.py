@@ -11,8 +11,10 @@ into `<run>/data`); the report names each suite with the accuracies and the inte
 policy model (`tracking.registered_model`, default `policy`) with its lineage,
 gate report and model card (`README.md` in its model directory, `rlhf_core.eval.model_card`),
 gives it the alias `challenger`, and promotes it to `champion` when `gates.auto_promote` is
-on. A rejected candidate is not registered: the pipeline ends with status `rejected` and the
-reasons (see `flows.pipeline`).
+on. An undecided candidate is registered too, with no alias and tagged `gate.status=undecided`,
+so that a person can have the gates look at more rows (`rlhf evaluate VERSION --set ...`,
+`undecided_next_steps`) or promote it past them with a reason. A rejected candidate is not
+registered: the pipeline ends with status `rejected` and the reasons (see `flows.pipeline`).
 """
 from __future__ import annotations
 
@@ -192,9 +194,12 @@ class Registration:
     promoted: bool
     previous_champion: str | None
 
+    aliased: bool = True  # False: undecided, registered without an alias
+
     def summary(self) -> dict:
-        return {"status": "promoted" if self.promoted else "challenger", "version": self.version,
-                "aliases": [CHAMPION] if self.promoted else [CHALLENGER],
+        status = "promoted" if self.promoted else "challenger" if self.aliased else "undecided"
+        return {"status": status, "version": self.version,
+                "aliases": [CHAMPION] if self.promoted else [CHALLENGER] if self.aliased else [],
                 "previous_champion": self.previous_champion}
 
 
@@ -219,8 +224,8 @@ def _write_model_card(evaluation: Evaluation, cfg: PipelineConfig, run: Pipeline
 @task(name="register-candidate")
 def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: PipelineRun) -> Registration:
     """Register a passing candidate as a version of `tracking.registered_model` (alias
-    `challenger`); promote it if configured."""
-    if not evaluation.passed:
+    `challenger`) and promote it if configured; an undecided one with no alias."""
+    if evaluation.decision.status == "rejected":
         raise ValueError("a rejected candidate is never registered")  # the flow does not call this then
     log = get_run_logger()
     client, name = run.client, cfg.tracking.registered_model
@@ -230,7 +235,9 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     # model/README.md: the card travels with the files the version's source points at (a re-run overwrites it)
     client.log_artifact(lineage["policy.run_id"], str(_write_model_card(evaluation, cfg, run)), artifact_path="model")
     tags = {
-        **lineage, "eval.run_id": evaluation.run_id, "gate.passed": "true",
+        **lineage, "eval.run_id": evaluation.run_id, "gate.passed": str(evaluation.passed).lower(),
+        "gate.status": evaluation.decision.status,
+        **({"gate.reasons": "; ".join(evaluation.decision.undecided)[:5000]} if evaluation.decision.undecided else {}),
         "gate.report": f"runs:/{lineage['policy.run_id']}/gate/{evaluation.report_path.name}",
         "gate.vs_champion": evaluation.champion_version or "none",
         "eval.accuracy": "" if c.accuracy is None else f"{c.accuracy:.4f}",
@@ -239,11 +246,15 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     }
     version = register_model_version(
         client, name, lineage["policy.run_id"], "model", tags,
-        description=f"{lineage.get('algorithm', 'RL')} policy; gate passed vs "
+        description=f"{lineage.get('algorithm', 'RL')} policy; gate {evaluation.decision.status} vs "
                     f"{'champion v' + evaluation.champion_version if evaluation.champion_version else 'reference only'}",
     )
-    client.set_registered_model_alias(name, CHALLENGER, version)
     client.set_tag(run.run_id, "registered_model", f"{name}/{version}")
+    if not evaluation.passed:
+        log.info("%s v%s is registered undecided, with no alias: %s", name, version,
+                 "; ".join(evaluation.decision.undecided))
+        return Registration(version, False, None, aliased=False)
+    client.set_registered_model_alias(name, CHALLENGER, version)
     previous = None
     promoted = False
     if cfg.gates.auto_promote:
@@ -255,6 +266,21 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     else:
         log.info("%s v%s is the %s; promote it with `rlhf promote %s` or in the MLflow UI", name, version, CHALLENGER, version)
     return Registration(version, promoted, previous)
+
+
+def undecided_next_steps(evaluation: Evaluation, version: str, config_path: str | None) -> dict[str, str]:
+    """What a person can do about an undecided candidate registered as `version`: the command
+    that has the gates look at more rows (twice the rows of each suite whose looks ended
+    undecided, twice the eval prompts when a call on them is open), and the one that promotes
+    it past the gates with the reason recorded. `config_path`: the run's, named unless None."""
+    figures = evaluation.result.candidate.figures
+    more = [f"gates.regression_suites.{i}.max_rows={2 * suite.looks[-1].rows}"
+            for i, suite in enumerate(figures.regression) if suite.looks and suite.looks[-1].stopped != "decided"]
+    if any(c.undecided and not c.name.startswith("regression_") for c in evaluation.decision.checks):
+        more.append(f"gates.eval_prompts={2 * evaluation.result.num_prompts}")
+    config = [] if config_path is None else [f"--config {config_path}"]
+    return {"look at more rows": " ".join(["rlhf evaluate", version, *config, *(f"--set {m}" for m in more)]),
+            "or promote it anyway": " ".join(["rlhf promote", version, *config, '--force --reason "..."'])}
 
 
 LINEAGE_TAGS = ("dataset.fingerprint", "base_model.run_id", "reward_model.version", "policy.run_id", "algorithm",

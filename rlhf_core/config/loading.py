@@ -165,14 +165,29 @@ def _override(out: dict[str, Any], item: str, origins: dict[str, str]) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ConfigError([f"override {item!r}: expected key.path=value"])
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+    node, parts, listed = out, key.split("."), None  # listed: the key of the first list on the way
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):  # an item of a list by its index: gates.regression_suites.0.max_rows
+            listed = listed or ".".join(parts[:i])
+            node = node[_index(node, part, key)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
             raise ConfigError([f"{key}: {part} is not a mapping"])
-    node[parts[-1]] = yaml.safe_load(value)
-    _record(origins, key, node[parts[-1]], SET)
+    if isinstance(node, list):
+        listed = listed or ".".join(parts[:-1])
+    last = _index(node, parts[-1], key) if isinstance(node, list) else parts[-1]
+    node[last] = yaml.safe_load(value)
+    if listed:  # a list is one value: it now comes from --set as a whole
+        origins[listed] = SET
+    else:
+        _record(origins, key, node[last], SET)
+
+
+def _index(items: list, part: str, key: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError([f"{key}: {part} is not an index of a list of {len(items)} items"])
+    return int(part)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str],

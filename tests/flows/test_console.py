@@ -140,3 +140,18 @@ def test_the_deployment_block_names_the_registered_model_and_the_config_that_sto
     assert "Stop it:     rlhf serving stop --config configs/chat.yaml\n" in out
     print_deployment(stage, PipelineConfig(), Path("/state"), DEFAULT_CONFIG)
     assert "Stop it:     rlhf serving stop\n" in capsys.readouterr().out
+
+
+def test_an_undecided_run_closes_with_what_to_do_next(capsys):
+    """The candidate is registered with no alias; the block names the command that looks at
+    more rows and the one that promotes it past the gates with a reason."""
+    steps = {"look at more rows": "rlhf evaluate 4 --set gates.regression_suites.0.max_rows=3200",
+             "or promote it anyway": 'rlhf promote 4 --force --reason "..."'}
+    summary = {"pipeline": "rlhf-pipeline", "status": "undecided", "mlflow_run_id": "abc",
+               "stages": {"register": {"status": "undecided", "version": "4", "aliases": []}},
+               "mlflow_tracking_uri": "http://mlflow:5000", "summary_path": "/runs/r/summary.json", "next_steps": steps}
+    print_summary(summary)
+    out = capsys.readouterr().out.splitlines()
+    start = out.index("Undecided:   v4 is registered with no alias and serves nowhere; to decide it:")
+    assert out[start + 1].split() == ["look", "at", "more", "rows:", *steps["look at more rows"].split()]
+    assert out[start + 2].split() == ["or", "promote", "it", "anyway:", *steps["or promote it anyway"].split()]

@@ -188,3 +188,12 @@ def test_k8s_is_the_demo_plus_cluster_keys_only():
     k8s = flat(load_config(CONFIGS / "k8s.yaml").model_dump(mode="json"))
     differ = {key for key in demo if demo[key] != k8s[key]}
     assert differ <= K8S_KEYS, f"not about the cluster: {sorted(differ - K8S_KEYS)}"
+
+
+def test_set_reaches_an_item_of_a_list_by_its_index():
+    from rlhf_core.config import ConfigError, load_config
+
+    cfg = load_config(REPO / "configs" / "demo.yaml", ["gates.regression_suites.0.max_rows=3200"])
+    assert cfg.gates.regression_suites[0].max_rows == 3200 and cfg.gates.regression_suites[0].name == "no_carry"
+    with pytest.raises(ConfigError, match="gates.regression_suites.1.max_rows: 1 is not an index of a list of 1"):
+        load_config(REPO / "configs" / "demo.yaml", ["gates.regression_suites.1.max_rows=3200"])
