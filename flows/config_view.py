@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import PipelineConfig, config_origins, load_config
-from rlhf_core.eval.regression import power_warnings
+from rlhf_core.eval.sequential import power_warnings
 
 
 def print_config(path: str | Path, overrides: list[str], explain: bool) -> int:

@@ -5,8 +5,9 @@
 - `tasks/` are the I/O adapters: they may import everything.
 - `flows/` compose tasks: Prefect, `tasks` and the typed config, nothing that computes (no
   torch, transformers, engines, MLflow or Great Expectations, no other `rlhf_core` module).
-  The command line (`flows/cli.py`) also answers two commands that need no flow: `serving`
-  (status and stop of the serving process) and `make-demo-data`.
+  The command line (`flows/cli.py`) also answers three commands that need no flow: `serving`
+  (status and stop of the serving process), `make-demo-data`, and `check-config` (with the
+  regression suites' power calculation, plain arithmetic).
 - `monitoring/` is where metrics leave the process: it never imports `flows` or `tasks`.
 - Nothing outside `tests/` imports the tests; what tests and benchmarks share is in
   `rlhf_core.testing`.
@@ -24,8 +25,8 @@ COMPUTE_LIBRARIES = {"torch", "transformers", "deepspeed", "vllm", "ray", "mlflo
                      "pandas"}
 CORE_MODULES_FOR_FLOWS = {"rlhf_core.config", "rlhf_core.config.default"}
 CORE_MODULES_FOR_THE_CLI = CORE_MODULES_FOR_FLOWS | {"rlhf_core.serving.server", "rlhf_core.serving",
-                                                     "rlhf_core.data.synthetic"}
-COMMAND_LINE_MODULES = {"cli.py", "launch.py", "serving_commands.py"}  # flows/: the `rlhf` command's own
+                                                     "rlhf_core.data.synthetic", "rlhf_core.eval.sequential"}
+COMMAND_LINE_MODULES = {"cli.py", "launch.py", "serving_commands.py", "config_view.py"}  # flows/: the `rlhf` command's own
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -35,8 +35,8 @@ from rlhf_core.eval.confidence import (
 )
 from rlhf_core.eval.gates import EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
-from rlhf_core.eval.regression import RegressionSuite, correct
-from rlhf_core.eval.sequential import Look, run_looks
+from rlhf_core.eval.regression import RegressionSuite, correct, run_looks
+from rlhf_core.eval.sequential import Look
 from rlhf_core.models.logits import logits_from
 from rlhf_core.models.reward import RewardStats, load_reward_model, normalise, score
 from rlhf_core.rollout.hf_reference import right_padded

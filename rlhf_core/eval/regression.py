@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import codecs
 import json
-import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rlhf_core.chat import render_prompt
 from rlhf_core.config import DemoDataConfig, RegressionSuiteConfig
 from rlhf_core.data.schema import DataFormatError, write_jsonl
-from rlhf_core.data.synthetic import DEMO_SUITES, NO_CARRY_SUITE_ROWS
+from rlhf_core.data.synthetic import DEMO_SUITES
 from rlhf_core.eval.gates import EvalFigures
-from rlhf_core.eval.sequential import decidable_gap, look_levels, look_sizes, rows_to_decide
+from rlhf_core.eval.checks import not_worse_than
+from rlhf_core.eval.confidence import Interval
+from rlhf_core.eval.sequential import DEMO_FIRST_ROWS, DEMO_PREFIX, Look, look_levels, look_sizes
 from rlhf_core.training.verifiable import check_answers
 
-DEMO_PREFIX = "demo:"
 SHOWN_PROBLEMS = 5  # bad rows named per suite; the message counts the rest
 
 
@@ -133,7 +133,7 @@ def rendered(suite: RegressionSuite, tokenizer) -> RegressionSuite:
 
 
 def suite_file(path: str, data_dir: Path, demo: DemoDataConfig, exclude: Collection[str] = (),
-               rows: int = NO_CARRY_SUITE_ROWS) -> Path:
+               rows: int = DEMO_FIRST_ROWS) -> Path:
     """The file a suite's `path` stands for: itself, or for `demo:<name>` the demo suite's
     first `rows` rows generated from `demo` (without the prompts in `exclude`) into `data_dir`."""
     if not path.startswith(DEMO_PREFIX):
@@ -152,10 +152,10 @@ def load_suites(suites: Sequence[RegressionSuiteConfig], data_dir: Path, demo: D
     `SuiteFormatError` that names every suite that cannot be used, by file and line."""
     loaded, problems = [], []
     for suite in suites:
-        first = suite.rows or (NO_CARRY_SUITE_ROWS if suite.path.startswith(DEMO_PREFIX) else None)
+        first = suite.rows or (DEMO_FIRST_ROWS if suite.path.startswith(DEMO_PREFIX) else None)
         budget = suite.max_rows or first
         try:
-            path = suite_file(suite.path, data_dir, demo, exclude, budget or NO_CARRY_SUITE_ROWS)
+            path = suite_file(suite.path, data_dir, demo, exclude, budget or DEMO_FIRST_ROWS)
             prompts, answers = read_suite(path)
         except SuiteFormatError as exc:
             problems.append(f"regression suite {suite.name} (gates.regression_suites): {exc}")
@@ -167,32 +167,31 @@ def load_suites(suites: Sequence[RegressionSuiteConfig], data_dir: Path, demo: D
     return loaded
 
 
-def power_warnings(suites: Sequence[RegressionSuiteConfig], confidence: float | None) -> list[str]:
-    """One line per suite too small for its margin: whose budget of rows (a file's rows, or
-    `max_rows`) leaves a candidate that lost half the margin undecided on average, at the level
-    of the suite's last look (`rlhf_core.eval.sequential.rows_to_decide`). A file that cannot be
-    read is left to the run's own check, which names what is wrong with it."""
-    if confidence is None:
-        return []
-    warnings = []
-    for suite in suites:
-        available = math.inf  # a demo suite's rows: as many as asked
-        if not suite.path.startswith(DEMO_PREFIX):
-            try:
-                available = len(read_suite(suite.path)[0])
-            except SuiteFormatError:
-                continue
-        first = min(suite.rows or (NO_CARRY_SUITE_ROWS if available == math.inf else available), available)
-        budget = max(first, min(suite.max_rows or first, available))
-        level = look_levels(look_sizes(first, budget), confidence)[-1]
-        needed = rows_to_decide(suite.margin, level)
-        if budget < needed:
-            warnings.append(
-                f"regression suite {suite.name} (gates.regression_suites): {budget} rows tell an accuracy "
-                f"difference from the margin -{suite.margin:g} only {decidable_gap(budget, suite.margin, level):.3f} "
-                f"or more away from it ({level:.1%}): a candidate that lost {suite.margin / 2:g} of them would stay "
-                f"undecided; about {needed} rows would decide it: add rows to {suite.path}, or raise its margin")
-    return warnings
+def run_looks(first: int, available: int, budget: int, margin: float, confidence: float,
+              answer_to: Callable[[int], None], intervals: Callable[[float], tuple[Interval, Interval | None]],
+              ) -> tuple[Look, ...]:
+    """Look at a suite until its calls are decided: `answer_to(n)` has every policy answer the
+    suite's first n rows, `intervals(level)` gives the candidate's paired intervals of the
+    difference (vs the reference, and vs the champion or None) on the rows answered so far.
+    The looks are planned over `min(available, budget)` rows (`available`: the suite's rows);
+    they stop at the first look whose calls are all decided at `-margin` (non-inferiority,
+    `checks.not_worse_than`), or at the last planned one, saying which."""
+    sizes = look_sizes(min(first, available, budget), min(available, budget))
+    looks = []
+    for n, level in zip(sizes, look_levels(sizes, confidence)):
+        answer_to(n)
+        vs_reference, vs_champion = intervals(level)
+        calls = [i for i in (vs_reference, vs_champion) if i is not None]
+        stopped = None
+        if all(not_worse_than("", "", i, -margin, "").undecided is None for i in calls):
+            stopped = "decided"
+        elif n == sizes[-1]:
+            stopped = f"budget of {n} rows reached" if n == budget else f"the suite has no more rows ({n})"
+        looks.append(Look(n, level, vs_reference.to_dict(), None if vs_champion is None else vs_champion.to_dict(),
+                          stopped))
+        if stopped:
+            break
+    return tuple(looks)
 
 
 def correct(suite: RegressionSuite, responses: Sequence[str], start: int = 0) -> list[bool]:

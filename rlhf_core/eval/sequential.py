@@ -17,19 +17,23 @@ of the time, as one fixed interval at `confidence` does (Lan & DeMets 1983, Biom
 it conservative: the intervals of successive looks share rows. A suite that cannot give more
 rows (a file used whole, `max_rows` = `rows`) has one look at `confidence`, as before.
 
-`look_sizes` and `look_levels` are the plan, `run_looks` makes the looks, and `Look` is one
-look's record for the gate report. `rows_to_decide` and `decidable_gap` are the power
-calculation `rlhf check-config` warns with.
+`look_sizes` and `look_levels` are the plan, and `Look` is one look's record for the gate
+report (`rlhf_core.eval.regression.run_looks` makes the looks). `rows_to_decide` and
+`decidable_gap` are the power calculation `power_warnings` (`rlhf check-config`) warns with.
+Plain arithmetic on the config: the command line imports this module without torch or numpy.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import NormalDist
 
-from rlhf_core.eval.checks import not_worse_than
-from rlhf_core.eval.confidence import Interval
+from rlhf_core.config import RegressionSuiteConfig
+
+DEMO_PREFIX = "demo:"  # a suite the demo generates (`rlhf_core.eval.regression`)
+DEMO_FIRST_ROWS = 200  # a demo suite's first look without `rows`
 
 
 def look_sizes(first: int, budget: int) -> tuple[int, ...]:
@@ -68,33 +72,6 @@ class Look:
     stopped: str | None = None
 
 
-def run_looks(first: int, available: int, budget: int, margin: float, confidence: float,
-              answer_to: Callable[[int], None], intervals: Callable[[float], tuple[Interval, Interval | None]],
-              ) -> tuple[Look, ...]:
-    """Look at a suite until its calls are decided: `answer_to(n)` has every policy answer the
-    suite's first n rows, `intervals(level)` gives the candidate's paired intervals of the
-    difference (vs the reference, and vs the champion or None) on the rows answered so far.
-    The looks are planned over `min(available, budget)` rows (`available`: the suite's rows);
-    they stop at the first look whose calls are all decided at `-margin` (non-inferiority,
-    `checks.not_worse_than`), or at the last planned one, saying which."""
-    sizes = look_sizes(min(first, available, budget), min(available, budget))
-    looks = []
-    for n, level in zip(sizes, look_levels(sizes, confidence)):
-        answer_to(n)
-        vs_reference, vs_champion = intervals(level)
-        calls = [i for i in (vs_reference, vs_champion) if i is not None]
-        stopped = None
-        if all(not_worse_than("", "", i, -margin, "").undecided is None for i in calls):
-            stopped = "decided"
-        elif n == sizes[-1]:
-            stopped = f"budget of {n} rows reached" if n == budget else f"the suite has no more rows ({n})"
-        looks.append(Look(n, level, vs_reference.to_dict(), None if vs_champion is None else vs_champion.to_dict(),
-                          stopped))
-        if stopped:
-            break
-    return tuple(looks)
-
-
 def _z(level: float) -> float:
     return NormalDist().inv_cdf(1 - (1 - level) / 2)
 
@@ -112,3 +89,33 @@ def decidable_gap(rows: int, margin: float, level: float) -> float:
     the interval's half-width there."""
     p = margin / 2
     return _z(level) * math.sqrt(p * (1 - p) / rows)
+
+
+def power_warnings(suites: Sequence[RegressionSuiteConfig], confidence: float | None) -> list[str]:
+    """One line per suite too small for its margin: whose budget of rows (a file's rows, or
+    `max_rows`) leaves a candidate that lost half the margin undecided on average, at the level
+    of the suite's last look (`rows_to_decide`). A file that cannot be read is left to the
+    run's own check (`rlhf_core.eval.regression.load_suites`), which names what is wrong."""
+    if confidence is None:
+        return []
+    warnings = []
+    for suite in suites:
+        available = math.inf  # a demo suite's rows: as many as asked
+        if not suite.path.startswith(DEMO_PREFIX):
+            try:
+                available = sum(1 for line in Path(suite.path).read_bytes().splitlines() if line.strip())
+            except OSError:
+                continue
+        first = min(suite.rows or (DEMO_FIRST_ROWS if available == math.inf else available), available)
+        if first < 1:
+            continue
+        budget = max(first, min(suite.max_rows or first, available))
+        level = look_levels(look_sizes(first, budget), confidence)[-1]
+        needed = rows_to_decide(suite.margin, level)
+        if budget < needed:
+            warnings.append(
+                f"regression suite {suite.name} (gates.regression_suites): {budget} rows tell an accuracy "
+                f"difference from the margin -{suite.margin:g} only {decidable_gap(budget, suite.margin, level):.3f} "
+                f"or more away from it ({level:.1%}): a candidate that lost {suite.margin / 2:g} of them would stay "
+                f"undecided; about {needed} rows would decide it: add rows to {suite.path}, or raise its margin")
+    return warnings

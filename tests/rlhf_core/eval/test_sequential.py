@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from rlhf_core.eval.confidence import paired_score_interval
-from rlhf_core.eval.sequential import (
-    decidable_gap, look_levels, look_sizes, rows_to_decide, run_looks, spent,
-)
+from rlhf_core.eval.regression import run_looks
+from rlhf_core.eval.sequential import decidable_gap, look_levels, look_sizes, rows_to_decide, spent
 
 
 def test_looks_double_the_rows_up_to_the_budget():
