@@ -30,6 +30,7 @@ from bench.common import REPO, RESULTS  # noqa: E402
 from bench.report_format import Columns, load, md_table, measured_on, not_run  # noqa: E402
 from bench.report_training import (  # noqa: E402
     conversational_demo, dpo_vs_grpo, offline_memory, policy_memory, pretrained_scale, response_logits, seed_spread,
+    seed_spread_kernels,
 )
 
 PAGE = REPO / "docs" / "benchmarks.md"
@@ -257,6 +258,7 @@ SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
     "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
+    "seed_spread_kernels": seed_spread_kernels,
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
     "resume": resume, "dpo_vs_grpo": dpo_vs_grpo, "policy_memory": policy_memory,
     "response_logits": response_logits, "gpu_check": gpu_check, "offline_memory": offline_memory,

@@ -41,6 +41,37 @@ def seed_spread(results: Path) -> list[str]:
     return lines
 
 
+KERNEL_ROWS: Columns = [
+    ("kernel_path", "kernel path", ""), ("aten_capability", "ATen", ""), ("threads", "threads", ""),
+    ("seed", "seed", ""), ("base_accuracy", "base accuracy", ".3f"), ("reward_accuracy", "reward-model accuracy", ".3f"),
+    ("final_accuracy", "final accuracy", ".3f"), ("gain", "gain", "+.3f"), ("no_carry", "no_carry", ".3f"),
+    ("no_carry_looks", "no_carry looks (rows)", ""), ("verdict", "gates", ""), ("wall_s", "wall s", ".0f"),
+    ("met", "met the bars", ""),
+]
+
+
+def seed_spread_kernels(results: Path) -> list[str]:
+    if (r := load("seed_spread_kernels", results)) is None:
+        return not_run("seed_spread_kernels", "seed_spread.py --seeds 0 1 --threads 2 1 --kernel-paths native avx2 "
+                                              "default --name seed_spread_kernels")
+    rows = []
+    for row in r["rows"]:
+        suite = (row.get("regression") or {}).get("no_carry", {})
+        looks = suite.get("looks") or []
+        rows.append({**row, "met": "yes" if row["success"] else "**no**", "no_carry": suite.get("accuracy"),
+                     "no_carry_looks": " → ".join(str(look[0]) for look in looks) or None})
+    gains = [row["gain"] for row in r["rows"] if row.get("gain") is not None]
+    paths = sorted({row["kernel_path"] for row in r["rows"]})
+    lines = [measured_on(r, "seed_spread_kernels") + f" CPU flags: {', '.join(r.get('cpu_flags', [])) or 'not recorded'}.",
+             "", md_table(rows, KERNEL_ROWS), "",
+             f"**{sum(bool(row['success']) for row in r['rows'])} of {len(rows)}** rows over {len(paths)} kernel paths "
+             f"({', '.join(paths)}) got through every bar and the gates."]
+    if gains:
+        lines[-1] += (f" Gain in held-out accuracy {statistics.fmean(gains):+.3f} on average "
+                      f"(from {min(gains):+.3f} to {max(gains):+.3f}).")
+    return lines
+
+
 def conversational_demo(results: Path) -> list[str]:
     if (r := load("conversational_demo", results)) is None:
         return not_run("conversational_demo", "conversational_demo.py --sft-dir runs/demo-<stamp>/models/sft")

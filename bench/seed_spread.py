@@ -241,10 +241,20 @@ def run_kernel_path(path: str, args: argparse.Namespace) -> Path:
 
 def write(args: argparse.Namespace, rows: list[dict]) -> dict:
     summary = summarise(rows)
-    save(args.name, {"config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
+    save(args.name, {"cpu_flags": cpu_flags(),
+                     "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
                      "overrides": args.overrides, "plateau_margin": PLATEAU_MARGIN,
                      "max_plateau_share": MAX_PLATEAU_SHARE, "rows": rows, "summary": summary})
     return summary
+
+
+def cpu_flags() -> list[str]:
+    """The flags that choose between the kernels (AVX-512 with bf16, AMX), as /proc/cpuinfo lists them."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in set(flags) if f.startswith("amx") or f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16"))
 
 
 def merged(row: dict, cfg: PipelineConfig) -> dict:
