@@ -102,7 +102,7 @@ test-tools:
 
 # The suite on TEST_WORKERS pytest-xdist processes (each starts its own session fixtures: a Prefect
 # test server, PostgreSQL, a Ray cluster). Each takes whole modules, so a module's shared pipeline
-# run or server starts once, and the slowest modules go first (rlhf_core/testing/order.py reads the
+# run or server starts once, and the slowest modules go first (tests/lanes.py reads the
 # last measured run), so no long module starts at the end; on two workers each runs its own lane of
 # the slow modules first (LANES there), so the same slow modules meet in every run. The slow tests
 # wait on processes and servers a good part of the time: on 2 cores two workers keep both busy.

@@ -76,10 +76,6 @@ def train_tokenizer(
     return tokenizer
 
 
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
-    tokenizer.save_pretrained(str(out_dir))
-
-
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerFast:
     """The tokenizer of a model directory (the demo's or any family's), with a pad token: the
     EOS token when the tokenizer names none, as is common for pretrained causal LMs."""

@@ -11,7 +11,7 @@ import yaml
 from flows import quick_exit
 from flows.cli import quiet_telemetry  # noqa: E402
 from rlhf_core.testing.configs import tiny_config_dict
-from rlhf_core.testing.order import lane_scheduler, longest_modules_first, module_seconds
+from tests.lanes import lane_scheduler, longest_modules_first, module_seconds
 from rlhf_core.testing.ports import free_ports as free_ports_
 
 quiet_telemetry()

@@ -71,7 +71,7 @@ def test_the_source_search_finds_a_test_glued_to_a_comment():
 
 
 def test_the_slowest_modules_come_first_each_kept_whole_and_in_order(tmp_path):
-    from rlhf_core.testing.order import longest_modules_first, module_seconds
+    from tests.lanes import longest_modules_first, module_seconds
 
     class Item:
         def __init__(self, nodeid):
@@ -89,7 +89,7 @@ def test_the_slowest_modules_come_first_each_kept_whole_and_in_order(tmp_path):
 
 
 def test_each_worker_runs_its_own_lane_first_then_the_rest_then_takes_from_the_other_lane():
-    from rlhf_core.testing.order import LANES, next_module
+    from tests.lanes import LANES, next_module
 
     lanes = (("a", "b"), ("c", "d"))
     queued = ["c", "a", "d", "x", "b", "y"]  # slowest first
@@ -107,7 +107,7 @@ def test_the_lane_scheduler_hands_each_worker_its_lane_then_shares_the_rest():
     choice in: two workers, each test reported done in turn."""
     from types import SimpleNamespace
 
-    from rlhf_core.testing.order import lane_scheduler
+    from tests.lanes import lane_scheduler
 
     class Config:
         option = SimpleNamespace(loadscopereorder=False)

@@ -1,4 +1,5 @@
-"""The layers of ARCHITECTURE.md, checked on every import statement:
+"""The layers of the architecture (docs/pipeline.md, and the table of folders in the README), checked on
+every import statement:
 
 - `rlhf_core/` holds the algorithms: no Prefect, no MLflow, and none of the layers above it
   (`tasks`, `flows`, `monitoring`); Ray, DeepSpeed and vLLM only in the modules that drive them.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DURATIONS = Path(__file__).resolve().parents[2] / "bench" / "results" / "test_durations.json"  # bench/test_durations.py
+DURATIONS = Path(__file__).resolve().parents[1] / "bench" / "results" / "test_durations.json"  # bench/test_durations.py
 
 
 def module_seconds(path: Path = DURATIONS) -> dict[str, float]:
