@@ -58,7 +58,7 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         pretrained = None  # the demo builds its own model
         if cfg.model.pretrained is not None:
             pretrained = record_stage(stages, "pretrained", prepare_pretrained, cfg, run.out_dir)
-        paths = record_stage(stages, "validate", prepare_data, cfg, run.out_dir, pretrained)  # format, rendering, lengths
+        paths = record_stage(stages, "data", prepare_data, cfg, run.out_dir, pretrained)  # format, rendering, lengths
         data = record_stage(stages, "validate", validate_data, paths, cfg, run)  # the data contract
         if cfg.sft.enabled:
             base = record_stage(stages, "sft", train_base_policy, data, cfg, run, pretrained)

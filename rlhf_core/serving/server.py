@@ -74,6 +74,7 @@ from rlhf_core.serving.process import (
     stop_process_group,
 )
 from rlhf_core.serving.state import (
+    STARTING,
     Endpoint,
     append_history,
     current_endpoint,
@@ -96,7 +97,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 1.0
-STARTING = "starting.json"  # the deploy in progress: its endpoint, written before its server starts
 
 
 @dataclass(frozen=True)

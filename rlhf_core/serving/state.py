@@ -20,6 +20,8 @@ from rlhf_core.config import ServingConfig
 from rlhf_core.serving.errors import ServingError
 from rlhf_core.serving.process import is_server
 
+STARTING = "starting.json"  # the deploy in progress: its endpoint, written before its server starts
+
 log = logging.getLogger(__name__)
 
 
@@ -137,8 +139,6 @@ class DeployRecord:
 def deploy_under_way(state_dir: Path) -> DeployRecord | None:
     """The deploy recorded in `<state_dir>/starting.json`, if any: under way while a deploy holds
     the lock, else left by one that died."""
-    from rlhf_core.serving.server import STARTING  # the file the deploy writes; server imports this module
-
     path = Path(state_dir) / STARTING
     try:
         d = json.loads(path.read_text())

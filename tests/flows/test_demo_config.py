@@ -40,7 +40,7 @@ def test_a_base_policy_that_did_not_learn_stops_the_demo_at_sft(prefect_server, 
     match = re.fullmatch(r"sft: held-out accuracy (\d\.\d{3}) is below sft\.min_eval_accuracy=([\d.]+)", summary["error"])
     assert match, summary["error"]
     assert float(match[1]) < bar and float(match[2]) == bar
-    assert set(summary["stages"]) == {"validate", "sft"}  # the reward and policy stages never started
+    assert set(summary["stages"]) == {"data", "validate", "sft"}  # the reward and policy stages never started
     client = MlflowClient(summary["mlflow_tracking_uri"])
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FAILED"
 

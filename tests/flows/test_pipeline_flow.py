@@ -138,6 +138,8 @@ def test_pipeline_runs_every_stage_and_records_lineage(full_run, tmp_path):
     _, _, _, summary = full_run
 
     assert summary["status"] == "completed"
+    # the data stage and the data contract are two records: the first's notes reach summary.json
+    assert summary["stages"]["data"]["status"] == "prepared" and "notes" in summary["stages"]["data"]
     assert summary["stages"]["validate"]["status"] == "passed"
     assert summary["stages"]["validate"]["dataset_fingerprint"].startswith("sha256:")
     n_eval = len(read_table(Path(summary["output_dir"]) / "data" / "eval.jsonl"))
