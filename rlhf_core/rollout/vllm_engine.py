@@ -3,70 +3,34 @@
 `RolloutEngine` wraps `vllm.LLM` for a local Hugging Face model directory (the policy
 saved by `save_pretrained_atomic`). It samples groups of responses with the logprob of
 every sampled token and takes new weights in place (`sync_weights`) without restarting.
+Why each rule below holds, with its measurements: docs/performance-notes.md ("Rollout engine").
 
 Where this departs from a plain `LLM(...)`:
 
-- dtype defaults to float32. vLLM's CPU backend supports it (attention included), and it
-  keeps the engine within float rounding of an fp32 trainer: on the tiny test policy the
-  sampled-token logprobs differ by ~3e-7 on average and greedy answers are identical, so
-  the importance ratio of the first PPO epoch is 1 up to noise. bfloat16 was only ~1.2x
-  faster on that policy (overheads dominate), changed 9 of 64 greedy answers and put the
-  logprobs ~5e-3 off on average (5e-2 at worst): with bf16 rollouts, use the trainer's
-  recomputed logprobs as "old" logprobs, not the engine's.
-- Logprobs are "processed" (`logprobs_mode="processed_logprobs"`): the logprob of the
-  sampled token under the distribution actually sampled from, i.e. after temperature and
-  top-k/top-p. vLLM's default ("raw_logprobs") is log_softmax of the unscaled logits.
-  With top_p=1 the processed value equals the trainer's `log_softmax(logits / T)`
-  (`rlhf_core.rollout.hf_reference.recompute_logprobs(..., temperature=T)`); with top_p<1
-  it is renormalised over the nucleus, which the trainer does not reproduce. A greedy
-  request (temperature 0) gets log_softmax of the unscaled logits.
-- After a weight sync the prefix cache is reset: cached KV blocks were computed with the
-  old weights and would otherwise be reused for prompts seen before the sync.
+- dtype defaults to float32, which keeps the engine within float rounding of an fp32 trainer;
+  with bf16 rollouts, use the trainer's recomputed logprobs as the "old" ones, not the engine's.
+- Logprobs are "processed" (`logprobs_mode="processed_logprobs"`): the logprob of the sampled
+  token under the distribution sampled from (after temperature, top-k/top-p). With top_p=1 that
+  is the trainer's `log_softmax(logits / T)` (`hf_reference.recompute_logprobs(..., temperature=T)`);
+  with top_p<1 it is renormalised over the nucleus, which the trainer does not reproduce. A
+  greedy request (temperature 0) gets log_softmax of the unscaled logits.
+- After a weight sync the prefix cache is reset: cached KV blocks hold the old weights' keys.
 - On CPU the engine's worker is bound to every core this process may run on
-  (`VLLM_CPU_OMP_THREADS_BIND`, unless you set it). vLLM's default ("auto") keeps one core per
-  worker for its scheduler process, which on a 2-core machine halves the cores that compute
-  (25M policy, 256 completions of 64 tokens: 808 tokens/s on one core, 1,326 on two); the
-  scheduler process is idle while the worker computes, so nothing is gained by reserving it.
-- On CPU the engine core (scheduler, detokeniser) runs in this process
-  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless you set it) and only the worker in a process
-  of its own. vLLM's CPU backend starts every process with spawn, and each imports vLLM
-  again: keeping the core here cut the engine's start from 21.5 s to 11.5 s on the demo
-  policy (an engine actor of a group runs its worker in the actor too: `engine_group`).
-  `generate` waits for its results either way.
-- On CPU the worker runs in this process too, as a guest, where that changes nothing for the
-  process (`worker_fits_here`: no torch.distributed world beyond one rank, one memory node):
-  the trainer's rank of a one-worker run, the evaluation, the CLI. Spawning the worker imported
-  vLLM again: two start-ups and closes of a test-sized engine took 10 CPU-s instead of 38-42.
-  The guest samples with the global RNGs of its own, swapped in for each `generate`; the
-  host's RNGs, torch threads, `torch.set_num_threads` (which vLLM's worker replaces) and float32
-  matmul precision are put back, and the host's process group is kept, which vLLM's engine core
-  destroys as it shuts down. A pipelined trainer, which generates on another thread while it
-  computes, keeps the worker in a process of its own (`guest=False`).
-- On CPU the KV cache holds exactly `max_num_seqs` sequences of `max_model_len` tokens (vLLM's
-  `num_gpu_blocks_override`; blocks of 128 tokens, plus vLLM's one reserved block), unless
-  `kv_cache_gib` gives a size. A cache sized in GiB had to be guessed per model: 0.25 GiB held
-  63 sequences of the 25M policy, so 256 completions ran in five waves of decode steps, and
-  1 GiB held 255, so the 256th ran alone for 64 steps. One wave: 12.2 s -> 10.2 s for 256
-  completions of 64 tokens at 25M. Off CPU, without `kv_cache_gib`, vLLM sizes the cache
-  from `gpu_memory_utilization`. On CPU a size given either way also skips vLLM's warm-up
-  pass in eager mode. vLLM's legacy `VLLM_CPU_KVCACHE_SPACE` (GiB) replaces a `kv_cache_gib`
-  size if it is set; the block count of the default sizing stays (checked: 257 blocks for
-  256 sequences with the variable at 1 and without it).
-- On CPU a request's prompt is never split across scheduler steps (chunked prefill off; a
-  step takes whole prompts up to `cpu_engine.CPU_PREFILL_TOKENS` tokens, or one of `max_model_len`).
-  vLLM's CPU backend cannot sample a seeded request whose prefill was split: it winds the
-  request's generator back, and CPU generators have no offset ("CPU Generator does not use
-  offset"; vLLM 0.32). With chunked prefill, 32 prompts of 34 tokens x 8 samples (8,704
-  prompt tokens against vLLM's 4,096 a step) crashed the engine; the demo's 7-token prompts
-  stayed under the budget.
-- The engine returns token ids and the trainer's tokenizer decodes each response once, after
-  generation (`skip_special_tokens`, as vLLM would). vLLM's incremental detokeniser works
-  on every token of every sequence at every decode step; at 25M, 256 completions of 64 tokens,
-  leaving it to the end was 7% faster.
-- vLLM's sockets, and the rendezvous file of an executor in this process, go to a directory
-  of this process's own, removed when its last engine closes or, if the process is killed, by
-  the next engine start (`rlhf_core.vllm_scratch`), not to the temp directory, where vLLM
-  leaves them.
+  (`VLLM_CPU_OMP_THREADS_BIND`, unless you set it), not all but one.
+- On CPU the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless you
+  set it) and, where that changes nothing for the process (`cpu_engine.worker_fits_here`), the
+  worker too, as a guest (`cpu_engine`: the process state a guest worker swaps and restores). A
+  pipelined trainer, which generates on another thread, keeps the worker in its own process
+  (`guest=False`). Off CPU both are processes of vLLM's own.
+- On CPU the KV cache holds exactly `max_num_seqs` sequences of `max_model_len` tokens, unless
+  `kv_cache_gib` gives a size (vLLM's legacy `VLLM_CPU_KVCACHE_SPACE`, in GiB, replaces it if
+  set); off CPU, without `kv_cache_gib`, vLLM sizes it from `gpu_memory_utilization`.
+- On CPU a request's prompt is never split across scheduler steps (chunked prefill off): vLLM's
+  CPU backend cannot sample a seeded request whose prefill was split.
+- The engine returns token ids; the trainer's tokenizer decodes each response once, after
+  generation (`skip_special_tokens`, as vLLM would).
+- vLLM's sockets and an in-process executor's rendezvous file go to a directory of this
+  process's own (`rlhf_core.vllm_scratch`), removed when its last engine closes.
 
 vLLM starts its worker (and, off CPU, its engine core) with spawn, so a script that builds an
 engine must do so under `if __name__ == "__main__":`. Always `close()` the engine (or use
