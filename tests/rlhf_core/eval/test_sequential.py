@@ -120,3 +120,34 @@ def test_the_paired_score_interval_against_its_closed_forms():
     assert (mirrored.low, mirrored.high) == pytest.approx((-i.high, -i.low))
     agree = paired_score_interval(reference, reference, 0.95)  # 0/200 discordant rows: not certainty
     assert agree.estimate == 0 and -0.03 < agree.low < 0 < agree.high < 0.03
+
+
+def test_each_look_answers_only_the_new_rows_and_every_policy_gets_the_same_rows(monkeypatch):
+    """Through `evaluate.suite_figures`: a candidate wrong on every 33rd row (3%) of a 1,600-row
+    suite whose first look is 200 rows is looked at until decided; each look asks every policy
+    for the rows after the last look's only, and the figures cover exactly the rows answered."""
+    from types import SimpleNamespace
+
+    from rlhf_core.eval import evaluate
+    from rlhf_core.eval.regression import RegressionSuite
+
+    asked = []
+
+    def answer(policy, prompts, max_new_tokens):
+        asked.append((policy.name, prompts[0], len(prompts)))
+        wrong = policy.name == "candidate"
+        return evaluate.Answers(["b" if wrong and int(p[1:]) % 33 == 0 else "a" for p in prompts], [])
+
+    monkeypatch.setattr(evaluate, "answer", answer)
+    suite = RegressionSuite("s", None, "answer_exact_match", 0.05, [f"p{i}" for i in range(1600)], ["a"] * 1600,
+                            first_rows=200, max_rows=1600)
+    candidate, reference = SimpleNamespace(name="candidate"), SimpleNamespace(name="reference")
+    figures = evaluate.suite_figures(candidate, reference, None, [suite], 4, 0.95)
+    [mine], [ref] = figures["candidate"], figures["reference"]
+    rows = mine.looks[-1].rows
+    assert [look.rows for look in mine.looks] == [200, 400, 800, 1600][:len(mine.looks)] and len(mine.looks) > 1
+    assert mine.looks[-1].stopped == "decided" and mine.diff_vs_reference.n == rows
+    assert mine.accuracy == 1 - len(range(0, rows, 33)) / rows and ref.accuracy == 1.0 and ref.looks == ()
+    starts = [0, *(look.rows for look in mine.looks[:-1])]
+    assert asked == [(who, f"p{start}", end - start) for start, end in zip(starts, [look.rows for look in mine.looks])
+                     for who in ("candidate", "reference")]
