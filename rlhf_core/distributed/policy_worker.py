@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.algos import AdaptiveKLController, FixedKLController, truncated_is_weights
+from rlhf_core.distributed import collectives
 from rlhf_core.config import PolicyConfig
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed import policy_rollouts as rollouts
@@ -342,8 +343,8 @@ def _measure_reference(w: PolicyWorker, state: PolicyState, raw: torch.Tensor, l
     rollouts themselves, into `state` (checkpointed with it)."""
     aggregated = policy_rounds.aggregated_score(w, raw)
     totals = torch.tensor([aggregated.double().sum().item(), lengths.double().sum().item(), float(len(lengths))],
-                          dtype=torch.float64)
-    dist.all_reduce(totals)
+                          dtype=torch.float64)  # host-side figures: reduced over a group that serves the CPU
+    collectives.all_reduce(totals, collectives.host_group(), "the reference measurement")
     state.reference_score = float(totals[0] / totals[2])
     state.reference_length = float(totals[1] / totals[2])
     if w.cfg.rounds.enabled:

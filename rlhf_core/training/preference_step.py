@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from rlhf_core.algos.losses import logprobs_from_logits
 from rlhf_core.algos.preference import dpo_loss, kto_loss, kto_reference_point, sequence_logprobs
 from rlhf_core.config import PolicyConfig
 from rlhf_core.data.pairs import TokenizedPairs, collate_pairs, response_mask
+from rlhf_core.distributed import collectives
 from rlhf_core.models.logits import logits_from
 from rlhf_core.models.lora import reference_view
 
@@ -90,7 +90,7 @@ def offline_loss(policy, reference, rows: Rows, indices: Sequence[int], cfg: Pol
     own, mismatched = chunked_pair_logprobs(policy, rows.pairs, indices, False, chunk)
     z = kto_reference_point(mismatched, ref_mismatched)
     if world > 1:
-        dist.all_reduce(z)
+        collectives.all_reduce(z, what="KTO's reference point")
         z = z / world
     desirable = torch.from_numpy(rows.desirable[np.asarray(indices, dtype=np.int64)]).to(own.device)
     return kto_loss(own, ref_own, desirable, z, k.beta, k.desirable_weight, k.undesirable_weight)
