@@ -52,7 +52,7 @@ from rlhf_core.distributed.worker_meter import WorkerMeter, peak_rss_gib
 from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.logits import logits_from
-from rlhf_core.models.lora import load_policy_for_training, merged_policy
+from rlhf_core.models.lora import frozen_reference, load_policy_for_training, merged_policy
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.preference_step import FIGURES, Rows, offline_loss
 from rlhf_core.training.stage_types import MetricsCallback, StageFailed
@@ -181,8 +181,6 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
     steps_epoch = steps_per_epoch(len(train), d.batch_size)
     total_steps = steps_epoch * d.epochs
     model = load_policy_for_training(loop.sft_dir, cfg.lora, cfg.gradient_checkpointing)
-    # with LoRA the reference is the policy with its adapters off (`reference_view`): no copy
-    reference = None if cfg.lora.enabled else load_policy(loop.sft_dir).eval().requires_grad_(False)
     engine, *_ = worker.deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_engine.deepspeed_config(
@@ -191,6 +189,7 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
             weight_decay=0.0, use_gpu=runtime.use_gpu),
         lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=d.warmup_steps),
     )
+    reference = frozen_reference(loop.sft_dir, cfg.lora, engine.device)  # where the actor's log-probs are
     peaks = {"loaded": peak_rss_gib()}  # what the preflight's estimate of the stage is checked against
     figures = FIGURES[cfg.algorithm]
     pos = run_epochs(
@@ -265,7 +264,9 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: Off
     the held-out rows, the KL to the reference of sampled answers; the HF save. -> the summary."""
     cfg = loop.cfg
     model = merged_policy(loop.sft_dir, cfg.lora, state_dict).eval()
-    if reference is None:  # LoRA trained in place of a copy; at the end the copy is cheap (no optimizer)
+    if reference is None or next(reference.parameters()).device != next(model.parameters()).device:
+        # LoRA trained in place of a copy, or the frozen one is on the trainer's GPU while the
+        # held-out pass runs here: at the end a copy beside the model is cheap (no optimizer)
         reference = load_policy(loop.sft_dir).eval()
     tokenizer = load_tokenizer(loop.sft_dir)
     before = after = None

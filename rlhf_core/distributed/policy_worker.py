@@ -51,7 +51,7 @@ from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpo
 from rlhf_core.distributed.stage import agreed_precision, record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers, peak_rss_gib
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
-from rlhf_core.models.lora import load_policy_for_training, merged_state_dict, reference_view
+from rlhf_core.models.lora import frozen_reference, load_policy_for_training, merged_state_dict, reference_view
 from rlhf_core.models.placement import frozen_on
 from rlhf_core.models.reward import (
     AUDIT_DIR, audit_model_dir, load_reward_model, member_mean, member_stats, normalise, read_reward_meta, score,
@@ -135,7 +135,7 @@ def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
         critic = policy_engine(worker.deepspeed, value_model_from(loop.sft_dir), cfg, cfg.ppo.critic_learning_rate, use_gpu)
     # with LoRA the reference is the actor with its adapters off (`reference_view`): no copy
     device = actor.device
-    reference = None if cfg.lora.enabled else frozen_on(load_policy(loop.sft_dir), device)
+    reference = frozen_reference(loop.sft_dir, cfg.lora, device)
     reward_model = rm_stats = reward_tokenizer = audit = None
     members: tuple = ()
     if loop.reward_dir is not None:

@@ -23,6 +23,7 @@ import torch
 
 from rlhf_core.config import LoRAConfig
 from rlhf_core.models.llama import load_policy
+from rlhf_core.models.placement import frozen_on
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -118,6 +119,13 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     """The state dict of the plain model that computes what `model` (a PeftModel) computes,
     under the plain model's names, as fp32 CPU copies (`merged_weights`)."""
     return {name: weight.cpu() for name, weight in merged_weights(model)}
+
+
+def frozen_reference(sft_dir: Path | str, cfg: LoRAConfig, device: torch.device | str) -> torch.nn.Module | None:
+    """The frozen reference a trainer compares against: None with LoRA (the actor with its
+    adapters off, `reference_view`: no copy), else the SFT policy frozen on the actor's `device`
+    (`placement.frozen_on`: bf16 on a GPU), where its log-probs meet the actor's."""
+    return None if cfg.enabled else frozen_on(load_policy(sft_dir), device)
 
 
 @contextmanager

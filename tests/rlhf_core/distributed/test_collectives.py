@@ -90,3 +90,24 @@ def test_no_module_calls_a_tensor_collective_around_the_rule():
                     and node.func.value.id in ("dist", "torch.distributed")):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert found == []
+
+
+def test_the_frozen_reference_is_built_on_the_actors_device(tmp_path):
+    """DPO/KTO with full fine-tuning kept the reference fp32 on the CPU, where its log-probs met
+    the actor's CUDA ones in the loss. Both trainers build it with `frozen_reference` on the
+    actor's device (a meta device stands in for the GPU here), and with LoRA build none."""
+    from rlhf_core.config import LoRAConfig, ModelConfig
+    from rlhf_core.models.llama import build_policy, save_pretrained_atomic
+    from rlhf_core.models.lora import frozen_reference
+    from rlhf_core.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["01+02=003", "10+20=030"], vocab_size=32)
+    tiny = ModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2)
+    sft_dir = save_pretrained_atomic(build_policy(tiny, tok, seed=0), tok, tmp_path / "sft")
+    reference = frozen_reference(sft_dir, LoRAConfig(), "meta")
+    assert {p.device.type for p in reference.parameters()} == {"meta"} and not reference.training
+    assert not any(p.requires_grad for p in reference.parameters())
+    assert frozen_reference(sft_dir, LoRAConfig(enabled=True), "meta") is None
+    for trainer in ("policy_worker.py", "offline_trainer.py"):  # neither builds its own, off the actor's device
+        source = (REPO / "rlhf_core" / "distributed" / trainer).read_text()
+        assert "frozen_reference(loop.sft_dir, cfg.lora, " in source and "reference = None if" not in source
