@@ -27,10 +27,9 @@ def start_prefect_server_early() -> Callable[[], None]:
 
     With no `PREFECT_API_URL`, Prefect starts a temporary server (a uvicorn process) the
     first time a flow talks to its API. That comes after this process has imported the
-    pipeline's libraries (about 14 s on one core), and the server then takes 5-10 s more
-    while the other core idles (10 s when its database is new). Started first, the server's
-    start overlaps those imports: `rlhf demo` reaches its flow in 15.2 s instead of 21.1 s
-    (medians of 3 runs), 15.9 s instead of 26.6 s with a new Prefect home. Prefect keeps one
+    pipeline's libraries, and the server then takes seconds more while the other core idles.
+    Started first, the server's start overlaps those imports (what that saves:
+    docs/performance-notes.md, "Orchestration"). Prefect keeps one
     such server per process (`SubprocessASGIServer`), so the flow finds this one.
 
     The server's module is imported here, not on the thread (the flow would import it anyway):

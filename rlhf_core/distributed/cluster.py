@@ -29,8 +29,8 @@ from rlhf_core.distributed.rendezvous import LoopbackTorchConfig
 # Ray Train's defaults suit large clusters. On the one node we start ourselves (the embedded
 # default) the Train controller polls its workers every 0.25 s, not every 2 s: each committed
 # checkpoint, and each run's start and end, waits for a poll. And there is no preemption
-# watcher, an actor process of its own that watches for cloud nodes being reclaimed. Together
-# they took the demo's reward stage from 62-68 s to 44-46 s. Settings made outside win.
+# watcher, an actor process of its own that watches for cloud nodes being reclaimed
+# (docs/performance-notes.md, "Training stages"). Settings made outside win.
 LOCAL_CLUSTER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 log = logging.getLogger(__name__)

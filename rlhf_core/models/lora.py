@@ -53,7 +53,7 @@ def check_target_modules(model: torch.nn.Module, targets: str | Sequence[str]) -
 def is_lora_model(model: Any) -> bool:
     """Whether `model` is a PeftModel. peft is imported where adapters are made (`with_lora`), so a
     process that never imported it holds none: a rollout engine's worker, which only receives
-    weights, is spared the import (0.6 s)."""
+    weights, is spared the import."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
 

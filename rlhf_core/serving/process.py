@@ -20,10 +20,8 @@ CPU in 70 s and never became healthy. The servers started here use `cfg.cpu_thre
 With "nobind" the model also runs in the engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
 unless set outside): vLLM's CPU backend otherwise gives its one worker a process of its own
 only to set up its OpenMP threads there, which "nobind" skips, and every process it spawns
-imports vLLM again. The engine core stays a process of its own either way. Measured on 2
-cores: ready in 17-19 s instead of 24-25 s (18-20 CPU-s instead of 27-28), and 64
-sampled completions of 48 tokens, five times, in 20.8 s instead of 32.6 s on a 135M model.
-A core list or "auto" keeps vLLM's worker process, where those threads are set up. Off CPU
+imports vLLM again. The engine core stays a process of its own either way (what that saves:
+docs/performance-notes.md, "Serving"). A core list or "auto" keeps vLLM's worker process, where those threads are set up. Off CPU
 this changes nothing: one GPU already runs in the engine core.
 
 vLLM leaves its sockets and (once stopped) its CPU backend's rendezvous file in the temp
