@@ -17,7 +17,12 @@ so the buffer grows to the largest tensor where one is larger (a 7B model's embe
 3,584 in bf16, are 1.09 GB).
 
 The CUDA IPC handles only open in another process than the one that made them: vLLM's default on
-a GPU (its engine core, with the worker, in a child process). Not yet run on a GPU: the CPU tests
+a GPU (its engine core, with the worker, in a child process). What crosses into the engine core
+is msgpack (vLLM's `MsgpackEncoder`), which refuses the handles as `reduce_tensor` makes them
+(classes and a `torch.dtype` among them) unless `VLLM_ALLOW_INSECURE_SERIALIZATION` turns pickle
+on for every message. So the handles travel in a wire form of plain values (`handles_to_wire`:
+classes and dtypes by name, from a closed list) and the worker rebuilds them before vLLM's own
+`update_weights` sees them (`ipc_wire`). Not yet run on a GPU: the CPU tests
 drive the trainer's half with the CUDA-only calls (device properties, the buffer's allocation and
 export, `ipc_collect`) replaced, and decode the chunks with vLLM's consumer on the host.
 """
@@ -30,6 +35,7 @@ from vllm.distributed.weight_transfer.base import WeightSource
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
+from rlhf_core.rollout.ipc_wire import WIRE_METHOD, update_info_to_wire
 from rlhf_core.rollout.weight_transfer import LLMClient, TrainerEngineTransport, engine_workers
 
 IPC_BACKEND = "ipc"  # vLLM's own: registered with its weight-transfer factory
@@ -76,9 +82,24 @@ class IpcTransport(TrainerEngineTransport):
                              "the trainer's GPU (engines of several GPUs: policy.rollout.placement: separate)")
         buffer_bytes = max(self.packed_buffer_size_bytes, largest_tensor_bytes(source))  # vLLM refuses a tensor past it
         info = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=buffer_bytes)
-        return RankZeroIpcTrainer.trainer_init(info, client=client, source=source)
+        return RankZeroIpcTrainer.trainer_init(info, client=WireClient(client), source=source)
 
 
 def largest_tensor_bytes(source: WeightSource) -> int:
     """The bytes of the source's largest tensor in its wire dtype, from its metadata (nothing gathered)."""
     return max((math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()), default=0)
+
+
+
+class WireClient:
+    """The client vLLM's IPC trainer engine talks to: its updates cross into the engine core in
+    wire form (`ipc_wire`), to the worker extension's method that rebuilds them."""
+
+    def __init__(self, client: LLMClient):
+        self.client = client
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    def update_weights(self, update_info: dict) -> None:
+        self.client.call(WIRE_METHOD, update_info_to_wire(update_info))

@@ -51,6 +51,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 
 from rlhf_core.distributed.deepspeed_engine import is_partitioned, module_entries
 from rlhf_core.models.lora import is_lora_model, merged_entries, merged_weights
+from rlhf_core.rollout.ipc_wire import IpcWireExtension
 from rlhf_core.rollout.weight_sync import (
     WeightSyncExtension,
     WeightSyncTimeout,
@@ -66,10 +67,11 @@ NCCL_BACKEND = "nccl"
 LOOPBACK = "127.0.0.1"  # a colocated engine's workers run on the trainer's node, in rank 0's worker
 
 
-class EngineWorkerExtension(WeightSyncExtension):
+class EngineWorkerExtension(WeightSyncExtension, IpcWireExtension):
     """What `RolloutEngine` mixes into vLLM's workers (`worker_extension_cls`): the file loader of
-    `WeightSyncExtension`; and naming this module makes each worker import it, which registers
-    `GLOO_BACKEND` in the worker's process, where vLLM builds its transfer engine."""
+    `WeightSyncExtension`, the IPC handles' rebuild of `IpcWireExtension`; and naming this module
+    makes each worker import it, which registers `GLOO_BACKEND` in the worker's process, where
+    vLLM builds its transfer engine."""
 
 
 def _group_timeout(timeout_s: float) -> timedelta:
@@ -157,23 +159,23 @@ class LLMClient:
     def __init__(self, llm: Any, timeout_s: float):
         self.llm, self.timeout_s = llm, timeout_s
 
-    def _all(self, method: str, *args: Any) -> None:
+    def call(self, method: str, *args: Any) -> None:
         self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all("init_weight_transfer_engine", init_info)
+        self.call("init_weight_transfer_engine", init_info)
 
     def start_weight_update(self) -> None:
-        self._all("start_weight_update")
+        self.call("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._all("update_weights", update_info)
+        self.call("update_weights", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all("finish_weight_update")
+        self.call("finish_weight_update")
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._all("shutdown_weight_transfer_engine")
+        self.call("shutdown_weight_transfer_engine")
 
 
 def wire_dtype(dtype: torch.dtype | None, tensor: torch.Tensor, computed: torch.dtype | None = None) -> torch.dtype:

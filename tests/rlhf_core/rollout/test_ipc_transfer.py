@@ -6,6 +6,8 @@ UUID, the staging buffer's allocation on "cuda" and its IPC export (`reduce_tens
 drained before a chunk is handed over, and `torch.cuda.ipc_collect`. Everything else is vLLM's and
 ours: the packed producer, the trainer engine's calls, the update payload's validation and the
 consumer's decode (`packed_ipc_consumer`), which reads the chunks back out of the host buffer.
+Every call crosses into the engine core as it does on a GPU, where the core is a process of its
+own: encoded and decoded by vLLM's msgpack codec, with insecure serialization off.
 vLLM's worker side (`IPCWeightTransferEngine.receive_weights`, which maps the handle on its GPU and
 loads into a vLLM model) is not run here."""
 from __future__ import annotations
@@ -19,11 +21,13 @@ import torch
 from vllm.distributed.weight_transfer import packed_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_consumer
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from rlhf_core.config import RolloutEngineConfig
 from rlhf_core.distributed.deepspeed_engine import module_entries
 from rlhf_core.distributed.policy_rollouts import weight_transport
 from rlhf_core.rollout.ipc_transfer import IpcTransport, largest_tensor_bytes
+from rlhf_core.rollout.ipc_wire import WIRE_METHOD, IpcWireExtension, handles_from_wire, handles_to_wire
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightSyncTimeout
 from rlhf_core.rollout.weight_transfer import (
     GLOO_BACKEND,
@@ -107,7 +111,10 @@ def host_ipc(monkeypatch):
     def reduce_tensor(tensor):
         key = len(state.exported)
         state.exported[key] = tensor
-        return None, ("host", key, 0, 0, 0, 0, 0)  # rebuild_cuda_tensor's arguments; [6] is the device index
+        # rebuild_cuda_tensor's arguments as torch makes them for a CUDA tensor: [6] the device index,
+        # [7] the allocation's handle (here the exported buffer's key)
+        return None, (type(tensor), tensor.size(), tensor.stride(), 0, torch.UntypedStorage, tensor.dtype, 0,
+                      f"host-{key}".encode(), tensor.untyped_storage().nbytes(), 0, False, b"ref", 0, b"event", True)
 
     def ipc_collect():
         state.collected += 1
@@ -127,18 +134,35 @@ class HostImporter:
         self.exported = exported
 
     def rebuild(self, args: list) -> torch.Tensor:
-        return self.exported[args[1]]
+        assert args[0] is torch.Tensor and args[4] is torch.UntypedStorage and isinstance(args[5], torch.dtype)
+        return self.exported[int(args[7].decode().removeprefix("host-"))]
+
+
+class HostWorker(IpcWireExtension):
+    """vLLM's worker with the engine's extension mixed in: `update_weights` is vLLM's payload check
+    and its packed consumer, decoding each chunk out of the host buffer."""
+
+    def __init__(self, importer: HostImporter):
+        self.importer, self.received = importer, {}
+
+    def update_weights(self, update_info: dict) -> None:
+        info = IPCWeightTransferUpdateInfo(**update_info)
+        self.received.update(packed_ipc_consumer(
+            ipc_handle=info.ipc_handles, names=info.names, shapes=info.shapes, dtype_names=info.dtype_names,
+            tensor_sizes=info.tensor_sizes, device_index=0, importer=self.importer))
 
 
 class DecodingLLM:
-    """Stands in for `vllm.LLM`'s control plane: records each collective_rpc and, like the worker,
-    decodes every `update_weights` chunk before returning (vLLM's payload check and its packed
-    consumer); a `hang_on` method never answers until `release` is set."""
+    """Stands in for `vllm.LLM`'s control plane: records each collective_rpc, sends its arguments
+    through vLLM's msgpack codec as they cross into the engine core, and runs the worker's method
+    on what came out (`HostWorker`: every chunk decoded before returning); a `hang_on` method
+    never answers until `release` is set."""
 
     def __init__(self, exported: dict[int, torch.Tensor], hang_on: str | None = None, workers: int = 1):
         self.calls: list[tuple[str, tuple]] = []
-        self.received: dict[str, torch.Tensor] = {}
-        self.importer = HostImporter(exported)
+        self.worker = HostWorker(HostImporter(exported))
+        self.received = self.worker.received
+        self.encoder, self.decoder = MsgpackEncoder(), MsgpackDecoder()
         self.hang_on, self.release = hang_on, threading.Event()
         parallel = SimpleNamespace(world_size=workers, data_parallel_size=1)
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
@@ -147,11 +171,9 @@ class DecodingLLM:
         self.calls.append((method, args))
         if method == self.hang_on:
             self.release.wait()
-        if method == "update_weights":
-            info = IPCWeightTransferUpdateInfo(**args[0])
-            self.received.update(packed_ipc_consumer(
-                ipc_handle=info.ipc_handles, names=info.names, shapes=info.shapes, dtype_names=info.dtype_names,
-                tensor_sizes=info.tensor_sizes, device_index=0, importer=self.importer))
+        crossed = self.decoder.decode(self.encoder.encode(args))  # raises on what msgpack cannot carry
+        if method in ("update_weights", WIRE_METHOD):
+            getattr(self.worker, method)(*crossed)
         return [None]
 
 
@@ -196,11 +218,10 @@ def test_rank_0_hands_every_tensor_over_in_chunks_of_one_reused_buffer(host_ipc,
     for _ in range(2):
         transport.push(llm, model if as_module else model.state_dict())
     methods = [m for m, _ in llm.calls]
-    one_sync = ["start_weight_update", *["update_weights"] * (methods.count("update_weights") // 2),
-                "finish_weight_update"]
+    one_sync = ["start_weight_update", *[WIRE_METHOD] * (methods.count(WIRE_METHOD) // 2), "finish_weight_update"]
     assert methods == ["init_weight_transfer_engine", *one_sync, *one_sync]
     assert llm.calls[0][1] == ({"packed": True},)
-    assert methods.count("update_weights") // 2 >= 3  # several chunks a sync: the buffer is reused, not grown
+    assert methods.count(WIRE_METHOD) // 2 >= 3  # several chunks a sync: the buffer is reused, not grown
     assert list(llm.received) == list(expected_on_the_wire(model))  # the tied head once, in metadata order
     for name, tensor in expected_on_the_wire(model).items():
         assert llm.received[name].dtype == tensor.dtype and torch.equal(llm.received[name], tensor), name
@@ -244,9 +265,47 @@ def test_a_sync_that_hangs_raises_within_its_timeout_and_takes_no_more_weights(h
     transport = IpcTransport(device="cpu", timeout_s=0.5)
     start = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=r"\(ipc\) did not finish within 0.5 s \(policy.rollout.sync_timeout_s"):
-        transport.push(hung_llm("update_weights"), {"w": torch.zeros(3)})
+        transport.push(hung_llm(WIRE_METHOD), {"w": torch.zeros(3)})
     assert time.monotonic() - start < 5.0
     start = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match="takes no more weights"):
-        transport.push(hung_llm("update_weights"), {"w": torch.zeros(3)})
+        transport.push(hung_llm(WIRE_METHOD), {"w": torch.zeros(3)})
     assert time.monotonic() - start < 0.2  # refused at once, not after another wait
+
+
+# ----------------------------------------------------------------------------- the engine-core boundary
+
+
+def cuda_handle() -> tuple:
+    """`reduce_tensor`'s arguments for a CUDA tensor, as torch 2.13 makes them."""
+    return (torch.nn.Parameter, torch.Size([4, 2]), (2, 1), 0, torch.UntypedStorage, torch.bfloat16, 0,
+            b"\x01cuda-ipc-handle", 16, 0, False, b"refcount", 0, b"event", True)
+
+
+def test_vllms_codec_refuses_the_raw_handles_and_carries_their_wire_form(monkeypatch):
+    """On a GPU the engine core is another process and takes its calls as msgpack: the handles as
+    `reduce_tensor` makes them were refused ("Object of type torch._C._TensorMeta is not
+    serializable"), failing every colocated sync at its first chunk. Their wire form crosses and
+    comes back the same, classes and dtype included, with insecure serialization off."""
+    import vllm.envs
+
+    monkeypatch.setattr(vllm.envs, "VLLM_ALLOW_INSECURE_SERIALIZATION", False, raising=False)
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder()
+    raw = {GPU: cuda_handle()}
+    with pytest.raises(TypeError, match="is not serializable"):
+        encoder.encode(({"ipc_handles": raw},))
+    [crossed] = decoder.decode(encoder.encode(({"ipc_handles": handles_to_wire(raw)},)))
+    assert handles_from_wire(crossed["ipc_handles"]) == raw
+    unpacked = [raw, {GPU: cuda_handle()[:5] + (torch.float32,) + cuda_handle()[6:]}]  # one dict a tensor
+    assert handles_from_wire(decoder.decode(encoder.encode(handles_to_wire(unpacked)))) == unpacked
+
+
+def test_a_handle_naming_any_other_class_is_refused_not_imported():
+    wire = handles_to_wire({GPU: cuda_handle()})
+    wire[GPU][0] = "os.system"
+    with pytest.raises(ValueError, match="names the class 'os.system', which is not one a CUDA tensor's handle holds"):
+        handles_from_wire(wire)
+    wire[GPU][0], wire[GPU][5] = "torch.Tensor", "Tensor"
+    with pytest.raises(ValueError, match="'Tensor' is not a torch dtype"):
+        handles_from_wire(wire)
