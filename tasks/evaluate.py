@@ -81,12 +81,17 @@ class Evaluation:
         }
 
     def regression_summary(self) -> dict[str, dict]:
-        """Per suite: the candidate's and the reference's accuracy and the interval of the difference."""
+        """Per suite: the candidate's and the reference's accuracy, the rows answered, and the
+        interval of the difference at the last look (to 4 decimals)."""
         r = self.result
         rows = suite_report(self.suites, r.candidate.figures, r.reference.figures,
                             None if r.champion is None else r.champion.figures)
-        return {row["name"]: {"accuracy": row["candidate"], "reference_accuracy": row["reference"],
-                              "diff_vs_reference": row["diff_vs_reference"]} for row in rows}
+        def rounded(interval: dict | None) -> dict | None:
+            return None if interval is None else {k: round(v, 4) if isinstance(v, float) else v
+                                                  for k, v in interval.items()}
+
+        return {row["name"]: {"accuracy": row["candidate"], "reference_accuracy": row["reference"], "rows": row["rows"],
+                              "diff_vs_reference": rounded(row["diff_vs_reference"])} for row in rows}
 
 
 def regression_suites(cfg: PipelineConfig, out_dir: Path, eval_prompts: list[str],
