@@ -10,7 +10,8 @@ Everything is generated locally from one seed (no hub), as three disjoint-by-pro
 - preference pairs (`prompt`, `chosen`, `rejected`, `id`, `source`) that always prefer the
   correct sum. Like labels collected on the SFT policy's own outputs, they mostly contrast
   the right sum with the no-carry answer on carry problems; a `near_miss_share` of them
-  reject an answer off by 1 or 10 on a problem without carries;
+  reject, on a problem without carries, an answer off by 1 or 10 or, as often as not, one
+  with a carry where nothing carries into its leading digit (`36+53=` -> `189`);
 - a held-out eval set (`prompt`, `answer`) whose prompts appear in no training split.
 
 Beside them, `no_carry_suite` draws a regression suite for the gates: additions without a
@@ -59,6 +60,14 @@ def near_miss(correct: int, rng: random.Random) -> int:
             return wrong
 
 
+def carried_where_none(correct: int, width: int, rng: random.Random) -> int:
+    """A wrong answer to a problem without a carry: half the time a carry into the answer's
+    leading digit where nothing carries (`36+53=` -> `189`: what a policy that learned to carry
+    overdoes, and a reward model that only ever saw a leading 1 on right answers would reward),
+    else a `near_miss`."""
+    return correct + 10 ** width if rng.random() < 0.5 else near_miss(correct, rng)
+
+
 @dataclass(frozen=True)
 class DemoFiles:
     sft: Path
@@ -86,8 +95,9 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
         answer = sum_without_carry(a, b) if wrong else a + b
         sft_rows.append({"prompt": prompt_for(a, b, width), "completion": answer_for(answer, width)})
 
-    # Pairs mirror the SFT policy's failure modes: mostly carry problems answered without
-    # the carry, plus `near_miss_share` problems whose rejected answer is off by 1 or 10.
+    # Pairs mirror the failure modes: mostly carry problems answered without the carry, plus
+    # `near_miss_share` problems without one whose rejected answer carries where nothing
+    # carries, or is off by 1 or 10.
     carry_pool = [p for p in train_pool if has_carry(*p)]
     plain_pool = [p for p in train_pool if not has_carry(*p)]
     n_near = round(cfg.n_pairs * cfg.near_miss_share)
@@ -99,7 +109,7 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
     pair_rows = []
     for i, (a, b) in enumerate(chosen_problems):
         correct = a + b
-        rejected = sum_without_carry(a, b) if has_carry(a, b) else near_miss(correct, rng)
+        rejected = sum_without_carry(a, b) if has_carry(a, b) else carried_where_none(correct, width, rng)
         pair_rows.append(
             {
                 "id": f"pair-{i:06d}",

@@ -65,12 +65,13 @@ def test_asking_for_more_problems_than_exist_is_an_error(tmp_path):
 def test_pairs_mirror_the_policy_failure_modes_at_the_configured_near_miss_share(tmp_path):
     cfg = DemoDataConfig(seed=2, n_sft=10, n_pairs=1000, n_eval=10, near_miss_share=0.2)
     rows = read(generate_demo_data(cfg, tmp_path).preferences)
-    near = 0
+    near = spurious = 0
     for r in rows:
         a, b = map(int, r["prompt"].removesuffix("=").split("+"))
         if has_carry(a, b):
             assert int(r["rejected"]) == sum_without_carry(a, b)
         else:
-            assert abs(int(r["rejected"]) - (a + b)) in (1, 10)
+            assert int(r["rejected"]) - (a + b) in (-10, -1, 1, 10, 100)  # 100: a carry where none is
             near += 1
-    assert near == 200
+            spurious += int(r["rejected"]) - (a + b) == 100
+    assert near == 200 and 70 <= spurious <= 130  # half of the near misses, as often as not
