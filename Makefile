@@ -126,7 +126,7 @@ test-fast: setup test-tools
 gpu-check:
 	$(if $(wildcard $(PY)),$(PY),$(or $(PYTHON),python3)) bench/gpu_check.py
 
-# docs/configuration.md is generated from the config models (rlhf_core/config.py)
+# docs/configuration.md is generated from the config models (rlhf_core/config/)
 docs: setup
 	$(PY) -m rlhf_core.config.doc
 

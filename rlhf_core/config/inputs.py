@@ -48,7 +48,8 @@ class DemoDataConfig(_Strict):
     wrong_share: float = Field(0.6, ge=0.0, le=1.0,
         description='Share of SFT answers that forget to carry: the flaw RL must fix.')
     near_miss_share: float = Field(0.1, ge=0.0, le=1.0,
-        description='Share of pairs whose rejected answer is off by ±1 or ±10 rather than the no-carry mistake.')
+        description='Share of pairs on problems without a carry, whose rejected answer carries where nothing carries '
+                    '(half of them) or is off by ±1 or ±10, rather than carry problems answered with the no-carry mistake.')
 
 
 class DataConfig(_Strict):
