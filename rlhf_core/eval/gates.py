@@ -81,8 +81,8 @@ _SHARES = ("win_rate_vs_reference", "win_rate_vs_champion", "degenerate_rate", "
 class SuiteFigures:
     """One policy's accuracy on one regression suite (`gates.regression_suites`): the share of
     its greedy answers the suite's checker accepts. `diff_vs_reference` / `diff_vs_champion`
-    are the paired bootstrap intervals of its per-row correctness minus the reference's / the
-    champion's (`confidence.differences`), at the last look's level; None without
+    are the paired score intervals of its accuracy minus the reference's / the champion's on the
+    same rows (`confidence.paired_score_interval`), at the last look's level; None without
     `gates.confidence` (and without a champion, for the latter): the gate then compares the
     accuracies. A suite that can give more rows is answered in looks (`rlhf_core.eval.sequential`)."""
 
