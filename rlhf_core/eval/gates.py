@@ -43,7 +43,9 @@ may be *undecided*:
                                 is at least -max_regression_vs_champion (non-inferiority),
                                 fails ("regressed") when its high end is below that
     not worse on a suite        regression suites, against the reference and the champion: the
-                                same rule with the suite's margin, over the suite's rows
+                                same rule with the suite's margin, on Newcombe's paired score
+                                interval over the rows of the suite's last look
+                                (`rlhf_core.eval.sequential`)
     better than the champion    win rate: passes when the low end is above
                                 min_win_rate_vs_champion, fails when the high end is below it
                                 by more than win_rate_margin_vs_champion
