@@ -53,7 +53,7 @@ KERNEL_ROWS: Columns = [
 def seed_spread_kernels(results: Path) -> list[str]:
     if (r := load("seed_spread_kernels", results)) is None:
         return not_run("seed_spread_kernels", "seed_spread.py --seeds 0 1 --threads 2 1 --kernel-paths native avx2 "
-                                              "default --name seed_spread_kernels")
+                                              "mkl_avx2 --name seed_spread_kernels")
     rows = []
     for row in r["rows"]:
         suite = (row.get("regression") or {}).get("no_carry", {})
