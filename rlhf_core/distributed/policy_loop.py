@@ -25,7 +25,7 @@ class PolicyWorkerInputs:
     prompts: tuple[str, ...]
     eval_prompts: tuple[str, ...]
     eval_answers: tuple[str, ...]
-    score_verifiable: bool  # every prompt parses for cfg.verifiable_reward
+    prompts_verifiable: bool  # every prompt parses for cfg.verifiable_reward
     answers: tuple[tuple[str, str], ...] = ()  # (prompt, answer) of the prompt set, for answer-checking rewards
     replay_pairs: tuple[dict[str, str], ...] = ()  # the reward model's training pairs, replayed in preference rounds
     queue_dir: str | None = None  # the labelling queue of rounds.annotator queue

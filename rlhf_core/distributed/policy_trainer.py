@@ -113,14 +113,14 @@ def train_policy(
     compare the engine's greedy answers with the trainer's (`sync_checks`).
     """
     answers = dict(answers or {})
-    score_verifiable = _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg, answers)
+    prompts_verifiable = _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg, answers)
 
     def loop_for(runtime: StageRuntime) -> PolicyWorkerInputs:
         return PolicyWorkerInputs(
             runtime, cfg, sft_dir=str(Path(sft_dir).resolve()),
             reward_dir=str(Path(reward_dir).resolve()) if reward_dir is not None else None,
             out_dir=str(Path(out_dir).resolve()), prompts=tuple(prompts), eval_prompts=tuple(eval_prompts),
-            eval_answers=tuple(eval_answers), score_verifiable=score_verifiable, nan_at=_nan_at, check_sync=_check_sync,
+            eval_answers=tuple(eval_answers), prompts_verifiable=prompts_verifiable, nan_at=_nan_at, check_sync=_check_sync,
             answers=tuple(answers.items()),
             replay_pairs=tuple({k: r[k] for k in ("prompt", "chosen", "rejected")} for r in replay_pairs),
             queue_dir=str(Path(queue_dir or cfg.rounds.queue_dir or Path(out_dir).parent / "labelling-queue").resolve()),

@@ -151,7 +151,7 @@ def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
         if cfg.adaptive_kl_target is None
         else AdaptiveKLController(cfg.kl_coef, cfg.adaptive_kl_target, cfg.adaptive_kl_horizon)
     )
-    verifiable = resolve_verifiable_reward(cfg.verifiable_reward) if loop.score_verifiable else None
+    verifiable = resolve_verifiable_reward(cfg.verifiable_reward) if loop.prompts_verifiable else None
     w = PolicyWorker(loop, spec, tokenizer, actor, critic, reference, reward_model, rm_stats, verifiable,
                      kl_controller, worker.rank, worker.world, reward_tokenizer=reward_tokenizer,
                      member_stats=members, audit=audit)

@@ -20,7 +20,7 @@ def test_the_worker_settings_pickle_as_typed_objects(tmp_path):
     runtime = StageRuntime("policy", False, str(tmp_path / "a.jsonl"), on_metrics=None,
                            kill_once=KillWorkerOnce(1, 3, tmp_path / "killed"))
     loop = PolicyWorkerInputs(runtime, PolicyConfig(verifiable_reward=None, verifiable_reward_weight=0.0), "sft", None, "out",
-                      ("01+02=",), ("03+04=",), ("007",), score_verifiable=False, nan_at=NanAtStep(0, 2))
+                      ("01+02=",), ("03+04=",), ("007",), prompts_verifiable=False, nan_at=NanAtStep(0, 2))
     for dumps, loads in ((pickle.dumps, pickle.loads), (ray.cloudpickle.dumps, ray.cloudpickle.loads)):
         back = loads(dumps(loop))
         assert back == loop and isinstance(back.cfg, PolicyConfig) and back.cfg.verifiable_reward is None
