@@ -19,6 +19,7 @@ did not call `finish` (an exception, a signal's SystemExit) gets the whole usual
 What is skipped is the teardown alone: `__del__` of objects still alive at exit, which Python
 does not promise to run, and the collections. A buffered file that nothing closed would lose
 its buffer; the pipeline writes its files with context managers and its logs through logging.
+Listed with the patches to other libraries' behaviour in `rlhf_core.patches`.
 """
 from __future__ import annotations
 

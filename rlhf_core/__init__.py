@@ -1,5 +1,3 @@
-"""The pipeline's library. Importing it defers scikit-learn, which transformers imports with every
-model class and the pipeline never calls, to its first use (`rlhf_core.lazy_imports`)."""
-from rlhf_core import lazy_imports as _lazy_imports
-
-_lazy_imports.install()
+"""The pipeline's library: configuration, data, models, training, rollouts, evaluation and
+serving, with no orchestration of its own (flows/ and tasks/ hold that). Importing it changes
+no other library's behaviour: the few patches it makes are listed in `rlhf_core.patches`."""

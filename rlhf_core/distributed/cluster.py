@@ -282,7 +282,7 @@ class StageTrainer(TorchTrainer):
 
     `bench/fit_helpers.py` measures what they cost. On a cluster we joined ($RAY_ADDRESS) the
     cleaner and the coordinator stay. tests/rlhf_core/distributed/test_cluster.py fails if a Ray
-    upgrade moves what this relies on."""
+    upgrade moves what this relies on (a patch: `rlhf_core.patches`)."""
 
     def _create_default_callbacks(self) -> list:
         left_out = () if self.datasets else (DatasetsCallback,)

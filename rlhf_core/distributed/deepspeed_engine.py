@@ -199,7 +199,7 @@ def import_deepspeed(use_gpu: bool):
     imports the rest of torch's compiler (dynamo's debugging tools, functorch's partitioners,
     networkx): 1.2 CPU-s of every training worker. The optimizer here is always AdamW
     (`deepspeed_config`), so the module is imported once here with its kernels left as plain
-    functions; ZeRO then finds it imported."""
+    functions; ZeRO then finds it imported. Both are patches (`rlhf_core.patches`)."""
     if not use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))

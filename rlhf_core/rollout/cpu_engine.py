@@ -2,7 +2,7 @@
 `vllm_engine.RolloutEngine` starts vLLM with on CPU (see that module's docstring for why),
 the rendezvous file of an executor in this process, and the state vLLM changes in a process
 that hosts its engine core or worker (global RNGs, torch threads, matmul precision, the default
-process group)."""
+process group). Each change to vLLM's or torch's behaviour here is listed in `rlhf_core.patches`."""
 from __future__ import annotations
 
 import json
