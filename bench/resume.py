@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 
 from bench.common import REPO, save, table  # noqa: E402
+from rlhf_core.distributed.fault_injection import FAULT_ENV  # noqa: E402
 
 STAGES = ("validate", "sft", "reward", "policy", "evaluate", "register", "deploy")
-# where a run to be killed in a training stage waits for the kill (`fault_injection.hold_point`)
+# where a run to be killed in a training stage waits for the kill (`fault_injection.fault_point`)
 HOLDS = {"reward": "reward:checkpoint", "policy": "policy:checkpoint"}
 
 
@@ -77,11 +78,9 @@ def launch(args: list[str], env: dict, log: Path, kill_at: str | None = None, ho
            ) -> subprocess.Popen:
     """`rlhf ARGS` in a process group of its own; with `kill_at`, it SIGKILLs itself there; with
     `hold_at`, it stops there and waits to be killed."""
-    env = {k: v for k, v in env.items() if k not in ("RAY_ADDRESS", "RLHF_FAULT_KILL_AT", "RLHF_FAULT_HOLD_AT")}
-    if kill_at:
-        env["RLHF_FAULT_KILL_AT"] = kill_at
-    if hold_at:
-        env["RLHF_FAULT_HOLD_AT"] = hold_at
+    env = {k: v for k, v in env.items() if k not in ("RAY_ADDRESS", FAULT_ENV)}
+    if kill_at or hold_at:
+        env[FAULT_ENV] = f"kill:{kill_at}" if kill_at else f"hold:{hold_at}"
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -27,7 +27,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.distributed.fault_injection import wait_point
+from rlhf_core.distributed.fault_injection import fault_point
 from rlhf_core.eval.evaluate import EvalResult, Policy, evaluate, scorers_for
 from rlhf_core.eval.gates import Decision, gate
 from rlhf_core.eval.model_card import base_model_of, render_model_card, training_settings
@@ -263,7 +263,7 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     previous = None
     promoted = False
     if cfg.gates.auto_promote:
-        wait_point("register:promote")
+        fault_point("register:promote")
         promotion = promote(client, version, requested_by=f"pipeline:{run.run_id}", reason="gates.auto_promote",
                             name=name, expected_champion=evaluation.champion_version)  # the one it was judged against
         promoted, previous = True, promotion.previous

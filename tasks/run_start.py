@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from prefect import get_run_logger, task
 
 from rlhf_core.config import PipelineConfig, load_config
+from rlhf_core.distributed.fault_injection import FaultRefused, refuse_in_deployment
 from rlhf_core.process_owner import owner_gone, this_process
 from tasks.prefect_runs import FLOW_RUN_TAG, DeadRun, crash_flow_runs, flow_run_tags
 from tasks.tracking import (
@@ -51,7 +52,7 @@ def _retry_unless_refused(task, task_run, state) -> bool:
     that is not there or refuses artifacts: those will not change in 2 s."""
     try:
         state.result()
-    except (ResumeRefused, TrackingStoreError):
+    except (ResumeRefused, TrackingStoreError, FaultRefused):
         return False
     except Exception:  # noqa: BLE001 - any other failure is worth the retry
         return True
@@ -69,6 +70,7 @@ def start_pipeline_run(cfg: PipelineConfig, config_source: str, flow_name: str =
     """
     from prefect.runtime import flow_run
 
+    refuse_in_deployment()
     uri = resolve_tracking_uri(cfg)
     check_tracking_server(uri)  # before MLflow's client, which retries a dead server for minutes
     mlflow.set_tracking_uri(uri)

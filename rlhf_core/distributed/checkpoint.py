@@ -23,7 +23,7 @@ from typing import Any
 import ray.train
 import torch
 
-from rlhf_core.distributed.fault_injection import hold_point
+from rlhf_core.distributed.fault_injection import fault_point
 from rlhf_core.rng import rng_state, set_rng_state
 
 STATE_FILE = "trainer_state.json"
@@ -49,7 +49,7 @@ def report_checkpoint(
         )
     if rank == 0:
         ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-    hold_point(f"{stage}:checkpoint")
+    fault_point(f"{stage}:checkpoint")
 
 
 def _frozen_excluded(engine: Any) -> dict[str, bool]:

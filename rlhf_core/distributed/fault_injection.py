@@ -1,10 +1,12 @@
 """Faults the tests inject into a training run: a worker that dies once, a loss that turns NaN
 once, a pipeline process killed at a named point, a stage held at its first checkpoint for a
 kill from outside, a run waiting at a named point for the test's go. The trainers take theirs
-as keyword-only `_`-prefixed arguments; a production run passes None (and sets none of the
-$RLHF_FAULT_* variables), and none of this code acts."""
+as keyword-only `_`-prefixed arguments; the pipeline's points read one switch, $RLHF_FAULT, which
+a production run leaves unset (a deployment's run refuses it), and none of this code acts."""
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import signal
 import time
@@ -56,44 +58,71 @@ def nan_if_due(backward_and_step, nan_at: NanAtStep | None, rank: int, step: int
     return backward_and_step
 
 
-FAULT_ENV = "RLHF_FAULT_KILL_AT"
+FAULT_ENV = "RLHF_FAULT"
+FORMS = "kill:POINT, hold:POINT or wait:POINT=FILE"
+log = logging.getLogger(__name__)
 
 
-def fault_point(point: str) -> None:
-    """Fault injection for the resume tests: SIGKILL this process when $RLHF_FAULT_KILL_AT names
-    `point`. The points: `<stage>:end` (a stage's work done, its MLflow run not yet closed) and
-    `<stage>:returned` (its task returned, the journal not yet written)."""
-    if os.environ.get(FAULT_ENV) == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+class FaultRefused(RuntimeError):
+    """$RLHF_FAULT is set where a run must not be interrupted (a Prefect deployment's run)."""
 
 
-HOLD_ENV = "RLHF_FAULT_HOLD_AT"
+@dataclass(frozen=True)
+class Fault:
+    """What $RLHF_FAULT arms: at `point`, `kill` (SIGKILL this process), `hold` (stop for good,
+    so that a kill from outside lands there however fast the stage runs) or `wait` (say so,
+    `release`.waiting appears, and go on once `release` exists, so that a test can order what
+    two concurrent runs do next)."""
+
+    action: str
+    point: str
+    release: Path | None = None
 
 
-def hold_point(point: str) -> None:
-    """Fault injection for the resume tests: when $RLHF_FAULT_HOLD_AT names `point`, stop here
-    for good, so that a kill from outside lands at this point however fast the stage trains.
-    The point: `<stage>:checkpoint` (a training worker, once the stage's first checkpoint is
-    committed). Ray's workers inherit the variable from the process that starts the cluster."""
-    if os.environ.get(HOLD_ENV) == point:
-        while True:
-            time.sleep(60)
+@functools.lru_cache(maxsize=4)
+def parse(value: str | None) -> Fault | None:
+    """The fault a value of $RLHF_FAULT arms (None: unset or empty), said loudly once a process."""
+    if not value:
+        return None
+    action, _, rest = value.partition(":")
+    point, _, release = rest.partition("=")
+    if action not in ("kill", "hold", "wait") or not point or (action == "wait") != bool(release):
+        raise ValueError(f"${FAULT_ENV}={value!r}: expected {FORMS}")
+    fault = Fault(action, point, Path(release) if release else None)
+    log.warning("fault injection armed ($%s=%s): this process will %s at %s", FAULT_ENV, value, action, point)
+    return fault
 
 
-WAIT_ENV = "RLHF_FAULT_WAIT_AT"
+def armed() -> Fault | None:
+    return parse(os.environ.get(FAULT_ENV))
 
 
-def wait_point(point: str, timeout_s: float = 900) -> None:
-    """Fault injection for the concurrency tests: when $RLHF_FAULT_WAIT_AT is `point=FILE`, say
-    so (FILE.waiting appears) and wait until FILE exists, so that a test can order what two
-    concurrent runs do next. The point: `register:promote` (a passing candidate registered,
-    its promotion not yet tried)."""
-    name, _, release = os.environ.get(WAIT_ENV, "").partition("=")
-    if name != point or not release:
+def refuse_in_deployment() -> None:
+    """A run of a Prefect deployment (scheduled, or started from the UI) never carries a fault."""
+    from prefect.runtime import deployment  # noqa: PLC0415
+
+    if armed() is not None and deployment.id:
+        raise FaultRefused(f"${FAULT_ENV} is set ({os.environ[FAULT_ENV]}): fault injection is for tests, and a "
+                           f"deployment's run refuses it; unset it in the work pool's environment")
+
+
+def fault_point(point: str, wait_s: float = 900) -> None:
+    """Where the resume and concurrency tests stop or order a run, through $RLHF_FAULT alone. The
+    points: `<stage>:end` (a stage's work done, its MLflow run not yet closed), `<stage>:returned`
+    (its task returned, the journal not yet written), `<stage>:checkpoint` (a training worker, once
+    the stage's first checkpoint is committed; Ray's workers inherit the variable from the process
+    that starts the cluster) and `register:promote` (a passing candidate registered, its promotion
+    not yet tried)."""
+    fault = armed()
+    if fault is None or fault.point != point:
         return
-    Path(f"{release}.waiting").touch()
-    deadline = time.monotonic() + timeout_s
-    while not Path(release).exists():
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while fault.action == "hold":
+        time.sleep(60)
+    Path(f"{fault.release}.waiting").touch()
+    deadline = time.monotonic() + wait_s
+    while not fault.release.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{WAIT_ENV}: {release} did not appear within {timeout_s:.0f} s")
+            raise TimeoutError(f"{FAULT_ENV}: {fault.release} did not appear within {wait_s:.0f} s")
         time.sleep(0.2)

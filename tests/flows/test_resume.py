@@ -6,7 +6,7 @@ turn; after each kill `rlhf run --resume RUN_ID` continues it. Short stages are 
 inside at a fault point (`rlhf_core.distributed.fault_injection.fault_point`: after the stage's work, before its
 MLflow run or journal entry is closed); the training stages and the deploy from outside, once a
 checkpoint or the deploy's intent file exists, as an operator's `kill -9` would (a training
-stage waits at its first committed checkpoint for it: `fault_injection.hold_point`).
+stage waits at its first committed checkpoint for it: a `hold` there).
 """
 from __future__ import annotations
 

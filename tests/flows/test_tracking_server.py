@@ -236,7 +236,7 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
     state_dir = tmp_path / "runs" / "serving"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLHF_FAULT_KILL_AT", "MLFLOW_TRACKING_URI",
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLHF_FAULT", "MLFLOW_TRACKING_URI",
                                                             "MLFLOW_S3_ENDPOINT_URL") and not k.startswith("AWS_")}
     env.update(mlflow_server.client_env, PREFECT_API_URL=PREFECT_API_URL.value())
     go = [tmp_path / f"promote-{i}" for i in range(2)]  # created by the test: run i may promote
@@ -254,7 +254,7 @@ def test_two_runs_started_together_on_the_server_leave_one_champion_from_the_buc
     procs: list[subprocess.Popen] = []
     try:
         procs += [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(configs[i])], cwd=cwd,
-                                  env={**env, "RLHF_FAULT_WAIT_AT": f"register:promote={go[i]}"},
+                                  env={**env, "RLHF_FAULT": f"wait:register:promote={go[i]}"},
                                   stdout=open(tmp_path / f"run{i}.log", "w"), stderr=subprocess.STDOUT,
                                   start_new_session=True) for i in range(2)]
         listeners = Listeners([p.pid for p in procs])

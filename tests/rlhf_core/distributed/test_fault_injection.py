@@ -1,31 +1,59 @@
-"""The points where the resume and concurrency tests stop or order a run: inert unless their
-variable names them."""
+"""The points where the resume and concurrency tests stop or order a run: inert unless the one
+switch, $RLHF_FAULT, names them, and refused in a deployment's run."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
 
-from rlhf_core.distributed.fault_injection import HOLD_ENV, WAIT_ENV, hold_point, wait_point
+from rlhf_core.distributed import fault_injection
+from rlhf_core.distributed.fault_injection import FAULT_ENV, Fault, FaultRefused, fault_point, parse
 
 
-def test_the_points_do_nothing_unless_their_variable_names_them(tmp_path, monkeypatch):
-    monkeypatch.delenv(HOLD_ENV, raising=False)
-    monkeypatch.delenv(WAIT_ENV, raising=False)
-    hold_point("reward:checkpoint")
-    wait_point("register:promote")
-    monkeypatch.setenv(HOLD_ENV, "policy:checkpoint")  # another point
-    monkeypatch.setenv(WAIT_ENV, f"register:other={tmp_path / 'go'}")
-    hold_point("reward:checkpoint")
-    wait_point("register:promote")
+def test_the_points_do_nothing_unless_the_switch_names_them(tmp_path, monkeypatch):
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    fault_point("reward:checkpoint")
+    fault_point("register:promote")
+    monkeypatch.setenv(FAULT_ENV, f"wait:register:other={tmp_path / 'go'}")  # another point
+    fault_point("register:promote")
+    monkeypatch.setenv(FAULT_ENV, "hold:policy:checkpoint")
+    fault_point("reward:checkpoint")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_switch_is_parsed_once_and_said_loudly(caplog):
+    parse.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=fault_injection.__name__):
+        assert parse("kill:sft:end") == Fault("kill", "sft:end")
+        assert parse("kill:sft:end") == Fault("kill", "sft:end")
+        assert parse("wait:register:promote=/tmp/go") == Fault("wait", "register:promote", fault_injection.Path("/tmp/go"))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "fault injection armed ($RLHF_FAULT=kill:sft:end)" in said[0]
+    assert parse("") is None and parse(None) is None
+
+
+@pytest.mark.parametrize("value", ["explode:sft:end", "kill:", "wait:register:promote", "kill:sft:end=/tmp/go"])
+def test_a_malformed_switch_says_what_it_takes(value):
+    with pytest.raises(ValueError, match="expected kill:POINT, hold:POINT or wait:POINT=FILE"):
+        parse(value)
+
+
+def test_a_deployments_run_refuses_an_armed_switch(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "kill:sft:end")
+    fault_injection.refuse_in_deployment()  # a run started directly (a test, `rlhf run`): armed, and said
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", "a7c1f0e2-deployment")  # Prefect's own runtime mock
+    with pytest.raises(FaultRefused, match="a deployment's run refuses it"):
+        fault_injection.refuse_in_deployment()
+    monkeypatch.delenv(FAULT_ENV)
+    fault_injection.refuse_in_deployment()
 
 
 def test_a_wait_point_says_it_waits_and_goes_on_once_its_file_exists(tmp_path, monkeypatch):
     go = tmp_path / "go"
-    monkeypatch.setenv(WAIT_ENV, f"register:promote={go}")
-    waiter = threading.Thread(target=wait_point, args=("register:promote",))
+    monkeypatch.setenv(FAULT_ENV, f"wait:register:promote={go}")
+    waiter = threading.Thread(target=fault_point, args=("register:promote",))
     waiter.start()
     deadline = time.monotonic() + 10
     while not (tmp_path / "go.waiting").exists() and time.monotonic() < deadline:
@@ -39,6 +67,6 @@ def test_a_wait_point_says_it_waits_and_goes_on_once_its_file_exists(tmp_path, m
 
 
 def test_a_wait_point_whose_file_never_comes_fails_naming_it(tmp_path, monkeypatch):
-    monkeypatch.setenv(WAIT_ENV, f"register:promote={tmp_path / 'go'}")
+    monkeypatch.setenv(FAULT_ENV, f"wait:register:promote={tmp_path / 'go'}")
     with pytest.raises(TimeoutError, match="go did not appear within 0 s"):
-        wait_point("register:promote", timeout_s=0.3)
+        fault_point("register:promote", wait_s=0.3)
