@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from prefect import get_run_logger, task
 
 from rlhf_core.config import PipelineConfig, load_config
-from rlhf_core.distributed.fault_injection import FaultRefused, refuse_in_deployment
+from rlhf_core.distributed.fault_injection import FAULT_ENV, armed
 from rlhf_core.process_owner import owner_gone, this_process
 from tasks.prefect_runs import FLOW_RUN_TAG, DeadRun, crash_flow_runs, flow_run_tags
 from tasks.tracking import (
@@ -41,6 +41,19 @@ def close_abandoned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
             closed.append(DeadRun.of(run, owner))
     crash_flow_runs(closed)
     return [dead.mlflow_run_id for dead in closed]
+
+
+class FaultRefused(RuntimeError):
+    """$RLHF_FAULT is set where a run must not be interrupted (a Prefect deployment's run)."""
+
+
+def refuse_in_deployment() -> None:
+    """A run of a Prefect deployment (scheduled, or started from the UI) never carries a fault."""
+    from prefect.runtime import deployment
+
+    if armed() is not None and deployment.id:
+        raise FaultRefused(f"${FAULT_ENV} is set ({os.environ[FAULT_ENV]}): fault injection is for tests, and a "
+                           f"deployment's run refuses it; unset it in the work pool's environment")
 
 
 class ResumeRefused(ValueError):

@@ -9,6 +9,9 @@ every import statement:
   The command line (`flows/cli.py`) also answers three commands that need no flow: `serving`
   (status and stop of the serving process), `make-demo-data`, and `check-config` (with the
   regression suites' power calculation, plain arithmetic).
+- In `rlhf_core/`, the rollout engine (`rollout/`) sits below the trainers (`distributed/`,
+  `training/`) and the evaluation: the trainer hands it what it needs (a weight source, the
+  resources it reserved), it never imports them.
 - `monitoring/` is where metrics leave the process: it never imports `flows` or `tasks`.
 - Nothing outside `tests/` imports the tests; what tests and benchmarks share is in
   `rlhf_core.testing`.
@@ -58,6 +61,24 @@ def offenders(folder: str, bad) -> dict[str, list[str]]:
 
 def test_no_core_module_imports_prefect_mlflow_or_a_layer_above():
     assert offenders("rlhf_core", lambda p, m: m.split(".")[0] in FORBIDDEN_IN_CORE) == {}
+
+
+# In rlhf_core/, a package never imports those above it in this order (lowest first).
+CORE_ORDER = (("models",), ("rollout",), ("eval", "training", "distributed"))
+
+
+def test_the_rollout_engine_sits_below_the_trainers():
+    def above(path: Path, module: str) -> bool:
+        parts = path.relative_to(REPO / "rlhf_core").parts
+        if not module.startswith("rlhf_core.") or len(parts) < 2:
+            return False
+        level = {pkg: i for i, group in enumerate(CORE_ORDER) for pkg in group}
+        here, there = level.get(parts[0]), level.get(module.split(".")[1])
+        return here is not None and there is not None and there > here
+    assert offenders("rlhf_core/rollout", above) == {}
+    # one exception: the GGUF import command checks its conversion against the engine's greedy answers
+    assert offenders("rlhf_core/models", above) == {
+        "rlhf_core/models/gguf_import.py": ["rlhf_core.rollout.greedy", "rlhf_core.rollout.greedy.vllm_greedy"]}
 
 
 def test_engines_are_confined_to_their_driver_modules():

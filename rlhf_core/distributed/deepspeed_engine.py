@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlhf_core.models.placement import is_partitioned, module_entries
 from rlhf_core.training.policy_step import StepOutcome, guard_nonfinite
 from rlhf_core.training.sft import warmup_cosine
 
@@ -120,22 +121,6 @@ def gathered_module_state(engine, zero_stage: int, rank: int) -> dict[str, torch
         elif rank == 0:  # a buffer: whole on every rank
             out[name] = _cpu_tensor(tensor)
     return out if rank == 0 else None
-
-
-def module_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The module's parameters and buffers by state-dict name, each tensor once (a tied head
-    rides with the embeddings, as `weight_sync.without_tied_copies`): the order every rank gathers in."""
-    seen: set[int] = set()
-    out = []
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out.append((name, tensor))
-    return out
-
-
-def is_partitioned(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, "ds_id")  # a ZeRO-3 parameter: its data is a shard until gathered
 
 
 def follow_gathers(module: torch.nn.Module) -> None:

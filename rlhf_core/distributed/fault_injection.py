@@ -63,10 +63,6 @@ FORMS = "kill:POINT, hold:POINT or wait:POINT=FILE"
 log = logging.getLogger(__name__)
 
 
-class FaultRefused(RuntimeError):
-    """$RLHF_FAULT is set where a run must not be interrupted (a Prefect deployment's run)."""
-
-
 @dataclass(frozen=True)
 class Fault:
     """What $RLHF_FAULT arms: at `point`, `kill` (SIGKILL this process), `hold` (stop for good,
@@ -95,15 +91,6 @@ def parse(value: str | None) -> Fault | None:
 
 def armed() -> Fault | None:
     return parse(os.environ.get(FAULT_ENV))
-
-
-def refuse_in_deployment() -> None:
-    """A run of a Prefect deployment (scheduled, or started from the UI) never carries a fault."""
-    from prefect.runtime import deployment  # noqa: PLC0415
-
-    if armed() is not None and deployment.id:
-        raise FaultRefused(f"${FAULT_ENV} is set ({os.environ[FAULT_ENV]}): fault injection is for tests, and a "
-                           f"deployment's run refuses it; unset it in the work pool's environment")
 
 
 def fault_point(point: str, wait_s: float = 900) -> None:

@@ -49,12 +49,14 @@ def start_engine(w: PolicyWorker):
     if rollout.placement == "separate":
         import ray  # noqa: PLC0415
 
+        from rlhf_core.distributed.cluster import engine_bundles  # noqa: PLC0415
         from rlhf_core.rollout.engine_group import EngineGroup  # noqa: PLC0415  (rank 0 only)
 
         # the engines may run on other nodes: the streamed sync listens on this node's address
         transport = weight_transport(rollout, settings["dtype"], w.device, master_address=ray.util.get_node_ip_address())
         return EngineGroup(w.loop.sft_dir, num_engines=rollout.num_engines, tensor_parallel_size=rollout.tensor_parallel_size,
                            use_gpu=w.device.type == "cuda", transport=transport, seed=cfg.seed,
+                           bundles=engine_bundles(rollout.tensor_parallel_size, w.device.type == "cuda"),
                            max_num_seqs=cfg.rollouts_per_step, max_model_len=context, **settings)
     from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415  (rank 0 only)
 

@@ -41,7 +41,6 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlhf_core.distributed.cluster import engine_bundles
 from rlhf_core.rollout.vllm_engine import Rollout, RolloutEngine, prompt_seeds
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransport
 
@@ -147,10 +146,11 @@ class RemoteEngines:
 
 class EngineGroup:
     """`num_engines` engines of `tensor_parallel_size` devices each, as Ray actors in placement
-    groups of their own, taking weights through `transport` (`weight_sync`, `weight_transfer`)."""
+    groups of their own (`bundles` each, as the trainer's cluster reserved them:
+    `cluster.engine_bundles`), taking weights through `transport` (`weight_sync`, `weight_transfer`)."""
 
     def __init__(self, model_dir: str, *, num_engines: int, tensor_parallel_size: int, use_gpu: bool,
-                 transport: WeightTransport, seed: int = 0, start_timeout_s: float = START_TIMEOUT_S,
+                 bundles: list[dict[str, float]], transport: WeightTransport, seed: int = 0, start_timeout_s: float = START_TIMEOUT_S,
                  **engine_kwargs: Any):
         start = time.perf_counter()
         self.transport = transport
@@ -161,13 +161,13 @@ class EngineGroup:
             kwargs = dict(engine_kwargs, tensor_parallel_size=tensor_parallel_size,
                           distributed_executor_backend=executor_backend(tensor_parallel_size, use_gpu))
             for i in range(num_engines):
-                group = placement_group(engine_bundles(tensor_parallel_size, use_gpu), strategy="STRICT_PACK",
+                group = placement_group(bundles, strategy="STRICT_PACK",
                                         name=f"rollout-engine-{i}")
                 self.groups.append(group)
-                self._wait_placed(group, i, tensor_parallel_size, use_gpu, start_timeout_s)
+                self._wait_placed(group, i, bundles, start_timeout_s)
                 own_gpu = use_gpu and tensor_parallel_size == 1
                 self.actors.append(remote.options(
-                    num_cpus=0 if use_gpu and tensor_parallel_size > 1 else engine_bundles(tensor_parallel_size, use_gpu)[0]["CPU"],
+                    num_cpus=0 if use_gpu and tensor_parallel_size > 1 else bundles[0]["CPU"],
                     num_gpus=1 if own_gpu else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
@@ -183,11 +183,11 @@ class EngineGroup:
         self.last_metrics: dict[str, float] = {"rollout/engine_start_s": self.start_seconds}
 
     @staticmethod
-    def _wait_placed(group: Any, index: int, tensor_parallel_size: int, use_gpu: bool, timeout_s: float) -> None:
+    def _wait_placed(group: Any, index: int, bundles: list[dict[str, float]], timeout_s: float) -> None:
         if group.wait(timeout_seconds=timeout_s):
             return
         raise RuntimeError(
-            f"rollout engine {index}: its placement group {engine_bundles(tensor_parallel_size, use_gpu)} "
+            f"rollout engine {index}: its placement group {bundles} "
             f"(STRICT_PACK, one node) found no room within {timeout_s:g} s; the cluster has "
             f"{ray.cluster_resources()}, {ray.available_resources()} of it free: lower policy.rollout.num_engines or "
             "policy.rollout.tensor_parallel_size, or policy.num_workers, or add nodes")

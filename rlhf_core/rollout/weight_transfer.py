@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
-from rlhf_core.distributed.deepspeed_engine import is_partitioned, module_entries
+from rlhf_core.models.placement import is_partitioned, module_entries
 from rlhf_core.models.lora import is_lora_model, merged_entries, merged_weights
 from rlhf_core.rollout.ipc_wire import IpcWireExtension
 from rlhf_core.rollout.weight_sync import (

@@ -132,7 +132,7 @@ def test_two_engines_as_ray_actors_answer_as_one_and_follow_streamed_weights(ray
 
     model, tokenizer = load_policy(demo["sft"]), load_tokenizer(demo["sft"])
     prompts, max_new = demo["eval_prompts"][:24], 6
-    group = EngineGroup(str(demo["sft"]), num_engines=2, tensor_parallel_size=1, use_gpu=False,
+    group = EngineGroup(str(demo["sft"]), num_engines=2, tensor_parallel_size=1, use_gpu=False, bundles=engine_bundles(1, False),
                         transport=StreamingTransport(GLOO_BACKEND, timeout_s=120.0, master_address="127.0.0.1"),
                         seed=0, max_num_seqs=96, max_model_len=64, dtype="float32", enforce_eager=True)
     actors, groups = list(group.actors), list(group.groups)

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from rlhf_core.distributed import fault_injection
-from rlhf_core.distributed.fault_injection import FAULT_ENV, Fault, FaultRefused, fault_point, parse
+from rlhf_core.distributed.fault_injection import FAULT_ENV, Fault, fault_point, parse
+from tasks.run_start import FaultRefused, refuse_in_deployment
 
 
 def test_the_points_do_nothing_unless_the_switch_names_them(tmp_path, monkeypatch):
@@ -42,12 +43,12 @@ def test_a_malformed_switch_says_what_it_takes(value):
 
 def test_a_deployments_run_refuses_an_armed_switch(monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "kill:sft:end")
-    fault_injection.refuse_in_deployment()  # a run started directly (a test, `rlhf run`): armed, and said
+    refuse_in_deployment()  # a run started directly (a test, `rlhf run`): armed, and said
     monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", "a7c1f0e2-deployment")  # Prefect's own runtime mock
     with pytest.raises(FaultRefused, match="a deployment's run refuses it"):
-        fault_injection.refuse_in_deployment()
+        refuse_in_deployment()
     monkeypatch.delenv(FAULT_ENV)
-    fault_injection.refuse_in_deployment()
+    refuse_in_deployment()
 
 
 def test_a_wait_point_says_it_waits_and_goes_on_once_its_file_exists(tmp_path, monkeypatch):
