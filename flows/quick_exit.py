@@ -3,8 +3,8 @@
 After its exit handlers, CPython clears every module and runs full garbage collections to free
 what refers to itself. A process that loaded the model stack (torch, transformers, vLLM,
 MLflow, Prefect, pydantic's schemas) holds 700,000 objects or more, and those collections walk
-all of them only for the process to end: 2.2-2.8 s after `import flows.pipeline` on a 2-core
-machine (0.5 s a collection; `bench/exit_time.py`), 6-8 s in a pytest worker that also holds the tests.
+all of them only for the process to end: seconds for a finished command (`bench/exit_time.py`;
+docs/performance-notes.md, Orchestration).
 
 `arm()`, called early in an entry point, registers an exit handler; `finish(code)` records the
 process's exit code. A process that finished this way still exits through Python's exit as

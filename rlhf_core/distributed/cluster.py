@@ -75,7 +75,7 @@ def start_local_ray(**init_kwargs) -> None:
     Ray starts idle Python workers for the first driver by default (one per CPU of the node,
     two on a 2-core machine), ready for plain tasks. The work here runs in actors (Train
     controllers and workers, rollout engines) whose environment differs from the job's, so
-    those workers were never used: each about 40 MB and 0.5 CPU-s of start-up on 2 cores. They
+    those workers were never used (their cost: docs/performance-notes.md, Orchestration). They
     are not started; a task that needs a worker gets one when it asks."""
     from ray._private import ray_constants
 

@@ -151,8 +151,8 @@ def _require_gguf_package() -> None:
 def _gguf_read_once() -> Iterator[None]:
     """Within the block, each GGUF file is parsed once and gguf's tensor-name map built once per
     architecture and depth. transformers parses the file for the config, again for the weights and
-    again for the tokenizer (5 s each for SmolLM2's 49,152-token vocabulary on 2 cores), and builds
-    the name map for every submodule of the model (397 times for SmolLM2, 17 ms each). Both are
+    again for the tokenizer, and builds the name map for every submodule of the model (what that
+    cost: docs/performance-notes.md, Training stages). Both are
     read-only once built; transformers imports them from `gguf` where it uses them, so the
     module's attributes are swapped for the block and put back after it."""
     import gguf  # noqa: PLC0415 - the `chat` extra

@@ -13,7 +13,7 @@ generate a step's rollouts in parallel. `EngineGroup` is the separate shape, as 
   tensor-parallel engine starts its workers as Ray actors inside its placement group (vLLM's
   "ray" executor), the engine actor itself taking nothing. On CPU an engine of one process runs
   its model in the actor itself (vLLM's "uni" executor, `executor_backend`), with no worker
-  process importing vLLM again beside it: two engines started, asked and synced in 18 s, not 50 s;
+  process importing vLLM again beside it (docs/performance-notes.md, Rollout engine);
 - `generate` splits the prompts into one contiguous share per engine and gathers the answers in
   prompt order. Each prompt keeps the seed it would have had in one engine (`prompt_seeds` of
   the whole batch), so seeded samples do not depend on the number of engines;

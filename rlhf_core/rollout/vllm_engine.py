@@ -277,8 +277,8 @@ class RolloutEngine:
         """Shut the engine core down, which stops its worker processes. Idempotent.
 
         vLLM's default grace period is 5 s, after which it SIGKILLs the engine core and
-        leaves it unreaped (a zombie); on a loaded CPU machine the worker alone can take
-        about 4 s to exit, so we give `timeout` seconds and then reap the processes.
+        leaves it unreaped (a zombie); on a loaded CPU machine the worker alone can take most
+        of that to exit, so we give `timeout` seconds and then reap the processes.
         """
         llm, self.llm = self.llm, None
         try:

@@ -13,8 +13,8 @@ and `VLLM_CPU_KVCACHE_SPACE` is removed from the server's environment: that lega
 takes whole GiB only and, if set, silently overrides the flag on the CPU backend.
 
 On the CPU backend vLLM binds its OpenMP threads to cores (`VLLM_CPU_OMP_THREADS_BIND=auto`),
-the same cores for every server: a new server starting beside one under traffic got 113 ms of
-CPU in 70 s and never became healthy. The servers started here use `cfg.cpu_threads_bind`,
+the same cores for every server: a new server starting beside one under traffic starved and
+never became healthy (docs/performance-notes.md, Serving). The servers started here use `cfg.cpu_threads_bind`,
 "nobind" by default.
 
 With "nobind" the model also runs in the engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
