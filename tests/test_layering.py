@@ -81,6 +81,15 @@ def test_the_rollout_engine_sits_below_the_trainers():
         "rlhf_core/models/gguf_import.py": ["rlhf_core.rollout.greedy", "rlhf_core.rollout.greedy.vllm_greedy"]}
 
 
+def test_the_trainers_open_their_engine_through_the_front_door_only():
+    # rollout.factory.open_engine decides the engine, its transport and its sleep; rollout.pipeline
+    # runs an engine opened there on a thread of its own
+    door = {"rlhf_core.rollout", "rlhf_core.rollout.factory", "rlhf_core.rollout.pipeline"}
+    assert offenders("rlhf_core/distributed", lambda p, m: m.startswith("rlhf_core.rollout")
+                     and not any(m == d or m.startswith(d + ".") for d in door - {"rlhf_core.rollout"})
+                     and m != "rlhf_core.rollout") == {}
+
+
 def test_engines_are_confined_to_their_driver_modules():
     allowed_dirs = {"distributed", "rollout"}
     assert offenders("rlhf_core", lambda p, m: m.split(".")[0] in ENGINE_MODULES

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_core.config import RolloutEngineConfig
 from rlhf_core.distributed.policy_loop import PolicyWorker
 from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import normalise, score
 from rlhf_core.rng import derive_seed
+from rlhf_core.rollout.factory import engine_context, open_engine, streams
 from rlhf_core.training.policy_step import prompt_indices
 from rlhf_core.training.precision import computing_in
 
@@ -39,45 +39,23 @@ class Sample:
 
 
 def start_engine(w: PolicyWorker):
-    """Rank 0: the vLLM engine (or, `policy.rollout.placement: separate`, the group of engines),
+    """Rank 0: the run's engine through the rollout front door (`rollout.factory.open_engine`),
     started from the SFT policy, its context (and so, on CPU, its KV cache) sized for the longest
-    prompt it will be given plus a response."""
-    cfg, rollout = w.cfg, w.cfg.rollout
+    prompt it will be given plus a response. Engines of their own (`policy.rollout.placement:
+    separate`) get the placement groups this cluster reserves for them and stream to this node."""
+    cfg, rollout, on_gpu = w.cfg, w.cfg.rollout, w.device.type == "cuda"
     context = engine_context([len(ids) for ids in w.tokenizer([*w.loop.prompts, *w.loop.eval_prompts])["input_ids"]],
                              cfg.max_new_tokens, w.actor.module.config.max_position_embeddings)
-    settings = engine_settings(rollout, w.precision, w.device.type)
+    bundles, address = None, "127.0.0.1"
     if rollout.placement == "separate":
         import ray  # noqa: PLC0415
 
         from rlhf_core.distributed.cluster import engine_bundles  # noqa: PLC0415
-        from rlhf_core.rollout.engine_group import EngineGroup  # noqa: PLC0415  (rank 0 only)
 
-        # the engines may run on other nodes: the streamed sync listens on this node's address
-        transport = weight_transport(rollout, settings["dtype"], w.device, master_address=ray.util.get_node_ip_address())
-        return EngineGroup(w.loop.sft_dir, num_engines=rollout.num_engines, tensor_parallel_size=rollout.tensor_parallel_size,
-                           use_gpu=w.device.type == "cuda", transport=transport, seed=cfg.seed,
-                           bundles=engine_bundles(rollout.tensor_parallel_size, w.device.type == "cuda"),
-                           max_num_seqs=cfg.rollouts_per_step, max_model_len=context, **settings)
-    from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415  (rank 0 only)
-
-    return RolloutEngine(w.loop.sft_dir, seed=cfg.seed, max_num_seqs=cfg.rollouts_per_step, max_model_len=context,
-                         transport=weight_transport(rollout, settings["dtype"], w.device),
-                         sleep_mode=engine_sleeps(rollout, cfg.pipeline.max_lag, w.device.type),
-                         guest=cfg.pipeline.max_lag == 0, **settings)  # pipelined: generates on a thread of its own
-
-
-def engine_sleeps(rollout: RolloutEngineConfig, max_lag: int, device_type: str) -> bool:
-    """`policy.rollout.sleep`: null sleeps on GPU when the engine is idle during the update (not
-    pipelined: a pipelined engine generates during the update; the config refuses sleep: true with it)."""
-    if rollout.placement == "separate":  # engines of their own share no device with the trainer
-        return False
-    return rollout.sleep if rollout.sleep is not None else (device_type == "cuda" and max_lag == 0)
-
-
-def streams(rollout: RolloutEngineConfig, device_type: str) -> bool:
-    """Whether `policy.rollout.weight_sync` streams the weights (stream; auto on a GPU) rather than
-    writing a file."""
-    return rollout.weight_sync == "stream" or (rollout.weight_sync == "auto" and device_type == "cuda")
+        bundles, address = engine_bundles(rollout.tensor_parallel_size, on_gpu), ray.util.get_node_ip_address()
+    return open_engine(w.loop.sft_dir, rollout, precision=w.precision, device=w.device, seed=cfg.seed,
+                       max_num_seqs=cfg.rollouts_per_step, max_model_len=context, pipelined=cfg.pipeline.max_lag > 0,
+                       bundles=bundles, master_address=address)
 
 
 def syncs_from_the_module(w: PolicyWorker) -> bool:
@@ -85,48 +63,7 @@ def syncs_from_the_module(w: PolicyWorker) -> bool:
     rank 0 sends, the others join its ZeRO-3 gathers; `MergedLoraSource`: a LoRA policy merged one
     weight at a time), so that no copy of the model is made. Not when pipelined: the producer
     thread syncs a snapshot later, while the ranks train on."""
-    cfg = w.cfg
-    return streams(cfg.rollout, w.device.type) and cfg.pipeline.max_lag == 0
-
-
-def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: torch.device,
-                     master_address: str = "127.0.0.1"):
-    """`policy.rollout.weight_sync` as a transport: a file on CPU by default, streamed over gloo where
-    a CPU run asks for it. Streamed on a GPU, in the engine's dtype (bf16 halves what crosses): by
-    CUDA IPC to a colocated engine, which shares rank 0's GPU (NCCL refuses two ranks on one GPU);
-    over NCCL to engines of their own (`placement: separate`), the trainer's end listening on
-    `master_address` (default loopback)."""
-    from rlhf_core.rollout.weight_sync import SafetensorsFileTransport  # noqa: PLC0415  (rank 0 only)
-    from rlhf_core.rollout.weight_transfer import GLOO_BACKEND, NCCL_BACKEND, StreamingTransport  # noqa: PLC0415
-
-    if not streams(rollout, device.type):
-        return SafetensorsFileTransport(timeout_s=rollout.sync_timeout_s)
-    dtype, on_gpu = getattr(torch, engine_dtype), device.type == "cuda"
-    if on_gpu and rollout.placement == "colocated":
-        from rlhf_core.rollout.ipc_transfer import IpcTransport  # noqa: PLC0415
-
-        return IpcTransport(dtype=dtype, device=device, timeout_s=rollout.sync_timeout_s)
-    return StreamingTransport(NCCL_BACKEND if on_gpu else GLOO_BACKEND, dtype=dtype, device=device,
-                              timeout_s=rollout.sync_timeout_s, master_address=master_address)
-
-
-def engine_settings(rollout: RolloutEngineConfig, precision: str, device_type: str) -> dict[str, Any]:
-    """`RolloutEngine`'s dtype, eager mode and memory share from `policy.rollout`, for a trainer
-    computing in `precision` (fp32, bf16) on a `device_type` (cpu, cuda) device."""
-    # auto: bf16 where the trainer computes in bf16 on a GPU; float32 on CPU, where vLLM's bf16 kernels
-    # changed 9 of 64 greedy answers of the demo's policy against its fp32 trainer (vllm_engine.py)
-    on_gpu_bf16 = device_type == "cuda" and precision == "bf16"
-    dtype = rollout.dtype if rollout.dtype != "auto" else ("bfloat16" if on_gpu_bf16 else "float32")
-    eager = rollout.enforce_eager if rollout.enforce_eager is not None else device_type == "cpu"
-    return {"dtype": dtype, "enforce_eager": eager, "gpu_memory_utilization": rollout.gpu_memory_utilization}
-
-
-def engine_context(prompt_tokens: list[int], max_new_tokens: int, model_context: int) -> int:
-    """The engine's `max_model_len`: the longest of the prompts it generates from (training,
-    rounds and held-out prompts, `prompt_tokens` of each as the engine tokenises it) plus
-    `max_new_tokens`, never more than the model's own context. A model's context (8,192 tokens
-    for SmolLM2) would size a CPU KV cache for sequences 50-100 times longer than a run's."""
-    return min(model_context, max(prompt_tokens, default=0) + max_new_tokens)
+    return streams(w.cfg.rollout, w.device.type) and w.cfg.pipeline.max_lag == 0
 
 
 def generate(w: PolicyWorker, indices: list[int], step: int) -> list[list[Sample]]:

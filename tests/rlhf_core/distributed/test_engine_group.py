@@ -9,7 +9,7 @@ import torch
 
 from rlhf_core.config import PolicyConfig, RolloutEngineConfig
 from rlhf_core.distributed.cluster import check_engine_room, engine_bundles, engines_resources
-from rlhf_core.distributed.policy_rollouts import engine_sleeps
+from rlhf_core.rollout.factory import engine_sleeps
 from rlhf_core.models.memory import ENGINE_OVERHEAD
 from rlhf_core.models.pretrained import PretrainedInfo, engine_gpu_problem, training_bytes
 from rlhf_core.rollout.engine_group import RemoteEngines, executor_backend, shares
@@ -61,8 +61,8 @@ def test_engines_of_their_own_are_asked_for_by_placement_and_never_sleep():
     with pytest.raises(ValueError, match="sleep: true with placement: separate"):
         PolicyConfig(rollout={"placement": "separate", "sleep": True})
     separate = RolloutEngineConfig(placement="separate", num_engines=2)
-    assert engine_sleeps(separate, max_lag=0, device_type="cuda") is False
-    assert engine_sleeps(RolloutEngineConfig(), max_lag=0, device_type="cuda") is True
+    assert engine_sleeps(separate, pipelined=False, device_type="cuda") is False
+    assert engine_sleeps(RolloutEngineConfig(), pipelined=False, device_type="cuda") is True
 
 
 def info(parameters: int) -> PretrainedInfo:

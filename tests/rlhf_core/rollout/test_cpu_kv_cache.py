@@ -39,7 +39,7 @@ def test_the_policy_engine_holds_the_runs_sequences_not_the_models_context():
     """The rollout engine's context is the longest prompt plus a response, capped by the model's:
     at SmolLM2-135M's shape (30 layers, 3 KV heads of 64) and 64 sequences its KV cache is 366 MiB
     instead of the 22.5 GiB its 8,192-token context would size."""
-    from rlhf_core.distributed.policy_rollouts import engine_context
+    from rlhf_core.rollout.factory import engine_context
     from rlhf_core.models.memory import kv_block_bytes, kv_cache_blocks
 
     assert engine_context([12, 40, 7], max_new_tokens=64, model_context=8192) == 104
@@ -55,7 +55,7 @@ def test_the_policy_engine_holds_the_runs_sequences_not_the_models_context():
 
 def test_the_engine_follows_the_trainers_precision_and_device_unless_told():
     from rlhf_core.config import RolloutEngineConfig
-    from rlhf_core.distributed.policy_rollouts import engine_settings
+    from rlhf_core.rollout.factory import engine_settings
 
     auto = RolloutEngineConfig()
     assert engine_settings(auto, "fp32", "cpu") == {"dtype": "float32", "enforce_eager": True,

@@ -25,7 +25,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from rlhf_core.config import RolloutEngineConfig
 from rlhf_core.models.placement import module_entries
-from rlhf_core.distributed.policy_rollouts import weight_transport
+from rlhf_core.rollout.factory import weight_transport
 from rlhf_core.rollout.ipc_transfer import IpcTransport, largest_tensor_bytes
 from rlhf_core.rollout.ipc_wire import WIRE_METHOD, IpcWireExtension, handles_from_wire, handles_to_wire
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightSyncTimeout

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlhf_core.config import RolloutEngineConfig
-from rlhf_core.distributed.policy_rollouts import weight_transport
+from rlhf_core.rollout.factory import weight_transport
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightSyncTimeout, within_timeout
 from rlhf_core.rollout.weight_transfer import (
     GLOO_BACKEND,
@@ -227,9 +227,9 @@ def test_sleep_mode_on_cpu_is_refused_naming_the_setting(tmp_path):
     (True, 0, "cuda", True),
 ])
 def test_the_engine_sleeps_on_gpu_unless_pipelined_or_told_not_to(sleep, max_lag, device, expected):
-    from rlhf_core.distributed.policy_rollouts import engine_sleeps
+    from rlhf_core.rollout.factory import engine_sleeps
 
-    assert engine_sleeps(RolloutEngineConfig(sleep=sleep), max_lag, device) is expected
+    assert engine_sleeps(RolloutEngineConfig(sleep=sleep), max_lag > 0, device) is expected
 
 
 def test_a_pipelined_engine_that_should_sleep_is_refused_by_the_config():
