@@ -49,7 +49,7 @@ from flows.prefect_setup import quiet_telemetry
 from flows.serving_commands import promote_command, serving_command
 from flows.show import print_environment, print_rows
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.config.default import DEFAULT_CONFIG
+from rlhf_core.config.default import DEFAULT_CONFIG, OWN_DATA_CONFIG
 
 __all__ = ["main", "quiet_telemetry"]
 
@@ -59,9 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the rlhf-pipeline flow on a config")
-    run.add_argument("--config", default=DEFAULT_CONFIG, help=f"pipeline config YAML (default {DEFAULT_CONFIG})")
+    run.add_argument("--config", default=OWN_DATA_CONFIG,
+                     help=f"pipeline config YAML (default {OWN_DATA_CONFIG}: your data, no task of the demo's)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set sft.epochs=2 (repeatable)")
+                     help="override a config value, e.g. --set data.preferences_path=my/prefs.jsonl (repeatable)")
     run.add_argument("--resume", metavar="RUN_ID",
                      help="continue a failed or killed run (its MLflow run id): completed stages are reused, "
                           "an interrupted training stage continues from its checkpoint; --config only says "
@@ -237,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
                 print_rows(cfg, args.path, args.show)
             if not args.record:
                 return _validate_here(args, cfg)
+        if args.command == "run" and not args.resume and cfg.data.preferences_path is None \
+                and Path(args.config).resolve() == Path(OWN_DATA_CONFIG).resolve():
+            print("error: `rlhf run` trains on your data, and data.preferences_path is not set: --set "
+                  "data.preferences_path=FILE, or --config a file of your own (docs/own-model-and-data.md); "
+                  "the demo is `rlhf demo`", file=sys.stderr)
+            return 2
         if getattr(args, "resume", None):
             cfg, refused = _check_resume(args, cfg)
             if refused:

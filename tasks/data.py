@@ -20,6 +20,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from rlhf_core.config import PipelineConfig, ValidationConfig
+from rlhf_core.data.demo_task import demo_settings_misfit
 from rlhf_core.data.schema import LINE_COLUMN, fingerprint, prompt_key, read_table, write_jsonl
 from rlhf_core.data.sources import read_source
 from rlhf_core.data.synthetic import generate_demo_data
@@ -58,6 +59,11 @@ def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase 
                               pretrained.policy if pretrained is not None else None, labelled)
         for note in paths.notes:
             logger.warning("%s", note)
+        misfit = demo_settings_misfit(cfg.policy.verifiable_reward, [s.path for s in cfg.gates.regression_suites],
+                                      list(read_table(paths.preferences)["prompt"]), f"data.preferences_path ({d.preferences_path})")
+        if misfit:
+            raise ValueError("demo-only settings meet your data (the demo is `rlhf demo`; `rlhf run` without "
+                             "--config trains on configs/own-data.yaml):\n  " + "\n  ".join(misfit))
     else:
         files = generate_demo_data(cfg.data.demo, out_dir / "data")
         logger.info("generated demo data under %s", files.preferences.parent)

@@ -9,3 +9,5 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+# What `rlhf run` trains without --config: your data, with the defences and no task of the demo's
+OWN_DATA_CONFIG = str(Path(DEFAULT_CONFIG).with_name("own-data.yaml"))

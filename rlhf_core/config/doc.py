@@ -25,23 +25,28 @@ from rlhf_core.config.pipeline import PipelineConfig
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 INTRO = """# Configuration
 
-Every run reads one YAML file (`configs/demo.yaml` is the packaged default) and the bases it
-names ([overlays](#overlays)); every key is optional and falls back to the default below.
+Every run reads one YAML file and the bases it names ([overlays](#overlays)): `rlhf run` reads
+`configs/own-data.yaml` unless given `--config` (your data; the defaults describe no task),
+`rlhf demo` and the other commands `configs/demo.yaml`. Every key is optional and falls back to
+the default below.
 Unknown keys, wrong types and out-of-range values are rejected before anything runs, naming the
 key. Override any key on the command line with `--set key.path=value` (the value is read as
-YAML), e.g. `rlhf run --set sft.epochs=2`.
+YAML), e.g. `rlhf demo --set sft.epochs=2`.
 
 This page is generated from the models in `rlhf_core/config/` by `make docs`; do not edit it by hand.
 
 ## Overlays
 
-A config file may start from another one and hold only what it changes: `base: demo.yaml`
-names a file relative to the overlay's own folder (`base: packaged:demo.yaml` is the packaged
-demo, wherever the overlay lives), and a base may name a base of its own. The files are merged
-from the deepest base up: mappings merge key by key, anything else (a list, a scalar, null)
-replaces the base's value; `--set` applies after all files. `configs/k8s.yaml` is such an
-overlay: the demo plus the keys that place it on the cluster. A shipped config holds no key
-that would have its value anyway (a test checks it).
+A config file may start from others and hold only what it changes: `base: own-data.yaml`
+names a file relative to the overlay's own folder (`base: packaged:own-data.yaml` is the
+packaged one, wherever the overlay lives), `base: [own-data.yaml, k8s.yaml]` several, merged in
+that order, and a base may name bases of its own. The files are merged from the deepest base
+up: mappings merge key by key, anything else (a list, a scalar, null) replaces the base's
+value; `--set` applies after all files. The shipped configs compose this way: `own-data.yaml`
+(the defences against reward hacking, no task), `demo.yaml` (it plus the demo's task and
+recipe), `k8s.yaml` (where a run goes on the cluster, placement only), `k8s-demo.yaml` and the
+GPU configs. A shipped config holds no key that would have its value anyway, and sets no key
+back to its default over a base (tests check both).
 
 `rlhf check-config PATH --explain` prints every resolved value and where it came from:
 `default`, the file or base that set it, or `--set`.

@@ -3,12 +3,13 @@
 
     policy.ppo.clip_range: must be > 0, got -1
 
-A file may name a `base` and hold only what it changes (an overlay):
+A file may name a `base` (or a list of them) and hold only what it changes (an overlay):
 
-    base: demo.yaml          # relative to this file's folder; `packaged:demo.yaml` is the packaged one
-    output_dir: /mnt/shared/runs
+    base: [own-data.yaml, k8s.yaml]   # relative to this file's folder; `packaged:NAME` is a packaged one
+    model: {pretrained: Qwen/Qwen2.5-7B-Instruct}
 
-Bases may chain. The files are merged from the deepest base up: mappings merge key by key,
+Bases may chain. A list's bases are merged in its order, each with its own bases first; the
+files are merged from the deepest base up: mappings merge key by key,
 anything else (lists, scalars, null) replaces what the base had. `--set` overrides apply after
 all files; keys no layer sets keep the model's default. `config_origins` says which of these
 each value of the resolved config came from.
@@ -114,23 +115,24 @@ def _base_path(base: Any, of: Path) -> Path:
     return path if path.is_absolute() else Path(os.path.normpath(of.parent / path))
 
 
-def read_chain(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """The file at `path` and the bases it names, deepest base first, as (the file's path,
-    its keys without `base`). A base that names a file already in the chain is refused."""
-    chain: list[tuple[str, dict[str, Any]]] = []
-    seen: list[Path] = []
-    current = Path(path)
-    while True:
-        if current.resolve() in seen:
-            cycle = [name for name, _ in chain[seen.index(current.resolve()):]] + [str(current)]
-            raise ConfigError([f"{BASE_KEY}: the bases form a cycle: {' -> '.join(cycle)}"], str(path))
-        seen.append(current.resolve())
-        raw = dict(_read(current, str(path), chain[-1][0] if chain else None))
-        base = raw.pop(BASE_KEY, None)
-        chain.append((str(current), raw))
-        if base is None:
-            return chain[::-1]
-        current = _base_path(base, current)
+def read_chain(path: str | Path, _within: tuple[str, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
+    """The file at `path` and the bases it names, in merge order (its bases' layers, each base's
+    own first, then the file), as (the file's path, its keys without `base`). A base that names a
+    file already on the way to it is refused."""
+    current, resolved = Path(path), str(Path(path).resolve())
+    names = [*_within, str(current)]
+    if resolved in [str(Path(p).resolve()) for p in _within]:
+        raise ConfigError([f"{BASE_KEY}: the bases form a cycle: {' -> '.join(names)}"], names[0])
+    raw = dict(_read(current, names[0], _within[-1] if _within else None))
+    bases = raw.pop(BASE_KEY, None)
+    if bases is not None and not isinstance(bases, list):
+        bases = [bases]
+    if bases == []:
+        raise ConfigError([f"{BASE_KEY}: an empty list; name a config file, or leave the key out"], str(current))
+    layers: list[tuple[str, dict[str, Any]]] = []
+    for base in bases or ():
+        layers += read_chain(_base_path(base, current), tuple(names))
+    return [*layers, (str(current), raw)]
 
 
 def _forget(origins: dict[str, str], key: str) -> None:
@@ -253,7 +255,20 @@ def restated_keys(path: str | Path) -> list[str]:
     """Keys the file at `path` itself sets to the value they would have without it: the model's
     default, or for an overlay, its bases' value. A key that sets an overlay back to the
     default (`policy.precision: auto` over a base's fp32) changes something and is not listed."""
+    return _own_keys_where(path, lambda value, without, default: value == without)
+
+
+def undone_keys(path: str | Path) -> list[str]:
+    """Keys the file at `path` sets back to the model's default over a base that changed them
+    (`policy.verifiable_reward: null` over the demo's checker): an overlay undoing its base."""
+    return _own_keys_where(path, lambda value, without, default: value == default != without)
+
+
+def _own_keys_where(path: str | Path, test) -> list[str]:
+    """Keys the file at `path` sets whose resolved value, the value without the file's key and
+    the model's default pass `test(value, without, default)`."""
     *bases, (_, own) = read_chain(path)
+    defaults = PipelineConfig().model_dump(mode="json")
     under: dict[str, Any] = {}
     for label, layer in bases:
         merge(under, layer, label, {})
@@ -263,10 +278,10 @@ def restated_keys(path: str | Path) -> list[str]:
         with_key = copy.deepcopy(under)
         merge(with_key, _nested(key, _get(own, key)), "", {})
         try:
-            value = _get(parse_config(with_key).model_dump(mode="json"), key)
+            value, default = _get(parse_config(with_key).model_dump(mode="json"), key), _get(defaults, key)
         except (ConfigError, KeyError):
             continue  # invalid or not a config value: the validation of the file says so
-        if value == _get(without, key):
+        if test(value, _get(without, key), default):
             restated.append(key)
     return restated
 

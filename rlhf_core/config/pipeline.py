@@ -314,7 +314,7 @@ class TrackingConfig(_Strict):
 class PipelineConfig(_Strict):
     """The whole pipeline: one section per stage, loaded from one YAML file."""
 
-    name: str = Field("demo", description="Name of the run; the run's MLflow name and output directory start with it.")
+    name: str = Field("rlhf", description="Name of the run; the run's MLflow name and output directory start with it.")
     output_dir: Path = Field(
         Path("runs"), description='Where runs write their outputs (relative paths: to the working directory).')
     data: DataConfig = DataConfig()

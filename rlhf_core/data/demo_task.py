@@ -31,3 +31,22 @@ def addition_exact_match(prompts: Sequence[str], responses: Sequence[str]) -> to
     return torch.tensor(
         [float(r.strip() == addition_target(p)) for p, r in zip(prompts, responses)], dtype=torch.float32
     )
+
+
+def demo_settings_misfit(verifiable_reward: str | None, suite_paths: Sequence[str], prompts: Sequence[str],
+                         where: str) -> list[str]:
+    """What of the demo's own settings cannot serve a user's data: the demo's answer key
+    (`policy.verifiable_reward: addition_exact_match`, which the preference rounds' simulated rater
+    also labels with) and its generated suites (`demo:<name>`) check the demo's sums only. One
+    line per setting, naming it, when any of `prompts` (from `where`) is not a demo addition."""
+    strangers = [p for p in prompts if not isinstance(p, str) or _ADDITION.match(p) is None]
+    if not strangers:
+        return []
+    told = f"{len(strangers)} of the {len(prompts)} prompts of {where} are not the demo's additions (e.g. {strangers[0]!r})"
+    out = []
+    if verifiable_reward in ("addition_exact_match", "rlhf_core.data.demo_task:addition_exact_match"):
+        out.append(f"policy.verifiable_reward: addition_exact_match checks the demo's sums, and {told}: set it to "
+                   "null, answer_exact_match (with an answer column) or a checker of your own")
+    out += [f"gates.regression_suites: {p} is the demo's arithmetic, and {told}: list suites of your own"
+            for p in suite_paths if p.startswith("demo:")]
+    return out

@@ -17,7 +17,8 @@ import yaml
 from flows import cli, serving_commands
 from flows.cli import _parser, main
 from flows.prefect_setup import stop_when_started
-from rlhf_core.config.default import DEFAULT_CONFIG
+from rlhf_core.config import load_config
+from rlhf_core.config.default import DEFAULT_CONFIG, OWN_DATA_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,13 +45,32 @@ def test_the_module_docstring_lists_exactly_the_parsers_subcommands():
 
 
 @pytest.mark.parametrize("command", sorted(_subcommands()))
-def test_every_subcommand_takes_debug_and_a_config_that_defaults_to_the_packaged_demo(command):
+def test_every_subcommand_takes_debug_and_a_config_that_defaults_to_a_packaged_one(command):
+    # `rlhf run` trains your data (own-data.yaml: no task of the demo's); the others default to the demo's
     required = {"validate": ["x.jsonl"], "check-config": ["c.yaml"], "make-demo-data": ["out"], "promote": ["3"],
                 "rollback": ["--incident", "i", "--reason", "r"]}.get(command, [])
     args = _parser().parse_args([command, *required, "--debug"])
     assert args.debug is True
+    packaged = OWN_DATA_CONFIG if command == "run" else DEFAULT_CONFIG
     if command != "check-config":
-        assert args.config == DEFAULT_CONFIG and Path(DEFAULT_CONFIG).is_absolute() and Path(DEFAULT_CONFIG).is_file()
+        assert args.config == packaged and Path(packaged).is_absolute() and Path(packaged).is_file()
+
+
+def test_run_without_a_config_trains_your_data_with_no_part_of_the_demos_task(capsys):
+    from rlhf_core.config import PipelineConfig
+
+    args = _parser().parse_args(["run", "--set", "model.pretrained=/models/mine", "--set",
+                                 "data.preferences_path=my/prefs.jsonl"])
+    cfg = load_config(args.config, args.overrides)
+    assert cfg.data.preferences_path == "my/prefs.jsonl"  # not the generated demo task
+    assert cfg.policy.verifiable_reward is None and not cfg.policy.rounds.enabled  # no answer key, no simulated rater
+    assert cfg.gates.regression_suites == [] and cfg.policy.min_accuracy_gain == 0 and not cfg.gates.auto_promote
+    defaults = PipelineConfig()
+    assert cfg.name == defaults.name and cfg.sft == defaults.sft and cfg.model.initializer_range == 0.02
+    assert cfg.serving.smoke_prompt == defaults.serving.smoke_prompt  # not the demo's "12+34="
+    # and without data it says what to do instead of generating the demo's
+    assert main(["run"]) == 2
+    assert "data.preferences_path is not set" in capsys.readouterr().err
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path, capsys):

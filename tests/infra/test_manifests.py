@@ -403,7 +403,7 @@ def test_the_training_exporter_is_reachable_through_the_head_service():
     assert m.port in {p["containerPort"] for p in head["ports"]}, "KubeRay exposes only the head container's ports"
 
 
-def test_the_rayjob_runs_the_pipeline_on_rlhf_ray_with_the_k8s_config():
+def test_the_rayjob_runs_the_demo_on_rlhf_ray_placed_by_the_k8s_config():
     job = _one("RayJob", "rlhf-train")
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": _one("RayCluster", "rlhf-ray")["metadata"]["name"]}
     argv = shlex.split(job["spec"]["entrypoint"])
@@ -412,9 +412,10 @@ def test_the_rayjob_runs_the_pipeline_on_rlhf_ray_with_the_k8s_config():
     assert args.command == "run" and not args.overrides
     path = PurePosixPath(args.config)
     assert path.parent.parent == PurePosixPath(_workdir())
-    assert REPO / path.relative_to(_workdir()) == PIPELINE_CONFIG
-    load_config(PIPELINE_CONFIG)  # raises ConfigError if it stopped being valid
-    assert CFG.serving.enabled is False, "on Kubernetes the Deployment rlhf-vllm serves the champion"
+    assert REPO / path.relative_to(_workdir()) == REPO / "configs" / "k8s-demo.yaml"
+    cfg = load_config(REPO / "configs" / "k8s-demo.yaml")  # raises ConfigError if it stopped being valid
+    assert yaml.safe_load((REPO / "configs" / "k8s-demo.yaml").read_text())["base"][-1] == PIPELINE_CONFIG.name
+    assert cfg.serving.enabled is False, "on Kubernetes the Deployment rlhf-vllm serves the champion"
 
 
 # --- vLLM -------------------------------------------------------------------------------

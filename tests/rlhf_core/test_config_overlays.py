@@ -1,5 +1,5 @@
 """Config overlays (`base:`), where each resolved value came from, and the shipped configs:
-none restates a value it would have anyway, and k8s.yaml is the demo plus cluster keys."""
+none restates a value it would have anyway or undoes its base, and k8s.yaml is placement only."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,21 +7,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_core.config import ConfigError, config_origins, load_config
-from rlhf_core.config.loading import restated_keys
+from rlhf_core.config import ConfigError, PipelineConfig, config_origins, load_config
+from rlhf_core.config.loading import restated_keys, undone_keys
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 
-# The keys in which configs/k8s.yaml may differ from the demo: where the cluster runs it
-# (Ray workers on GPUs, shared storage, the MLflow server, exporter and gateway addresses) and
-# how the cluster serves (the Deployment rlhf-vllm, promotion by a person). Task, model and
-# training recipe are the demo's.
+# The keys configs/k8s.yaml may set: where the cluster runs a pipeline (Ray workers on GPUs,
+# shared storage, the MLflow server, exporter and gateway addresses) and how it serves (the
+# Deployment rlhf-vllm). Task, model and training recipe come from the config it is composed with.
 K8S_KEYS = {
-    "name", "output_dir",
-    "reward.use_gpu", "reward.precision", "policy.use_gpu", "policy.precision",
-    "gates.auto_promote", "serving.enabled",
+    "output_dir", "reward.use_gpu", "reward.precision", "policy.use_gpu", "serving.enabled",
     "feedback.host", "feedback.salt_file",
     "monitoring.host", "monitoring.port", "monitoring.advertise_host", "monitoring.targets_dir",
     "tracking.tracking_uri",
@@ -61,6 +58,21 @@ def test_an_overlay_merges_mappings_key_by_key_and_replaces_lists_and_scalars(tm
     assert (cfg.policy.shaping.aggregate, cfg.policy.shaping.bounded) == ("min", False)
     assert cfg.serving.extra_args == ["--c"]  # a list replaces the base's list, it is not appended to
     assert cfg.serving.ports == (9000, 9001)
+
+
+def test_a_list_of_bases_merges_in_order_each_with_its_own_bases(tmp_path):
+    write(tmp_path / "root.yaml", {"sft": {"seed": 5, "epochs": 1}})
+    write(tmp_path / "recipe.yaml", {"base": "root.yaml", "sft": {"epochs": 2, "batch_size": 8}})
+    write(tmp_path / "place.yaml", {"output_dir": "/shared", "sft": {"batch_size": 16}})
+    mine = write(tmp_path / "mine.yaml", {"base": ["recipe.yaml", "place.yaml"], "name": "mine"})
+    cfg = load_config(mine)
+    assert (cfg.sft.seed, cfg.sft.epochs, cfg.sft.batch_size, str(cfg.output_dir), cfg.name) == (5, 2, 16, "/shared", "mine")
+    assert config_origins(mine)["sft.batch_size"] == str(tmp_path / "place.yaml")  # the later base wins
+    write(tmp_path / "loop.yaml", {"base": ["recipe.yaml", "loop.yaml"]})
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "loop.yaml")
+    with pytest.raises(ConfigError, match="an empty list"):
+        load_config(write(tmp_path / "none.yaml", {"base": []}))
 
 
 def test_bases_chain_and_the_nearest_file_wins(tmp_path):
@@ -182,12 +194,31 @@ def test_no_shipped_config_restates_a_value_it_would_have_anyway(path):
     assert restated_keys(path) == [], f"{path.name}: remove these keys, they change nothing"
 
 
-def test_k8s_is_the_demo_plus_cluster_keys_only():
-    assert yaml.safe_load((CONFIGS / "k8s.yaml").read_text())["base"] == "demo.yaml"
-    demo = flat(load_config(CONFIGS / "demo.yaml").model_dump(mode="json"))
+def test_the_undo_check_finds_a_key_set_back_to_its_default_over_a_base(tmp_path):
+    base = write(tmp_path / "base.yaml", {"policy": {"verifiable_reward": "addition_exact_match", "kl_coef": 0.1}})
+    overlay = write(tmp_path / "overlay.yaml", {"base": "base.yaml", "policy": {"verifiable_reward": None, "kl_coef": 0.3}})
+    assert undone_keys(overlay) == ["policy.verifiable_reward"]
+    assert undone_keys(base) == []
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_no_shipped_config_undoes_what_its_base_set(path):
+    # the GPU configs build on own-data.yaml, not on a demo whose task they would have to take back
+    assert undone_keys(path) == [], f"{path.name}: these keys take back what a base set; build on another base"
+
+
+def test_k8s_is_placement_only_and_the_cluster_demo_is_the_demo_placed_by_it():
+    assert "base" not in yaml.safe_load((CONFIGS / "k8s.yaml").read_text())
     k8s = flat(load_config(CONFIGS / "k8s.yaml").model_dump(mode="json"))
-    differ = {key for key in demo if demo[key] != k8s[key]}
-    assert differ <= K8S_KEYS, f"not about the cluster: {sorted(differ - K8S_KEYS)}"
+    defaults = flat(PipelineConfig().model_dump(mode="json"))
+    set_ = {key for key in defaults if defaults[key] != k8s[key]}
+    assert set_ <= K8S_KEYS, f"not about placement: {sorted(set_ - K8S_KEYS)}"
+    demo = flat(load_config(CONFIGS / "demo.yaml").model_dump(mode="json"))
+    placed = flat(load_config(CONFIGS / "k8s-demo.yaml").model_dump(mode="json"))
+    assert {key for key in demo if demo[key] != placed[key]} <= K8S_KEYS | {"name"}
+    for gpu in ("gpu-1xh100-0.5b.yaml", "gpu-8xh100-7b.yaml"):  # your data: no task of the demo's
+        cfg = load_config(CONFIGS / gpu)
+        assert cfg.policy.verifiable_reward is None and cfg.gates.regression_suites == [] and not cfg.policy.rounds.enabled
 
 
 def test_set_reaches_an_item_of_a_list_by_its_index():

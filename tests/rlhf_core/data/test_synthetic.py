@@ -75,3 +75,17 @@ def test_pairs_mirror_the_policy_failure_modes_at_the_configured_near_miss_share
             near += 1
             spurious += int(r["rejected"]) - (a + b) == 100
     assert near == 200 and 70 <= spurious <= 130  # half of the near misses, as often as not
+
+
+def test_the_demos_own_settings_are_refused_on_data_that_is_not_the_demos_naming_each():
+    from rlhf_core.data.demo_task import demo_settings_misfit
+
+    chat = ["What is seven plus five?", "Name a prime above 10."]
+    misfit = demo_settings_misfit("addition_exact_match", ["demo:no_carry", "suites/mine.jsonl"], chat, "my/prefs.jsonl")
+    assert len(misfit) == 2
+    assert misfit[0].startswith("policy.verifiable_reward: addition_exact_match checks the demo's sums")
+    assert "2 of the 2 prompts of my/prefs.jsonl are not the demo's additions" in misfit[0]
+    assert misfit[1].startswith("gates.regression_suites: demo:no_carry is the demo's arithmetic")
+    # the demo's own files (`rlhf make-demo-data`) given as data are still the demo's task
+    assert demo_settings_misfit("addition_exact_match", ["demo:no_carry"], ["07+48=", "12+34="], "demo.jsonl") == []
+    assert demo_settings_misfit(None, ["suites/mine.jsonl"], chat, "my/prefs.jsonl") == []
