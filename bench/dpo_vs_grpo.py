@@ -88,7 +88,7 @@ def run_method(cfg: PipelineConfig, files, sft_dir: Path, reward, work: Path, me
                            work / "ray", run_name=name)
     row = {"method": method, "seed": p.seed, "acc_before": result.accuracy_before, "acc_after": result.accuracy_after,
            "gain": result.accuracy_gain, "kl": result.kl_final, "steps": result.steps,
-           "reward_s": reward.seconds if method in ONLINE else 0.0, "policy_s": time.perf_counter() - t0}
+           "reward_s": reward.run.seconds if method in ONLINE else 0.0, "policy_s": time.perf_counter() - t0}
     row["total_s"] = row["reward_s"] + row["policy_s"]
     if method in ("dpo", "ipo"):
         row["pair_accuracy"] = result.evaluations[-1].get("eval/reward_accuracy")

@@ -84,7 +84,7 @@ def main() -> None:
                      "eval_prompts": len(evals),
                      "batch_size": d.batch_size, "micro_batch_size": d.micro_batch_size, "max_length": d.max_length,
                      "lora": cfg.policy.lora.enabled, "gradient_checkpointing": cfg.policy.gradient_checkpointing},
-        "steps": result.steps, "stage_seconds": round(result.seconds, 1), "wall_s": round(wall, 1),
+        "steps": result.steps, "stage_seconds": round(result.run.seconds, 1), "wall_s": round(wall, 1),
         "rank0_peak_gib_by_phase": result.peak_memory, "peak_rss": memory.by_role(),
         "preflight_policy_stage_gib": round(estimate, 2), "estimate_over_measured": round(estimate / measured, 3),
     }

@@ -61,11 +61,11 @@ def main() -> None:
                 r = train_policy(prompts, eval_prompts, eval_answers, run_dir / "models" / "sft",
                                  run_dir / "models" / "reward", run_cfg, Path(tmp) / name, Path(tmp) / "ray",
                                  run_name=name)
-                hist = r.metrics_history
+                hist = r.run.metrics_history
                 loop_s = sum(max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in hist)
                 last = hist[-5:]
                 rows.append({
-                    "mode": mode, "seed": seed, "workers": cfg.num_workers, "steps": r.steps, "fit_s": r.seconds,
+                    "mode": mode, "seed": seed, "workers": cfg.num_workers, "steps": r.steps, "fit_s": r.run.seconds,
                     "loop_s": loop_s, "steps_per_min": 60 * r.steps / loop_s,
                     "samples_per_s": r.steps * cfg.rollouts_per_step / loop_s,
                     "generate_s": sum(m["timing/generate"] for m in hist) / len(hist),

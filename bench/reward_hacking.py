@@ -141,7 +141,7 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
         "length_after": last["eval/response_length"], "kl_max": result.kl_max,
         "policy_s": time.perf_counter() - t0, "samples": last["eval/samples"],
         "round_labels": result.labels_asked, "round_pairs": result.round_pairs,
-        "round_counts": {k: sum(m.get(f"rounds/{k}", 0) for m in result.metrics_history)
+        "round_counts": {k: sum(m.get(f"rounds/{k}", 0) for m in result.run.metrics_history)
                          for k in ("asked", "identical", "tie", "labelled", "proxy_pairs", "audit_pairs")},
         "best_eval_accuracy": max(e["eval/accuracy"] for e in result.evaluations),
         "labels": row["offline_labels"] + result.labels_asked,

@@ -71,7 +71,7 @@ def ours(model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path
     step_s = [max(v for k, v in r.items() if k.startswith("policy/step_time_s/worker_")) for r in steps]
     steady = steps[1:] or steps  # where a step's time goes, as the median step
     phases = {k.removeprefix("timing/"): statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith("timing/")}
-    return {"step_s": step_s, "fit_s": result.seconds, "phase_s": phases,
+    return {"step_s": step_s, "fit_s": result.run.seconds, "phase_s": phases,
             "response_length": [r["policy/response_length"] for r in steps]}
 
 

@@ -53,7 +53,7 @@ def main() -> None:
             steps = [json.loads(line) for line in Path(sink.path).read_text().splitlines()][5:]
             pairs_per_s = sum(s["reward/pairs_per_s"] for s in steps) / len(steps)
             rows.append({"workers": workers, "steps": result.steps, "pairs_per_s": pairs_per_s,
-                         "fit_s": result.seconds, "eval_accuracy": result.eval_accuracy})
+                         "fit_s": result.run.seconds, "eval_accuracy": result.eval_accuracy})
             print(table(rows[-1:], list(rows[-1])), flush=True)
     base_rate = rows[0]["pairs_per_s"]
     for row in rows:

@@ -118,8 +118,8 @@ def real_demo_steps(steps: int) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         r = train_policy(prompts, eval_prompts, eval_answers, run_dir / "models" / "sft",
                          run_dir / "models" / "reward", cfg, Path(tmp) / "policy", Path(tmp) / "ray", run_name="sync")
-    sync = [m["timing/sync"] for m in r.metrics_history]
-    step = [max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in r.metrics_history]
+    sync = [m["timing/sync"] for m in r.run.metrics_history]
+    step = [max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in r.run.metrics_history]
     return {"run_dir": run_dir.name, "steps": len(step), "sync_s": median(sync), "step_s": median(step),
             "sync_share": median([a / b for a, b in zip(sync, step, strict=True)])}
 

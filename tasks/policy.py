@@ -45,9 +45,9 @@ class TrainedPolicy:
                if r.audit_score_before is not None else {}),
             **({"labels_asked": r.labels_asked, "round_pairs": r.round_pairs} if r.labels_asked else {}),
             "kl_max": round(r.kl_max, 3), "kl_bound": r.kl_bound, "steps": r.steps,
-            "nonfinite_skipped": r.nonfinite_skipped, "attempts": r.attempts,
-            **({"resumed_from_step": r.resumed_from_step} if r.resumed_from_step is not None else {}),
-            "seconds": round(r.seconds, 1), "model_path": str(r.path),
+            "nonfinite_skipped": r.nonfinite_skipped, "attempts": r.run.attempts,
+            **({"resumed_from_step": r.run.resumed_from_step} if r.run.resumed_from_step is not None else {}),
+            "seconds": round(r.run.seconds, 1), "model_path": str(r.path),
         }
 
 
@@ -85,8 +85,8 @@ def _report(r: PolicyTrainResult) -> str:
         ("KL to reference, max / final (bound)", f"{r.kl_max:.3f} / {r.kl_final:.3f} ({r.kl_bound})"),
         ("iterations", r.steps),
         ("non-finite steps skipped", r.nonfinite_skipped),
-        ("attempts (1 + restarts)", r.attempts),
-        ("seconds", f"{r.seconds:.1f}"),
+        ("attempts (1 + restarts)", r.run.attempts),
+        ("seconds", f"{r.run.seconds:.1f}"),
     ]
     return "\n".join([f"# Policy ({r.algorithm})", "", "| figure | value |", "|---|---|"]
                      + [f"| {k} | {v} |" for k, v in rows])
@@ -139,8 +139,8 @@ def optimise_policy(
             "policy/accuracy_before": result.accuracy_before, "policy/accuracy_after": result.accuracy_after,
             "policy/accuracy_gain": result.accuracy_gain, "policy/kl_max": result.kl_max,
             "policy/rm_score_before": result.rm_score_before, "policy/rm_score_after": result.rm_score_after,
-            "policy/nonfinite_skipped_total": result.nonfinite_skipped, "policy/attempts": result.attempts,
-            "policy/seconds": result.seconds,
+            "policy/nonfinite_skipped_total": result.nonfinite_skipped, "policy/attempts": result.run.attempts,
+            "policy/seconds": result.run.seconds,
             "policy/audit_score_before": result.audit_score_before, "policy/audit_score_after": result.audit_score_after,
             "policy/labels_asked": result.labels_asked, "policy/round_pairs": result.round_pairs,
         })
@@ -149,7 +149,7 @@ def optimise_policy(
             held_out = {k: v for k, v in result.evaluations[-1].items() if k != "step"}
             sink(result.steps, {f"policy/held_out_{k.removeprefix('eval/')}": v for k, v in held_out.items()})
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
-        client.set_tag(stage_id, "checkpoint.path", str(result.checkpoint_path))
+        client.set_tag(stage_id, "checkpoint.path", str(result.run.checkpoint_path))
         create_markdown_artifact(key="policy-metrics", markdown=_report(result), description="Policy optimisation")
         log.info("%s: held-out accuracy %s -> %s, reward-model score %s -> %s", result.algorithm,
                  _round(result.accuracy_before), _round(result.accuracy_after),

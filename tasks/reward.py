@@ -43,14 +43,14 @@ class RewardModel:
     def summary(self) -> dict:
         r, audit = self.result, self.models.audit
         out = {"status": "completed", "eval_accuracy": round(r.eval_accuracy, 4), "registered_version": self.version,
-               "steps": r.steps, "attempts": r.attempts, "seconds": round(r.seconds, 1), "model_path": str(r.path)}
-        if r.resumed_from_step is not None:
-            out["resumed_from_step"] = r.resumed_from_step
+               "steps": r.steps, "attempts": r.run.attempts, "seconds": round(r.run.seconds, 1), "model_path": str(r.path)}
+        if r.run.resumed_from_step is not None:
+            out["resumed_from_step"] = r.run.resumed_from_step
         if len(r.member_eval_accuracy) > 1:
             out["members"] = len(r.member_eval_accuracy)
         if audit is not None:
             out["audit_eval_accuracy"] = round(audit.eval_accuracy, 4)
-            out["seconds"] = round(r.seconds + audit.seconds, 1)
+            out["seconds"] = round(r.run.seconds + audit.run.seconds, 1)
         out["labels"] = self.models.proxy_pairs + self.models.audit_pairs
         return out
 
@@ -67,8 +67,8 @@ def _report(models: RewardModels, version: str) -> str:
         f"| reward mean / std (normalisation) | {r.reward_mean:.3f} / {r.reward_std:.3f} |",
         f"| optimizer steps | {r.steps} |",
         f"| pairs truncated to max_length | {r.truncated} |",
-        f"| attempts (1 + restarts) | {r.attempts} |",
-        f"| seconds | {r.seconds:.1f} |",
+        f"| attempts (1 + restarts) | {r.run.attempts} |",
+        f"| seconds | {r.run.seconds:.1f} |",
         f"| training pairs (labels) | {models.proxy_pairs} |",
     ]
     if len(r.member_eval_accuracy) > 1:
@@ -106,14 +106,14 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
             )
         result = models.proxy
         audit_figures = {} if models.audit is None else {
-            "reward_audit/eval_accuracy": models.audit.eval_accuracy, "reward_audit/seconds": models.audit.seconds}
+            "reward_audit/eval_accuracy": models.audit.eval_accuracy, "reward_audit/seconds": models.audit.run.seconds}
         member_figures = {f"reward/eval_accuracy/member_{k}": a for k, a in enumerate(result.member_eval_accuracy)}
         sink(result.steps, audit_figures | member_figures | {
             "reward/labels": models.proxy_pairs + models.audit_pairs,
             "reward/eval_accuracy": result.eval_accuracy, "reward/eval_loss": result.eval_loss,
             "reward/norm_mean": result.reward_mean, "reward/norm_std": result.reward_std,
-            "reward/truncated_pairs": result.truncated, "reward/attempts": result.attempts,
-            "reward/seconds": result.seconds,
+            "reward/truncated_pairs": result.truncated, "reward/attempts": result.run.attempts,
+            "reward/seconds": result.run.seconds,
         })
         client.log_artifacts(stage_id, str(result.path), artifact_path="model")
         name = cfg.tracking.registered_reward_model

@@ -134,9 +134,8 @@ def train_offline(
         accuracy_before=s["accuracy_before"], accuracy_after=s["accuracy_after"],
         rm_score_before=None, rm_score_after=None, audit_score_before=None, audit_score_after=None,
         labels_asked=0, round_pairs=0, kl_final=s["kl"], kl_max=s["kl"], kl_bound=cfg.kl_bound,
-        steps=s["global_step"], nonfinite_skipped=0, attempts=run.attempts, resumed_from_step=run.resumed_from_step,
-        seconds=run.seconds, checkpoint_path=run.checkpoint_path,
-        evaluations=[{"step": s["global_step"], **s["held_out"]}], consumed=s["consumed"], metrics_history=s["history"],
+        steps=s["global_step"], nonfinite_skipped=0, run=run.record(),
+        evaluations=[{"step": s["global_step"], **s["held_out"]}],
         peak_memory=s["peak_memory"],
     )
     gain = result.accuracy_gain

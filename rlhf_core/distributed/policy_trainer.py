@@ -31,7 +31,7 @@ from rlhf_core.config import PolicyConfig, ValidationConfig
 from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs
 from rlhf_core.distributed.policy_worker import train_loop
-from rlhf_core.distributed.stage import StageRuntime, fit_stage
+from rlhf_core.distributed.stage import StageRecord, StageRuntime, fit_stage
 from rlhf_core.models.pretrained import VLLM_CPU_HEAD_SIZES
 from rlhf_core.models.reward import audit_model_dir
 from rlhf_core.training.stage_types import MetricsCallback, StageFailed
@@ -57,14 +57,9 @@ class PolicyTrainResult:
     kl_bound: float  # cfg.kl_bound, for the gates
     steps: int
     nonfinite_skipped: int  # optimizer steps skipped for non-finite loss / gradients (actor + critic)
-    attempts: int  # 1 + restarts after worker failures
-    resumed_from_step: int | None
-    seconds: float  # wall time of trainer.fit()
-    checkpoint_path: str | None
+    run: StageRecord  # attempts, seconds, checkpoint; per step the rows consumed (prompt indices) and the metrics
     evaluations: list[dict[str, float]] = field(repr=False, default_factory=list)  # {step, eval/...}
-    consumed: list[list[int]] = field(repr=False, default_factory=list)  # prompt indices per step
     sync_checks: list[dict[str, Any]] = field(repr=False, default_factory=list)  # test hook
-    metrics_history: list[dict[str, float]] = field(repr=False, default_factory=list)
     # rank 0's largest resident memory (GiB) by the end of each phase: loaded, trained, then
     # evaluated (dpo, kto: the held-out figures after training) or saved (ppo, grpo)
     peak_memory: dict[str, float] = field(repr=False, default_factory=dict)
@@ -166,14 +161,9 @@ def _result(run, cfg: PolicyConfig, out_dir: Path) -> PolicyTrainResult:
         kl_bound=cfg.kl_bound,
         steps=summary["step"],
         nonfinite_skipped=summary["nonfinite_skipped"],
-        attempts=run.attempts,
-        resumed_from_step=run.resumed_from_step,
-        seconds=run.seconds,
-        checkpoint_path=run.checkpoint_path,
+        run=run.record(),
         evaluations=evals,
-        consumed=summary["consumed"],
         sync_checks=summary["sync_checks"],
-        metrics_history=summary["history"],
         peak_memory=summary.get("peak_memory", {}),  # none when the circuit breaker stopped the run
     )
 

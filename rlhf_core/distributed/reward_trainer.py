@@ -45,7 +45,7 @@ from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.epochs import run_epochs
 from rlhf_core.distributed.fault_injection import KillWorkerOnce
-from rlhf_core.distributed.stage import StageRuntime, agreed_precision, fit_stage, start_worker
+from rlhf_core.distributed.stage import StageRecord, StageRuntime, agreed_precision, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.models.reward import (
     AUDIT_DIR, freeze_lower_layers, member_mean, reward_model_from_base, reward_stats, save_reward_model, score_pairs_members,
@@ -67,13 +67,8 @@ class RewardTrainResult:
     steps: int  # optimizer steps committed
     final_loss: float  # training loss of the last step
     truncated: int  # training pairs cut to max_length
-    seconds: float  # wall time of trainer.fit()
-    attempts: int  # 1 + restarts after worker failures
-    resumed_from_step: int | None  # checkpoint step the last attempt resumed from; None: never resumed
-    checkpoint_path: str | None  # the last committed Ray Train checkpoint
+    run: StageRecord  # attempts, seconds, checkpoint; per step the pair indices of all ranks and the metrics
     member_eval_accuracy: list[float] = field(default_factory=list)  # per ensemble member (one: the model's own)
-    consumed: list[list[int]] = field(repr=False, default_factory=list)  # per step, pair indices of all ranks
-    metrics_history: list[dict[str, float]] = field(repr=False, default_factory=list)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -133,12 +128,7 @@ def train_reward_model(
         steps=summary["steps"],
         final_loss=summary["final_loss"],
         truncated=train.truncated,
-        seconds=run.seconds,
-        attempts=run.attempts,
-        resumed_from_step=run.resumed_from_step,
-        checkpoint_path=run.checkpoint_path,
-        consumed=summary["consumed"],
-        metrics_history=summary["history"],
+        run=run.record(),
         member_eval_accuracy=summary["member_eval_accuracy"],
     )
     if out.eval_accuracy < cfg.min_eval_accuracy:

@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,18 @@ class StageRuntime:
 
 
 @dataclass(frozen=True)
+class StageRecord:
+    """How a training stage's run went, the same for every stage: its result's `run`."""
+
+    attempts: int  # 1 + restarts after worker failures
+    resumed_from_step: int | None  # checkpoint step the last attempt resumed from; None: never resumed
+    seconds: float  # wall time of trainer.fit()
+    checkpoint_path: str | None  # the last committed Ray Train checkpoint
+    consumed: list[list[int]] = field(repr=False, default_factory=list)  # per step, the rows of all ranks
+    metrics_history: list[dict[str, float]] = field(repr=False, default_factory=list)  # per step, as logged
+
+
+@dataclass(frozen=True)
 class StageRun:
     """What the driver reads back from a finished `fit()`."""
 
@@ -75,6 +87,12 @@ class StageRun:
     resumed_from_step: int | None  # checkpoint step the last attempt resumed from; None: never resumed
     seconds: float  # wall time of trainer.fit()
     checkpoint_path: str | None  # the last committed Ray Train checkpoint
+
+    def record(self) -> StageRecord:
+        """The stage's record: these facts, and the rows each step consumed and its logged metrics
+        (rank 0's summary keys `consumed` and `history`)."""
+        return StageRecord(self.attempts, self.resumed_from_step, self.seconds, self.checkpoint_path,
+                           self.summary["consumed"], self.summary["history"])
 
 
 def fit_stage(

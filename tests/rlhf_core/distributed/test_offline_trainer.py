@@ -279,7 +279,7 @@ def test_dpo_learns_the_preferences_and_saves_a_policy(baseline, demo, splits):
     result, metrics_path = baseline
     per_epoch = len(splits[0]) // 32
     steps = 2 * per_epoch
-    assert result.algorithm == "dpo" and result.steps == steps == len(result.metrics_history)
+    assert result.algorithm == "dpo" and result.steps == steps == len(result.run.metrics_history)
     history = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     assert [m["step"] for m in history] == list(range(1, steps + 1))
     # step 1's forward passes run before its update: the policy is the reference, the loss log 2
@@ -298,12 +298,12 @@ def test_dpo_learns_the_preferences_and_saves_a_policy(baseline, demo, splits):
     assert list(peaks) == ["loaded", "trained", "evaluated"], peaks
     assert 0.1 < peaks["loaded"] <= peaks["trained"] <= peaks["evaluated"] < 16, peaks
     # every step consumed 32 distinct pairs, each epoch's pairs distinct
-    assert all(len(c) == len(set(c)) == 32 for c in result.consumed)
+    assert all(len(c) == len(set(c)) == 32 for c in result.run.consumed)
     for epoch in range(2):
-        seen = [i for c in result.consumed[epoch * per_epoch : (epoch + 1) * per_epoch] for i in c]
+        seen = [i for c in result.run.consumed[epoch * per_epoch : (epoch + 1) * per_epoch] for i in c]
         assert len(seen) == len(set(seen))
     print(f"\nDPO: held-out accuracy {result.accuracy_before:.3f} -> {result.accuracy_after:.3f}, implicit-reward "
-          f"accuracy {held['eval/reward_accuracy']:.3f}, KL {result.kl_final:.3f}, {result.seconds:.1f} s")
+          f"accuracy {held['eval/reward_accuracy']:.3f}, KL {result.kl_final:.3f}, {result.run.seconds:.1f} s")
 
 
 @pytest.mark.slow
@@ -311,8 +311,8 @@ def test_a_killed_worker_resumes_at_the_next_batch_and_ends_the_same(baseline, d
     result, _ = baseline
     kill = KillWorkerOnce(rank=1, at_step=KILL_AT_STEP, marker=tmp_path / "killed")
     resumed = run(demo, splits, tmp_path, _kill_once=kill)
-    assert resumed.attempts == 2 and resumed.resumed_from_step == 5
-    assert resumed.consumed == result.consumed
+    assert resumed.run.attempts == 2 and resumed.run.resumed_from_step == 5
+    assert resumed.run.consumed == result.run.consumed
     a, b = load_file(result.path / "model.safetensors"), load_file(resumed.path / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:

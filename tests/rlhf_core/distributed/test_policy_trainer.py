@@ -61,8 +61,8 @@ def run(demo, tmp: Path, cfg: PolicyConfig = CFG, **kwargs):
 
 
 def check_finite_run(result, cfg: PolicyConfig) -> None:
-    assert result.steps == cfg.steps == len(result.metrics_history)
-    for m in result.metrics_history:
+    assert result.steps == cfg.steps == len(result.run.metrics_history)
+    for m in result.run.metrics_history:
         for name in FINITE:
             assert math.isfinite(m[name]), (name, m)
     assert [e["step"] for e in result.evaluations] == [0, *range(cfg.eval_every, cfg.steps + 1, cfg.eval_every)]
@@ -75,7 +75,7 @@ def check_finite_run(result, cfg: PolicyConfig) -> None:
     assert math.isfinite(result.rm_score_before) and math.isfinite(result.rm_score_after)
     assert 0 <= result.kl_final <= result.kl_max < cfg.kl_bound
     assert {"config.json", "model.safetensors", "tokenizer.json", "rlhf_meta.json"} <= {p.name for p in result.path.iterdir()}
-    assert len(result.consumed) == cfg.steps and all(len(c) == cfg.prompts_per_step for c in result.consumed)
+    assert len(result.run.consumed) == cfg.steps and all(len(c) == cfg.prompts_per_step for c in result.run.consumed)
 
 
 # ----------------------------------------------------------------------------- fast
@@ -170,28 +170,28 @@ def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, de
     cfg = CFG.model_copy(update={"rollout": RolloutEngineConfig(weight_sync="stream")})
     result = run(demo, tmp_path, cfg, on_metrics=sink, _check_sync=True, _nan_at=NanAtStep(rank=0, step=3))
     check_finite_run(result, CFG)
-    assert result.attempts == 1 and result.resumed_from_step is None
+    assert result.run.attempts == 1 and result.run.resumed_from_step is None
     # (a) right after a sync the engine's greedy answers are the trainer's, and the rollouts of
     # every later step carry the trainer's logprobs (fp32 engine: ~1e-7).
     assert [c["step"] for c in result.sync_checks] == [1, CFG.steps]
     for check in result.sync_checks:
         assert check["engine"] == check["hf"]
     assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
-    diffs = [m["rollout/logprob_diff"] for m in result.metrics_history]
+    diffs = [m["rollout/logprob_diff"] for m in result.run.metrics_history]
     assert max(diffs) < 1e-3, diffs
-    prob_diffs = [m["rollout/prob_diff"] for m in result.metrics_history]
+    prob_diffs = [m["rollout/prob_diff"] for m in result.run.metrics_history]
     assert max(prob_diffs) < 0.005, prob_diffs  # verl's "healthy" bar, with room: fp32 both sides
     # The NaN injected at step 3 skipped exactly one optimizer step, and training went on.
-    skipped = [m["policy/nonfinite_skipped"] for m in result.metrics_history]
+    skipped = [m["policy/nonfinite_skipped"] for m in result.run.metrics_history]
     assert skipped == [0, 0, 1, 0] and result.nonfinite_skipped == 1
     logged = [json.loads(line) for line in sink.path.read_text().splitlines()]
     assert logged[0]["step"] == 0 and "eval/accuracy" in logged[0]
     # on_metrics ran on rank 0 once per step, with every worker's figures besides the step's
-    assert [{k: v for k, v in m.items() if not k.startswith("worker/")} for m in logged[1:]] == result.metrics_history
+    assert [{k: v for k, v in m.items() if not k.startswith("worker/")} for m in logged[1:]] == result.run.metrics_history
     for m in logged[1:]:
         assert isinstance(m["worker/0/host"], str) and m["worker/0/samples_per_second"] > 0
         assert m["worker/0/cpu_utilization"] > 0 and m["worker/0/step_seconds"] > 0
-    names = set(result.metrics_history[-1])
+    names = set(result.run.metrics_history[-1])
     for phase in ("generate", "score", "old_logprobs", "ref_logprobs", "values", "advantages", "update", "sync"):
         assert f"timing/{phase}" in names
     assert "policy/step_time_s/worker_0" in names and "eval/accuracy" in names
@@ -216,7 +216,7 @@ def test_pipelined_grpo_bounds_the_lag_and_weighs_lagged_tokens(ray_cluster, dem
                and g["name"].startswith("rollout-engine")}
     assert engines == {"rollout-engine-0": "REMOVED"}  # used, then given back
     check_finite_run(result, cfg)
-    history = result.metrics_history
+    history = result.run.metrics_history
     print("\n".join(f"step {m['step']}: lag {m['pipeline/lag_mean']:.2f} |log pi_old - log mu| "
                      f"{m['pipeline/is_log_ratio_abs']:.2e} wait {m['pipeline/wait_s']:.2f}s" for m in history))
     lags = [m["pipeline/lag_max"] for m in history]
@@ -251,7 +251,7 @@ def test_pipelined_ppo_on_two_workers_with_parameters_sharded_keeps_its_critic_a
     for check in result.sync_checks:
         assert check["engine"] == check["hf"]
     assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
-    history = result.metrics_history
+    history = result.run.metrics_history
     assert max(m["pipeline/lag_max"] for m in history) == 1
     for m in history:
         for name in ("policy/value_loss", "policy/explained_variance", "policy/critic_grad_norm",
@@ -301,16 +301,16 @@ def test_grpo_with_lora_an_ensemble_audit_and_rounds_resumes_a_killed_worker_and
                           replay_pairs=[{"prompt": p, "chosen": "1", "rejected": "2"} for p in prompts],
                           _check_sync=True, _kill_once=kill)
     check_finite_run(result, cfg)
-    assert kill.marker.exists() and result.attempts == 2 and result.resumed_from_step == 2
-    assert result.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
+    assert kill.marker.exists() and result.run.attempts == 2 and result.run.resumed_from_step == 2
+    assert result.run.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
 
     # LoRA: the reference is the adapters-off actor, and the policy moves away from it
-    kls = [m["policy/kl"] for m in result.metrics_history]
+    kls = [m["policy/kl"] for m in result.run.metrics_history]
     assert abs(kls[0]) < 1e-6 and max(kls) > 1e-4, kls
     for check in result.sync_checks:
         assert check["engine"] == check["hf"]
     assert result.sync_checks[-1]["hf"] != result.sync_checks[-1]["sft"], "the policy should have moved"
-    [module_file] = (Path(result.checkpoint_path) / "actor").glob("*model_states.pt")
+    [module_file] = (Path(result.run.checkpoint_path) / "actor").glob("*model_states.pt")
     saved_module = torch.load(module_file, weights_only=False)["module"]
     assert saved_module and all(".lora_" in k for k in saved_module), sorted(saved_module)[:5]
     assert json.loads((result.path / "rlhf_meta.json").read_text())["precision"] == "bf16"
@@ -320,7 +320,7 @@ def test_grpo_with_lora_an_ensemble_audit_and_rounds_resumes_a_killed_worker_and
     assert not any(p.name.startswith("adapter") for p in result.path.iterdir())
 
     # the ensemble, the audit model, the shaping and the round
-    history = {m["step"]: m for m in result.metrics_history}
+    history = {m["step"]: m for m in result.run.metrics_history}
     for step, m in history.items():
         assert m["policy/ensemble_disagreement"] > 0 and math.isfinite(m["policy/audit_score_mean"])
         assert m["policy/shaped_reward_mean"] < 1  # a sigmoid, less a length penalty

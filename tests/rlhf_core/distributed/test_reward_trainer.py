@@ -145,8 +145,8 @@ def test_more_workers_than_cluster_cpus_fails_before_training(ray_cluster, pairs
 def check_trained(result, pairs, cfg: RewardConfig) -> None:
     train, held = pairs
     steps = steps_per_epoch(len(train), cfg.global_batch_size) * cfg.epochs
-    assert result.steps == steps == len(result.metrics_history) == len(result.consumed)
-    losses = [m["reward/loss"] for m in result.metrics_history]
+    assert result.steps == steps == len(result.run.metrics_history) == len(result.run.consumed)
+    losses = [m["reward/loss"] for m in result.run.metrics_history]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1  # from ~ln 2 = 0.69 to below ~0.5
     assert result.eval_accuracy >= 0.75  # chance is 0.5; this tiny model tops out near 0.8
     # The saved directory is a plain HF reward model that reproduces the held-out accuracy.
@@ -162,7 +162,7 @@ def check_trained(result, pairs, cfg: RewardConfig) -> None:
     meta = read_reward_meta(result.path)
     assert meta["reward_mean"] == result.reward_mean and meta["eval_accuracy"] == result.eval_accuracy
     # Every rank's ZeRO shards landed in the one reported checkpoint.
-    ckpt = Path(result.checkpoint_path)
+    ckpt = Path(result.run.checkpoint_path)
     assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)} <= {p.name for p in (ckpt / "engine").iterdir()}
     assert {"trainer_state.json", "rng_rank_0.pt", "rng_rank_1.pt"} <= {p.name for p in ckpt.iterdir()}
 
@@ -171,11 +171,11 @@ def check_trained(result, pairs, cfg: RewardConfig) -> None:
 def test_zero2_trains_and_reports_every_step(baseline, pairs):
     result, metrics_file = baseline
     check_trained(result, pairs, CFG)
-    assert result.attempts == 1 and result.resumed_from_step is None
+    assert result.run.attempts == 1 and result.run.resumed_from_step is None
     assert read_reward_meta(result.path)["precision"] == "fp32"  # the default
     logged = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     # on_metrics ran on rank 0 once per optimizer step, with every worker's figures besides the step's
-    assert [{k: v for k, v in m.items() if not k.startswith("worker/")} for m in logged] == result.metrics_history
+    assert [{k: v for k, v in m.items() if not k.startswith("worker/")} for m in logged] == result.run.metrics_history
     for m in logged:
         for rank in (0, 1):
             assert m[f"worker/{rank}/samples_per_second"] > 0 and m[f"worker/{rank}/cpu_utilization"] > 0
@@ -199,7 +199,7 @@ def test_zero3_trains_in_bf16_mixed_precision(baseline, pairs, tiny_base, tmp_pa
     # the same first batch through the same initial weights: in fp32 this ZeRO-3 run gives the
     # ZeRO-2 baseline's first loss bit for bit (tried: 0.7004716098308563 both); under bf16
     # autocast the forward pass rounds, and the loss moves (0.700426 here)
-    first, fp32_first = result.metrics_history[0]["reward/loss"], baseline[0].metrics_history[0]["reward/loss"]
+    first, fp32_first = result.run.metrics_history[0]["reward/loss"], baseline[0].run.metrics_history[0]["reward/loss"]
     assert 0 < abs(first - fp32_first) < 0.05, (first, fp32_first)
 
 
@@ -210,15 +210,15 @@ def test_killed_worker_resumes_from_last_checkpoint_with_identical_results(basel
     result = run(pairs, tiny_base, tmp_path, _kill_once=kill)
 
     assert kill.marker.exists()  # rank 1 did SIGKILL itself
-    assert result.attempts == 2
-    assert result.resumed_from_step == KILL_AT_STEP // CFG.checkpoint_every * CFG.checkpoint_every == 40
+    assert result.run.attempts == 2
+    assert result.run.resumed_from_step == KILL_AT_STEP // CFG.checkpoint_every * CFG.checkpoint_every == 40
 
     # No data position repeated or skipped: the committed steps consumed exactly what the
     # uninterrupted run did, and within an epoch no pair twice.
-    assert result.consumed == expected.consumed
+    assert result.run.consumed == expected.run.consumed
     per_epoch = steps_per_epoch(len(pairs[0]), CFG.global_batch_size)
     for epoch in range(CFG.epochs):
-        used = [i for step in result.consumed[epoch * per_epoch : (epoch + 1) * per_epoch] for i in step]
+        used = [i for step in result.run.consumed[epoch * per_epoch : (epoch + 1) * per_epoch] for i in step]
         assert len(used) == per_epoch * CFG.global_batch_size and max(Counter(used).values()) == 1
 
     # Same numbers. Tolerance: exact. On CPU in fp32 with the same seeds the run is
@@ -226,7 +226,7 @@ def test_killed_worker_resumes_from_last_checkpoint_with_identical_results(basel
     # checkpoint round-trips the fp32 weights, Adam moments and scheduler bit for bit, the
     # model has no dropout, and a gloo sum over two ranks does not depend on arrival order.
     drop_timing = lambda h: [{k: v for k, v in m.items() if "step_time" not in k and "pairs_per_s" not in k} for m in h]  # noqa: E731
-    assert drop_timing(result.metrics_history) == drop_timing(expected.metrics_history)
+    assert drop_timing(result.run.metrics_history) == drop_timing(expected.run.metrics_history)
     assert (result.eval_accuracy, result.eval_loss, result.final_loss) == (
         expected.eval_accuracy,
         expected.eval_loss,
