@@ -65,3 +65,7 @@ class RolloutEngineConfig(_Strict):
     sync_timeout_s: float = Field(300.0, gt=0, description=(
         "Seconds a weight sync may take before the stage fails with a timeout (a hung transfer otherwise holds "
         "the run's workers forever)."))
+    check_sync: bool = Field(False, description=(
+        "After the first and the last weight sync, compare the engine's greedy answers to 32 held-out prompts "
+        "with the trainer's own and keep the comparison with the stage's result: a diagnostic for a new model "
+        "family, dtype or transport."))

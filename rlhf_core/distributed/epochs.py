@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rlhf_core.data.pairs import DataPosition, rank_step_indices
 from rlhf_core.distributed.checkpoint import report_checkpoint, resume_latest
-from rlhf_core.distributed.fault_injection import kill_if_due
+from rlhf_core.distributed.fault_injection import fault_point, worker_point
 from rlhf_core.distributed.stage import StageRuntime, record_attempt
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 
@@ -54,7 +54,7 @@ def run_epochs(
         pos.advance(steps_epoch, [i for _, idx, _, _ in gathered for i in idx], metrics)
         if rank == 0:
             runtime.emit(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
-        kill_if_due(runtime.kill_once, rank, pos.global_step)
+        fault_point(worker_point(runtime.stage, pos.global_step, rank))
         if pos.global_step % checkpoint_every == 0 or pos.global_step == total_steps:
             # the only ray.train.report: see rlhf_core.distributed.stage
             report_checkpoint(stage, {engine_tag: engine}, asdict(pos), metrics, rank, world)

@@ -1,8 +1,9 @@
-"""Faults the tests inject into a training run: a worker that dies once, a loss that turns NaN
+"""Faults the tests inject into a run, all through one switch, $RLHF_FAULT, parsed once a
+process and said loudly when set: a worker that dies once at a step, a loss that turns NaN
 once, a pipeline process killed at a named point, a stage held at its first checkpoint for a
-kill from outside, a run waiting at a named point for the test's go. The trainers take theirs
-as keyword-only `_`-prefixed arguments; the pipeline's points read one switch, $RLHF_FAULT, which
-a production run leaves unset (a deployment's run refuses it), and none of this code acts."""
+kill from outside, a run waiting at a named point for the test's go. A production run leaves
+it unset (a deployment's run refuses it), and none of this code acts; the trainers take no
+parameter for it. `fit_stage` hands the variable to the stage's Ray workers."""
 from __future__ import annotations
 
 import functools
@@ -13,30 +14,46 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class KillWorkerOnce:
-    """The worker of `rank` SIGKILLs itself right after optimizer step `at_step`, unless
-    `marker` exists (it creates it first, so the retried worker lives)."""
-
-    rank: int
-    at_step: int
-    marker: Path
-
-
-def kill_if_due(kill: KillWorkerOnce | None, rank: int, step: int) -> None:
-    """Die here if `kill` names this rank and step and has not fired yet."""
-    if kill is not None and kill.rank == rank and kill.at_step == step and not kill.marker.exists():
-        kill.marker.touch()
-        os.kill(os.getpid(), signal.SIGKILL)
+FAULT_ENV = "RLHF_FAULT"
+FORMS = "kill:POINT[=FILE], hold:POINT, nan:POINT or wait:POINT=FILE"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class NanAtStep:
-    """Rank `rank` adds NaN to its first micro-batch loss of RL step `step`."""
+class Fault:
+    """What $RLHF_FAULT arms: at `point`, `kill` (SIGKILL this process; with a `release` file,
+    once: the file is made as it fires, and a retried worker lives), `hold` (stop for good, so
+    that a kill from outside lands there however fast the stage runs), `nan` (the next loss a
+    training worker backpropagates is NaN) or `wait` (say so, `release`.waiting appears, and go
+    on once `release` exists, so that a test can order what two concurrent runs do next)."""
 
-    rank: int
-    step: int
+    action: str
+    point: str
+    release: Path | None = None
+
+
+@functools.lru_cache(maxsize=4)
+def parse(value: str | None) -> Fault | None:
+    """The fault a value of $RLHF_FAULT arms (None: unset or empty), said loudly once a process."""
+    if not value:
+        return None
+    action, _, rest = value.partition(":")
+    point, _, release = rest.partition("=")
+    if action not in ("kill", "hold", "nan", "wait") or not point or (action == "wait" and not release) \
+            or (action in ("hold", "nan") and release):
+        raise ValueError(f"${FAULT_ENV}={value!r}: expected {FORMS}")
+    fault = Fault(action, point, Path(release) if release else None)
+    log.warning("fault injection armed ($%s=%s): this process will %s at %s", FAULT_ENV, value, action, point)
+    return fault
+
+
+def armed() -> Fault | None:
+    return parse(os.environ.get(FAULT_ENV))
+
+
+def worker_point(stage: str, step: int, rank: int) -> str:
+    """A training worker's point, right after optimizer step `step`: `reward:step3:rank1`."""
+    return f"{stage}:step{step}:rank{rank}"
 
 
 class NanOnce:
@@ -51,59 +68,26 @@ class NanOnce:
         return self.inner(loss, boundary)
 
 
-def nan_if_due(backward_and_step, nan_at: NanAtStep | None, rank: int, step: int):
-    """`backward_and_step`, poisoned once if `nan_at` names this rank and step."""
-    if nan_at is not None and nan_at.rank == rank and nan_at.step == step:
-        return NanOnce(backward_and_step)
-    return backward_and_step
-
-
-FAULT_ENV = "RLHF_FAULT"
-FORMS = "kill:POINT, hold:POINT or wait:POINT=FILE"
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """What $RLHF_FAULT arms: at `point`, `kill` (SIGKILL this process), `hold` (stop for good,
-    so that a kill from outside lands there however fast the stage runs) or `wait` (say so,
-    `release`.waiting appears, and go on once `release` exists, so that a test can order what
-    two concurrent runs do next)."""
-
-    action: str
-    point: str
-    release: Path | None = None
-
-
-@functools.lru_cache(maxsize=4)
-def parse(value: str | None) -> Fault | None:
-    """The fault a value of $RLHF_FAULT arms (None: unset or empty), said loudly once a process."""
-    if not value:
-        return None
-    action, _, rest = value.partition(":")
-    point, _, release = rest.partition("=")
-    if action not in ("kill", "hold", "wait") or not point or (action == "wait") != bool(release):
-        raise ValueError(f"${FAULT_ENV}={value!r}: expected {FORMS}")
-    fault = Fault(action, point, Path(release) if release else None)
-    log.warning("fault injection armed ($%s=%s): this process will %s at %s", FAULT_ENV, value, action, point)
-    return fault
-
-
-def armed() -> Fault | None:
-    return parse(os.environ.get(FAULT_ENV))
+def nan_if_due(backward_and_step, point: str):
+    """`backward_and_step`, poisoned once if $RLHF_FAULT is `nan:point`."""
+    fault = armed()
+    return NanOnce(backward_and_step) if fault is not None and fault == Fault("nan", point) else backward_and_step
 
 
 def fault_point(point: str, wait_s: float = 900) -> None:
-    """Where the resume and concurrency tests stop or order a run, through $RLHF_FAULT alone. The
-    points: `<stage>:end` (a stage's work done, its MLflow run not yet closed), `<stage>:returned`
-    (its task returned, the journal not yet written), `<stage>:checkpoint` (a training worker, once
-    the stage's first checkpoint is committed; Ray's workers inherit the variable from the process
-    that starts the cluster) and `register:promote` (a passing candidate registered, its promotion
-    not yet tried)."""
+    """Where the tests stop or order a run, through $RLHF_FAULT alone. The points: `<stage>:end`
+    (a stage's work done, its MLflow run not yet closed), `<stage>:returned` (its task returned,
+    the journal not yet written), `<stage>:checkpoint` (a training worker, once the stage's first
+    checkpoint is committed), `worker_point`s, and `register:promote` (a passing candidate
+    registered, its promotion not yet tried)."""
     fault = armed()
-    if fault is None or fault.point != point:
+    if fault is None or fault.point != point or fault.action == "nan":
         return
     if fault.action == "kill":
+        if fault.release is not None:
+            if fault.release.exists():
+                return
+            fault.release.touch()
         os.kill(os.getpid(), signal.SIGKILL)
     while fault.action == "hold":
         time.sleep(60)

@@ -45,7 +45,6 @@ from rlhf_core.data.pairs import (
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.epochs import run_epochs
-from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult
 from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, peak_rss_gib
@@ -90,7 +89,6 @@ def train_offline(
     run_name: str = "policy",
     *,
     answer_checker: str | None = None,
-    _kill_once: KillWorkerOnce | None = None,
 ) -> PolicyTrainResult:
     """Train the SFT policy in `sft_dir` with `cfg.algorithm` (dpo, kto) on `train_rows`, report
     the loss's figures on `eval_rows` and held-out accuracy on `eval_prompts` / `eval_answers`
@@ -124,7 +122,7 @@ def train_offline(
                            ray.put(evals), tuple(eval_prompts), tuple(eval_answers), answer_checker)
 
     run = fit_stage(
-        "policy", loop_for, _train_loop, on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers,
+        "policy", loop_for, _train_loop, on_metrics=on_metrics, num_workers=cfg.num_workers,
         use_gpu=cfg.use_gpu, placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures,
         storage_path=storage_path, run_name=run_name,
     )

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from rlhf_core.config import PolicyConfig, ValidationConfig
-from rlhf_core.distributed.fault_injection import NanAtStep
 from rlhf_core.distributed.stage import StageRuntime
 from rlhf_core.distributed.worker_meter import WorkerMeter
 
@@ -30,8 +29,6 @@ class PolicyWorkerInputs:
     replay_pairs: tuple[dict[str, str], ...] = ()  # the reward model's training pairs, replayed in preference rounds
     queue_dir: str | None = None  # the labelling queue of rounds.annotator queue
     validation: ValidationConfig = ValidationConfig()  # the data contract new pairs pass
-    nan_at: NanAtStep | None = None  # fault injection (tests)
-    check_sync: bool = False  # compare the engine's greedy answers with the trainer's (tests)
     answer_checker: str | None = None  # data.answer_checker: how accuracy judges an answer (None: exact text)
 
 
@@ -54,7 +51,7 @@ class PolicyWorker:
     engine: Any = None  # RolloutEngine on rank 0
     pipeline: Any = None  # RolloutPipeline on rank 0 when cfg.pipeline.max_lag > 0
     meter: WorkerMeter = field(default_factory=WorkerMeter)
-    sync_checks: list[dict[str, Any]] = field(default_factory=list)  # rank 0, with loop.check_sync
+    sync_checks: list[dict[str, Any]] = field(default_factory=list)  # rank 0, with policy.rollout.check_sync
     reward_tokenizer: Any = None  # the reward model's own (reward.base_model may differ from the policy)
     member_stats: tuple = ()  # RewardStats of each ensemble member (one: the model's own)
     audit: tuple | None = None  # (model, tokenizer, RewardStats) of the audit reward model, never trained against

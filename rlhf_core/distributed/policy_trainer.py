@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import PolicyConfig, ValidationConfig
-from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs
 from rlhf_core.distributed.policy_worker import train_loop
 from rlhf_core.distributed.stage import StageRecord, StageRuntime, fit_stage
@@ -59,7 +58,7 @@ class PolicyTrainResult:
     nonfinite_skipped: int  # optimizer steps skipped for non-finite loss / gradients (actor + critic)
     run: StageRecord  # attempts, seconds, checkpoint; per step the rows consumed (prompt indices) and the metrics
     evaluations: list[dict[str, float]] = field(repr=False, default_factory=list)  # {step, eval/...}
-    sync_checks: list[dict[str, Any]] = field(repr=False, default_factory=list)  # test hook
+    sync_checks: list[dict[str, Any]] = field(repr=False, default_factory=list)  # policy.rollout.check_sync
     # rank 0's largest resident memory (GiB) by the end of each phase: loaded, trained, then
     # evaluated (dpo, kto: the held-out figures after training) or saved (ppo, grpo)
     peak_memory: dict[str, float] = field(repr=False, default_factory=dict)
@@ -88,9 +87,6 @@ def train_policy(
     queue_dir: Path | None = None,
     validation: ValidationConfig | None = None,
     answer_checker: str | None = None,
-    _kill_once: KillWorkerOnce | None = None,
-    _nan_at: NanAtStep | None = None,
-    _check_sync: bool = False,
 ) -> PolicyTrainResult:
     """Optimise the SFT policy in `sft_dir` on `prompts` with `cfg.algorithm`, rewarded by the
     reward model in `reward_dir` and/or the verifiable reward `cfg.verifiable_reward`, and
@@ -104,8 +100,7 @@ def train_policy(
     Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
     already holds a run is resumed. `on_metrics(step, {"policy/...": v})` runs on rank 0 and
     must pickle. Raises `StageFailed` (after saving) when the held-out accuracy gain is below
-    `cfg.min_accuracy_gain`. `_check_sync` (tests): after the first and the last weight sync,
-    compare the engine's greedy answers with the trainer's (`sync_checks`).
+    `cfg.min_accuracy_gain`.
     """
     answers = dict(answers or {})
     prompts_verifiable = _check_inputs(prompts, eval_prompts, eval_answers, sft_dir, reward_dir, cfg, answers)
@@ -115,7 +110,7 @@ def train_policy(
             runtime, cfg, sft_dir=str(Path(sft_dir).resolve()),
             reward_dir=str(Path(reward_dir).resolve()) if reward_dir is not None else None,
             out_dir=str(Path(out_dir).resolve()), prompts=tuple(prompts), eval_prompts=tuple(eval_prompts),
-            eval_answers=tuple(eval_answers), prompts_verifiable=prompts_verifiable, nan_at=_nan_at, check_sync=_check_sync,
+            eval_answers=tuple(eval_answers), prompts_verifiable=prompts_verifiable,
             answers=tuple(answers.items()),
             replay_pairs=tuple({k: r[k] for k in ("prompt", "chosen", "rejected")} for r in replay_pairs),
             queue_dir=str(Path(queue_dir or cfg.rounds.queue_dir or Path(out_dir).parent / "labelling-queue").resolve()),
@@ -123,7 +118,7 @@ def train_policy(
         )
 
     run = fit_stage(
-        "policy", loop_for, train_loop, on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers,
+        "policy", loop_for, train_loop, on_metrics=on_metrics, num_workers=cfg.num_workers,
         use_gpu=cfg.use_gpu, placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures,
         storage_path=storage_path, run_name=run_name,
     )

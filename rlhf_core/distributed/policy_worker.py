@@ -43,7 +43,7 @@ from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed import policy_rollouts as rollouts
 from rlhf_core.distributed import policy_rounds
 from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, follow_gathers, gathered_module_state
-from rlhf_core.distributed.fault_injection import kill_if_due, nan_if_due
+from rlhf_core.distributed.fault_injection import fault_point, nan_if_due, worker_point
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
 from rlhf_core.distributed.policy_metrics import step_metrics
 from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
@@ -184,7 +184,7 @@ def _sync_engine(w: PolicyWorker) -> float:
 
 def _sync_check_due(w: PolicyWorker, step: int) -> bool:
     """The test hook's check of the engine against the trainer, after the first and the last step."""
-    return w.loop.check_sync and step in (1, w.cfg.steps)
+    return w.cfg.rollout.check_sync and step in (1, w.cfg.steps)
 
 
 @contextmanager
@@ -240,7 +240,7 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
 
     with _timed(timings, "update"), computing_in(w.precision, w.actor.device):
         update = update_minibatches(
-            w.actor, batch, w.spec, cfg, nan_if_due(DeepSpeedBackwardAndStep(w.actor), w.loop.nan_at, rank, step),
+            w.actor, batch, w.spec, cfg, nan_if_due(DeepSpeedBackwardAndStep(w.actor), worker_point("policy", step, rank)),
             minibatch_size=cfg.minibatch_size // w.world, kl_coef=kl_coef,
             critic=w.critic, critic_step=DeepSpeedBackwardAndStep(w.critic) if w.critic is not None else None,
             generator=torch.Generator().manual_seed(derive_seed(cfg.seed, step, rank=rank, world=w.world)),
@@ -302,7 +302,7 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
     if trip is not None:
         return  # no checkpoint of this step: the last one reported is the last good one
 
-    kill_if_due(w.loop.runtime.kill_once, rank, step)
+    fault_point(worker_point("policy", step, rank))
     if step % cfg.checkpoint_every == 0 or step == cfg.steps:
         save_checkpoint(w, state, metrics)  # the only ray.train.report: see rlhf_core.distributed.stage
 

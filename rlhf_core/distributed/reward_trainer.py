@@ -44,7 +44,6 @@ from rlhf_core.data.pairs import (
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.epochs import run_epochs
-from rlhf_core.distributed.fault_injection import KillWorkerOnce
 from rlhf_core.distributed.stage import StageRecord, StageRuntime, agreed_precision, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.models.reward import (
@@ -83,8 +82,6 @@ def train_reward_model(
     storage_path: Path,
     on_metrics: MetricsCallback | None = None,
     run_name: str = "reward",
-    *,
-    _kill_once: KillWorkerOnce | None = None,
 ) -> RewardTrainResult:
     """Train a reward model from the SFT policy in `base_dir` on `train_pairs` (rows with
     `prompt`, `chosen`, `rejected`, optional `id`), evaluate it on `eval_pairs` and save it
@@ -114,7 +111,7 @@ def train_reward_model(
     run = fit_stage(
         "reward", partial(_loop, cfg=cfg, base_dir=base_dir, out_dir=out_dir, train=train, evals=evals,
                           weights=weights), _train_loop,
-        on_metrics=on_metrics, kill_once=_kill_once, num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+        on_metrics=on_metrics, num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
         placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures, storage_path=storage_path,
         run_name=run_name,
     )

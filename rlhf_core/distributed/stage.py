@@ -44,7 +44,7 @@ import torch
 
 from rlhf_core.distributed.cluster import check_cluster, check_engine_room, connect_ray, shutdown_ray, torch_trainer
 from rlhf_core.distributed.deepspeed_engine import import_deepspeed
-from rlhf_core.distributed.fault_injection import KillWorkerOnce
+from rlhf_core.distributed.fault_injection import FAULT_ENV
 from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
 from rlhf_core.models.memory import MachineMemory
 from rlhf_core.rng import seed_everything
@@ -59,7 +59,6 @@ class StageRuntime:
     use_gpu: bool
     attempts_file: str  # rank 0 appends one JSON line per attempt
     on_metrics: MetricsCallback | None  # runs on rank 0; must pickle
-    kill_once: KillWorkerOnce | None = None  # fault injection (tests)
 
     def emit(self, step: int, metrics: dict[str, float]) -> None:
         if self.on_metrics is not None:
@@ -101,7 +100,6 @@ def fit_stage(
     train_loop: Callable[[Any], dict[str, Any] | None],
     *,
     on_metrics: MetricsCallback | None,
-    kill_once: KillWorkerOnce | None,
     num_workers: int,
     use_gpu: bool | None,
     placement_strategy: str,
@@ -122,7 +120,7 @@ def fit_stage(
         run_dir = Path(storage_path).resolve() / run_name
         run_dir.mkdir(parents=True, exist_ok=True)
         attempts_file = run_dir / f"{stage}_attempts.jsonl"
-        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), on_metrics, kill_once))
+        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), on_metrics))
         rollout = getattr(getattr(loop, "cfg", None), "rollout", None)
         if rollout is not None and rollout.placement == "separate":
             check_engine_room(stage, num_workers, gpu, rollout.num_engines, rollout.tensor_parallel_size)
@@ -135,7 +133,9 @@ def fit_stage(
             partial(train_loop, loop), num_workers=num_workers, use_gpu=gpu, placement_strategy=placement_strategy,
             run_name=run_name, storage_path=storage_path, max_failures=max_failures,
             # DeepSpeed picks its accelerator when first imported; without GPUs it must be "cpu".
-            env={} if gpu else {"DS_ACCELERATOR": "cpu"},
+            # A test's fault ($RLHF_FAULT) reaches the workers of a cluster started before it was set.
+            env={**({} if gpu else {"DS_ACCELERATOR": "cpu"}),
+                 **({FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {})},
         )
         start = time.perf_counter()
         try:

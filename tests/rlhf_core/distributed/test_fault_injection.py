@@ -3,6 +3,7 @@ switch, $RLHF_FAULT, names them, and refused in a deployment's run."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -35,9 +36,9 @@ def test_the_switch_is_parsed_once_and_said_loudly(caplog):
     assert parse("") is None and parse(None) is None
 
 
-@pytest.mark.parametrize("value", ["explode:sft:end", "kill:", "wait:register:promote", "kill:sft:end=/tmp/go"])
+@pytest.mark.parametrize("value", ["explode:sft:end", "kill:", "wait:register:promote", "hold:sft:end=/tmp/go"])
 def test_a_malformed_switch_says_what_it_takes(value):
-    with pytest.raises(ValueError, match="expected kill:POINT, hold:POINT or wait:POINT=FILE"):
+    with pytest.raises(ValueError, match=re.escape("expected kill:POINT[=FILE], hold:POINT, nan:POINT or wait:POINT=FILE")):
         parse(value)
 
 

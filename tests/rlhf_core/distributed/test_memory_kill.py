@@ -53,7 +53,7 @@ def hog(loop):
 
 cfg = RewardConfig(num_workers=2, micro_batch_size=8, max_length=16, max_failures=0)
 try:
-    fit_stage("reward", lambda runtime: Loop(cfg), hog, on_metrics=None, kill_once=None, num_workers=2,
+    fit_stage("reward", lambda runtime: Loop(cfg), hog, on_metrics=None, num_workers=2,
               use_gpu=False, placement_strategy="PACK", max_failures=0, storage_path=sys.argv[1], run_name="oom")
     print(json.dumps({{"error": None}}))
 except StageOutOfMemory as exc:

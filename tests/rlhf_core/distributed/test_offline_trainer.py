@@ -25,7 +25,7 @@ from rlhf_core.data.pairs import (
 )
 from rlhf_core.distributed.offline_trainer import sampled_kl, train_offline
 from rlhf_core.training.preference_step import Rows, offline_loss, pair_logprobs
-from rlhf_core.distributed.fault_injection import KillWorkerOnce
+from rlhf_core.distributed.fault_injection import FAULT_ENV
 from rlhf_core.models.llama import load_policy
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.testing.sinks import JsonlSink
@@ -307,10 +307,11 @@ def test_dpo_learns_the_preferences_and_saves_a_policy(baseline, demo, splits):
 
 
 @pytest.mark.slow
-def test_a_killed_worker_resumes_at_the_next_batch_and_ends_the_same(baseline, demo, splits, tmp_path):
+def test_a_killed_worker_resumes_at_the_next_batch_and_ends_the_same(baseline, demo, splits, tmp_path, monkeypatch):
     result, _ = baseline
-    kill = KillWorkerOnce(rank=1, at_step=KILL_AT_STEP, marker=tmp_path / "killed")
-    resumed = run(demo, splits, tmp_path, _kill_once=kill)
+    monkeypatch.setenv(FAULT_ENV, f"kill:policy:step{KILL_AT_STEP}:rank1={tmp_path / 'killed'}")
+    resumed = run(demo, splits, tmp_path)
+    assert (tmp_path / "killed").exists()  # rank 1 did SIGKILL itself
     assert resumed.run.attempts == 2 and resumed.run.resumed_from_step == 5
     assert resumed.run.consumed == result.run.consumed
     a, b = load_file(result.path / "model.safetensors"), load_file(resumed.path / "model.safetensors")

@@ -18,7 +18,7 @@ import torch
 
 from rlhf_core.config import PolicyConfig, RolloutEngineConfig, RolloutPipelineConfig
 from rlhf_core.distributed import deepspeed_engine
-from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep
+from rlhf_core.distributed.fault_injection import FAULT_ENV
 from rlhf_core.distributed.policy_trainer import _check_inputs, train_policy
 from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
@@ -163,12 +163,13 @@ def test_more_workers_than_cluster_cpus_fails_before_training(ray_cluster, demo,
 
 
 @pytest.mark.slow
-def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, demo, tmp_path):
+def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, demo, tmp_path, monkeypatch):
     """The weights streamed into the engine over gloo, read from the trainer's module itself
     (the route a GPU run takes, `weight_transfer.ModuleSource`): no copy of the model is made."""
     sink = JsonlSink(tmp_path / "metrics.jsonl")
-    cfg = CFG.model_copy(update={"rollout": RolloutEngineConfig(weight_sync="stream")})
-    result = run(demo, tmp_path, cfg, on_metrics=sink, _check_sync=True, _nan_at=NanAtStep(rank=0, step=3))
+    cfg = CFG.model_copy(update={"rollout": RolloutEngineConfig(weight_sync="stream", check_sync=True)})
+    monkeypatch.setenv(FAULT_ENV, "nan:policy:step3:rank0")
+    result = run(demo, tmp_path, cfg, on_metrics=sink)
     check_finite_run(result, CFG)
     assert result.run.attempts == 1 and result.run.resumed_from_step is None
     # (a) right after a sync the engine's greedy answers are the trainer's, and the rollouts of
@@ -209,9 +210,9 @@ def test_pipelined_grpo_bounds_the_lag_and_weighs_lagged_tokens(ray_cluster, dem
     the weights from a file on the node."""
     cfg = CFG.model_copy(update={"num_workers": 2,
                                  "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2, is_cap=2.0),
-                                 "rollout": RolloutEngineConfig(placement="separate")})
+                                 "rollout": RolloutEngineConfig(placement="separate", check_sync=True)})
     before = set(ray.util.placement_group_table())
-    result = run(demo, tmp_path, cfg, _check_sync=True)
+    result = run(demo, tmp_path, cfg)
     engines = {g["name"]: g["state"] for key, g in ray.util.placement_group_table().items() if key not in before
                and g["name"].startswith("rollout-engine")}
     assert engines == {"rollout-engine-0": "REMOVED"}  # used, then given back
@@ -245,8 +246,8 @@ def test_pipelined_ppo_on_two_workers_with_parameters_sharded_keeps_its_critic_a
     cfg = CFG.model_copy(update={"algorithm": "ppo", "num_workers": 2, "prompts_per_step": 16,
                                  "minibatch_size": 16, "micro_batch_size": 4, "zero_stage": 3,
                                  "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2, is_cap=2.0),
-                                 "rollout": RolloutEngineConfig(weight_sync="stream")})
-    result = run(demo, tmp_path, cfg, _check_sync=True)
+                                 "rollout": RolloutEngineConfig(weight_sync="stream", check_sync=True)})
+    result = run(demo, tmp_path, cfg)
     check_finite_run(result, cfg)
     for check in result.sync_checks:
         assert check["engine"] == check["hf"]
@@ -264,7 +265,7 @@ def test_pipelined_ppo_on_two_workers_with_parameters_sharded_keeps_its_critic_a
 
 @pytest.mark.slow
 def test_grpo_with_lora_an_ensemble_audit_and_rounds_resumes_a_killed_worker_and_the_engine_follows(
-        ray_cluster, demo, tmp_path):
+        ray_cluster, demo, tmp_path, monkeypatch):
     """The options that save memory and time together (LoRA, gradient checkpointing and bf16
     mixed precision, on two workers), with the reward model alone as the reward: a 3-member
     ensemble (mean - std), bounded shaping and a length penalty, an audit model, and a
@@ -290,18 +291,19 @@ def test_grpo_with_lora_an_ensemble_audit_and_rounds_resumes_a_killed_worker_and
     cfg = PolicyConfig.model_validate(CFG.model_dump() | {
         "num_workers": 2, "learning_rate": 1e-3, "reward_model_weight": 1.0, "verifiable_reward_weight": 0.0,
         "lora": {"enabled": True, "rank": 8, "alpha": 16.0}, "gradient_checkpointing": True, "precision": "bf16",
-        "rollout": {"weight_sync": "stream"},
+        "rollout": {"weight_sync": "stream", "check_sync": True},
         "shaping": {"aggregate": "mean_minus_std", "bounded": True, "length_penalty": 0.1},
         "rounds": {"enabled": True, "every": 2, "prompts": 32, "audit_share": 0.5, "epochs": 1},
     })
-    kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
+    killed = tmp_path / "killed"
+    monkeypatch.setenv(FAULT_ENV, f"kill:policy:step3:rank1={killed}")
     sink = JsonlSink(tmp_path / "metrics.jsonl")
     result = train_policy(demo["prompts"], demo["eval_prompts"], demo["eval_answers"], demo["sft"], tmp_path / "rm",
                           cfg, tmp_path / "policy", tmp_path / "ray", on_metrics=sink, run_name="policy",
                           replay_pairs=[{"prompt": p, "chosen": "1", "rejected": "2"} for p in prompts],
-                          _check_sync=True, _kill_once=kill)
+                          )
     check_finite_run(result, cfg)
-    assert kill.marker.exists() and result.run.attempts == 2 and result.run.resumed_from_step == 2
+    assert killed.exists() and result.run.attempts == 2 and result.run.resumed_from_step == 2
     assert result.run.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
 
     # LoRA: the reference is the adapters-off actor, and the policy moves away from it

@@ -19,7 +19,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf_core.config import RewardConfig
 from rlhf_core.data.pairs import split_by_prompt, steps_per_epoch
-from rlhf_core.distributed.fault_injection import KillWorkerOnce
+from rlhf_core.distributed.fault_injection import FAULT_ENV
 from rlhf_core.distributed.deepspeed_engine import deepspeed_config
 from rlhf_core.distributed.reward_trainer import train_reward_model
 from rlhf_core.models.reward import read_reward_meta, score
@@ -204,12 +204,13 @@ def test_zero3_trains_in_bf16_mixed_precision(baseline, pairs, tiny_base, tmp_pa
 
 
 @pytest.mark.slow
-def test_killed_worker_resumes_from_last_checkpoint_with_identical_results(baseline, pairs, tiny_base, tmp_path):
+def test_killed_worker_resumes_from_last_checkpoint_with_identical_results(baseline, pairs, tiny_base, tmp_path,
+                                                                          monkeypatch):
     expected, _ = baseline
-    kill = KillWorkerOnce(rank=1, at_step=KILL_AT_STEP, marker=tmp_path / "killed")
-    result = run(pairs, tiny_base, tmp_path, _kill_once=kill)
+    monkeypatch.setenv(FAULT_ENV, f"kill:reward:step{KILL_AT_STEP}:rank1={tmp_path / 'killed'}")
+    result = run(pairs, tiny_base, tmp_path)
 
-    assert kill.marker.exists()  # rank 1 did SIGKILL itself
+    assert (tmp_path / "killed").exists()  # rank 1 did SIGKILL itself
     assert result.run.attempts == 2
     assert result.run.resumed_from_step == KILL_AT_STEP // CFG.checkpoint_every * CFG.checkpoint_every == 40
 

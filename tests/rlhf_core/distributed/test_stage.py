@@ -10,17 +10,16 @@ import ray.cloudpickle
 
 from rlhf_core.config import PolicyConfig, RewardConfig
 from rlhf_core.distributed.checkpoint import STATE_FILE, _load
-from rlhf_core.distributed.fault_injection import KillWorkerOnce, NanAtStep, NanOnce, kill_if_due, nan_if_due
+from rlhf_core.distributed.fault_injection import FAULT_ENV, NanOnce, fault_point, nan_if_due, worker_point
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs
 from rlhf_core.distributed.reward_trainer import RewardWorkerInputs
 from rlhf_core.distributed.stage import StageRuntime
 
 
 def test_the_worker_settings_pickle_as_typed_objects(tmp_path):
-    runtime = StageRuntime("policy", False, str(tmp_path / "a.jsonl"), on_metrics=None,
-                           kill_once=KillWorkerOnce(1, 3, tmp_path / "killed"))
+    runtime = StageRuntime("policy", False, str(tmp_path / "a.jsonl"), on_metrics=None)
     loop = PolicyWorkerInputs(runtime, PolicyConfig(verifiable_reward=None, verifiable_reward_weight=0.0), "sft", None, "out",
-                      ("01+02=",), ("03+04=",), ("007",), prompts_verifiable=False, nan_at=NanAtStep(0, 2))
+                      ("01+02=",), ("03+04=",), ("007",), prompts_verifiable=False)
     for dumps, loads in ((pickle.dumps, pickle.loads), (ray.cloudpickle.dumps, ray.cloudpickle.loads)):
         back = loads(dumps(loop))
         assert back == loop and isinstance(back.cfg, PolicyConfig) and back.cfg.verifiable_reward is None
@@ -36,19 +35,25 @@ def test_a_checkpoint_from_another_world_size_is_refused(tmp_path):
         _load("policy", {}, tmp_path, rank=0, world=1)
 
 
-def test_fault_hooks_fire_only_where_they_are_aimed(tmp_path):
-    kill = KillWorkerOnce(rank=1, at_step=3, marker=tmp_path / "killed")
-    kill_if_due(kill, rank=0, step=3)  # another rank: lives
-    kill_if_due(kill, rank=1, step=2)  # another step: lives
-    kill_if_due(None, rank=1, step=3)
-    assert not kill.marker.exists()
+def test_fault_hooks_fire_only_where_they_are_aimed(tmp_path, monkeypatch):
+    killed = tmp_path / "killed"
+    monkeypatch.setenv(FAULT_ENV, f"kill:reward:step3:rank1={killed}")
+    fault_point(worker_point("reward", 3, 0))  # another rank: lives
+    fault_point(worker_point("reward", 2, 1))  # another step: lives
+    fault_point(worker_point("policy", 3, 1))  # another stage: lives
+    killed.touch()
+    fault_point(worker_point("reward", 3, 1))  # killed once already (its file exists): the retried worker lives
+    assert worker_point("reward", 3, 1) == "reward:step3:rank1"
 
     def step(loss, boundary):
         return loss
 
-    assert nan_if_due(step, NanAtStep(rank=0, step=2), rank=0, step=1) is step
-    assert nan_if_due(step, None, rank=0, step=2) is step
-    poisoned = nan_if_due(step, NanAtStep(rank=0, step=2), rank=0, step=2)
+    monkeypatch.setenv(FAULT_ENV, "nan:policy:step2:rank0")
+    assert nan_if_due(step, worker_point("policy", 1, 0)) is step
+    monkeypatch.delenv(FAULT_ENV)
+    assert nan_if_due(step, worker_point("policy", 2, 0)) is step
+    monkeypatch.setenv(FAULT_ENV, "nan:policy:step2:rank0")
+    poisoned = nan_if_due(step, worker_point("policy", 2, 0))
     assert isinstance(poisoned, NanOnce)
     first, second = poisoned(1.0, True), poisoned(1.0, True)
     assert first != first and second == 1.0  # NaN once, then the loss as given
