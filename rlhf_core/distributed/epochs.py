@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -23,10 +23,19 @@ from rlhf_core.distributed.fault_injection import fault_point, worker_point
 from rlhf_core.distributed.stage import StageRuntime, record_attempt
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers
 
+class RankStep(NamedTuple):
+    """What each rank hands the others after a step (the all-gather)."""
+
+    seconds: float
+    indices: list[int]  # the rows it trained on
+    figures: list[float]  # its step_fn's figures
+    worker: dict[str, Any]  # its WorkerMeter's figures
+
+
 # step_fn(this rank's indices, meter) -> (this rank's figures, seconds)
 StepFn = Callable[[list[int], WorkerMeter], tuple[list[float], float]]
-# metrics_fn([(seconds, indices, figures, meter figures) of every rank]) -> the step's metrics
-MetricsFn = Callable[[list[Any]], dict[str, float]]
+# metrics_fn(every rank's RankStep) -> the step's metrics
+MetricsFn = Callable[[list[RankStep]], dict[str, float]]
 
 
 def run_epochs(
@@ -49,11 +58,11 @@ def run_epochs(
         meter.start()
         local, step_time = step_fn(indices, meter)
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (step_time, indices, local, meter.figures(len(indices))))
+        dist.all_gather_object(gathered, RankStep(step_time, indices, local, meter.figures(len(indices))))
         metrics = metrics_fn(gathered)
-        pos.advance(steps_epoch, [i for _, idx, _, _ in gathered for i in idx], metrics)
+        pos.advance(steps_epoch, [i for g in gathered for i in g.indices], metrics)
         if rank == 0:
-            runtime.emit(pos.global_step, metrics | flatten_workers([g[3] for g in gathered]))
+            runtime.emit(pos.global_step, metrics | flatten_workers([g.worker for g in gathered]))
         fault_point(worker_point(runtime.stage, pos.global_step, rank))
         if pos.global_step % checkpoint_every == 0 or pos.global_step == total_steps:
             # the only ray.train.report: see rlhf_core.distributed.stage

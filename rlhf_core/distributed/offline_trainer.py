@@ -44,7 +44,7 @@ from rlhf_core.data.pairs import (
 )
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
-from rlhf_core.distributed.epochs import run_epochs
+from rlhf_core.distributed.epochs import RankStep, run_epochs
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult
 from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, peak_rss_gib
@@ -237,12 +237,12 @@ def _nanmean(values: np.ndarray) -> np.ndarray:
     return np.where(counts > 0, np.nansum(values, axis=0) / np.maximum(counts, 1), np.nan)
 
 
-def _step_metrics(gathered: list[Any], engine, figures: tuple[str, ...], batch_size: int, truncated: int
+def _step_metrics(gathered: list[RankStep], engine, figures: tuple[str, ...], batch_size: int, truncated: int
                   ) -> dict[str, float]:
-    """Flat `policy/*` metrics of one step from every rank's (step time, indices, local figures)."""
-    local = np.array([g[2] for g in gathered])  # (world, len(figures) + 1)
+    """Flat `policy/*` metrics of one step from every rank's figures (`figures`, then its grad norm)."""
+    local = np.array([g.figures for g in gathered])  # (world, len(figures) + 1)
     mean = _nanmean(local)
-    times = [g[0] for g in gathered]
+    times = [g.seconds for g in gathered]
     metrics = {f"policy/{name}": mean[i] for i, name in enumerate(figures)}
     metrics |= {
         "policy/grad_norm": local[0, -1],  # global norm, the same on every rank

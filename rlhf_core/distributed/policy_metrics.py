@@ -2,21 +2,31 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+
+
+class PolicyRankStep(NamedTuple):
+    """What each rank hands the others after an RL step (the all-gather)."""
+
+    seconds: float
+    rollouts: dict[str, Any]  # its rollouts' figures: scores, rm, verifiable, kl, ...
+    update: dict[str, Any]  # its update's figures: entropy, clipfrac, grad_norm, ...
+    tokens: int  # the tokens of its batch
+    worker: dict[str, Any]  # its WorkerMeter's figures
 
 
 def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def step_metrics(gathered: list[Any], timings: dict[str, float], kl_coef: float, sync_s: float) -> dict[str, float]:
-    """Flat metrics of one step from every rank's (step seconds, rollout metrics, update
-    metrics, tokens, worker figures)."""
-    times = [g[0] for g in gathered]
-    local = [g[1] for g in gathered]
-    update = [g[2] for g in gathered]
+def step_metrics(gathered: list[PolicyRankStep], timings: dict[str, float], kl_coef: float, sync_s: float
+                 ) -> dict[str, float]:
+    """Flat metrics of one step from every rank's PolicyRankStep."""
+    times = [g.seconds for g in gathered]
+    local = [g.rollouts for g in gathered]
+    update = [g.update for g in gathered]
     scores = [s for m in local for s in m["scores"]]
     mean_of = lambda key, rows: _mean([r[key] for r in rows if key in r])  # noqa: E731
     metrics = {
@@ -29,7 +39,7 @@ def step_metrics(gathered: list[Any], timings: dict[str, float], kl_coef: float,
         "rollout/logprob_diff": mean_of("logprob_diff", local),
         "rollout/prob_diff": mean_of("prob_diff", local),
         "policy/kl_coef": kl_coef,
-        "policy/tokens_per_s": sum(g[3] for g in gathered) / max(times),
+        "policy/tokens_per_s": sum(g.tokens for g in gathered) / max(times),
         "rollout/sync_s": sync_s,
         "policy/entropy": mean_of("entropy", update),
         "policy/clipfrac": mean_of("clipfrac", update),

@@ -45,7 +45,7 @@ from rlhf_core.distributed import policy_rounds
 from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, follow_gathers, gathered_module_state
 from rlhf_core.distributed.fault_injection import fault_point, nan_if_due, worker_point
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
-from rlhf_core.distributed.policy_metrics import step_metrics
+from rlhf_core.distributed.policy_metrics import PolicyRankStep, step_metrics
 from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
 from rlhf_core.distributed.stage import agreed_precision, record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers, peak_rss_gib
@@ -261,10 +261,10 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
                 sync_s = w.engine.sync_weights(state_dict)
 
     gathered: list[Any] = [None] * w.world
-    dist.all_gather_object(gathered, (time.perf_counter() - start, local, update, int(batch.attention_mask.sum()),
-                                      w.meter.figures(len(samples))))
+    dist.all_gather_object(gathered, PolicyRankStep(time.perf_counter() - start, local, update,
+                                                    int(batch.attention_mask.sum()), w.meter.figures(len(samples))))
     metrics = step_metrics(gathered, timings, kl_coef, sync_s) | pipeline_metrics
-    _end_step(w, state, step, indices, metrics, state_dict, [g[4] for g in gathered])
+    _end_step(w, state, step, indices, metrics, state_dict, [g.worker for g in gathered])
 
 
 def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int], metrics: dict[str, float],

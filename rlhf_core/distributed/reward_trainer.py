@@ -43,7 +43,7 @@ from rlhf_core.data.pairs import (
 )
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
-from rlhf_core.distributed.epochs import run_epochs
+from rlhf_core.distributed.epochs import RankStep, run_epochs
 from rlhf_core.distributed.stage import StageRecord, StageRuntime, agreed_precision, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.models.reward import (
@@ -292,18 +292,17 @@ def _optimizer_step(
     return [*(sums / cfg.grad_accum_steps).tolist(), grad_norm], time.perf_counter() - start
 
 
-def _step_metrics(gathered: list[Any], engine, cfg: RewardConfig, truncated: int) -> dict[str, float]:
-    """Flat `reward/*` metrics of one step from every rank's (step time, indices, local metrics)."""
-    local = np.array([g[2] for g in gathered])  # (world, 6)
+STEP_FIGURES = ("loss", "accuracy", "margin", "chosen_mean", "rejected_mean")  # a rank's step, then its grad norm
+
+
+def _step_metrics(gathered: list[RankStep], engine, cfg: RewardConfig, truncated: int) -> dict[str, float]:
+    """Flat `reward/*` metrics of one step from every rank's figures (STEP_FIGURES, grad norm)."""
+    local = np.array([g.figures for g in gathered])  # (world, len(STEP_FIGURES) + 1)
     mean = local.mean(axis=0)
-    times = [g[0] for g in gathered]
-    metrics = {
-        "reward/loss": mean[0],
-        "reward/accuracy": mean[1],
-        "reward/margin": mean[2],
-        "reward/chosen_mean": mean[3],
-        "reward/rejected_mean": mean[4],
-        "reward/grad_norm": local[0, 5],  # global norm, the same on every rank
+    times = [g.seconds for g in gathered]
+    metrics = {f"reward/{name}": mean[i] for i, name in enumerate(STEP_FIGURES)}
+    metrics |= {
+        "reward/grad_norm": local[0, -1],  # global norm, the same on every rank
         "reward/lr": engine.get_lr()[0],
         "reward/pairs_per_s": cfg.global_batch_size / max(times),
         "reward/truncated": truncated,
