@@ -515,7 +515,7 @@ def test_feedback_on_served_answers_trains_the_next_policy(full_run, free_ports)
 
 @pytest.mark.slow
 def test_the_run_report_is_beside_the_summary_in_mlflow_and_opens_in_a_browser(full_run, tmp_path):
-    from rlhf_core.testing.browser import BrowserMissing, check_page
+    from tests.browser import BrowserMissing, check_page
 
     _, _, _, summary = full_run
     report = Path(summary["summary_path"]).parent / "report.html"

@@ -28,7 +28,7 @@ from rlhf_core.config import DemoDataConfig, load_config
 from rlhf_core.data.formats import as_conversational
 from rlhf_core.data.schema import read_table, write_jsonl
 from rlhf_core.data.synthetic import generate_demo_data
-from rlhf_core.testing.listeners import Listeners
+from tests.listeners import Listeners
 
 LOOSE_GATES = {"auto_promote": True, "min_accuracy_gain": -1.0, "min_win_rate_vs_reference": 0.0,
                "min_win_rate_vs_champion": 0.0, "max_regression_vs_champion": 1.0, "max_length_ratio": 100.0,

@@ -187,7 +187,7 @@ def test_a_run_that_failed_before_the_gates_still_has_a_page(summary):
 
 def test_headless_chromium_loads_every_image_and_finds_no_error_nor_outside_link(summary, gate_report, curves,
                                                                                    tmp_path):
-    from rlhf_core.testing.browser import BrowserMissing, check_page
+    from tests.browser import BrowserMissing, check_page
 
     page = tmp_path / "report.html"
     page.write_text(render_report(summary, gate_report, curves), encoding="utf-8")
