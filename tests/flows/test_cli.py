@@ -166,7 +166,8 @@ def _cmdline(p: psutil.Process) -> list[str]:
 def test_a_sigterm_while_the_flow_imports_stops_prefects_temporary_server_too(tmp_path):
     """`kill` of a run before its flow starts (Prefect's server already starting, the flow's
     libraries still importing) ends it with 143 and takes the server down with it."""
-    status, out, left = _sigterm_once_running(tmp_path, ["--set", f"output_dir={tmp_path / 'runs'}"], "uvicorn")
+    status, out, left = _sigterm_once_running(tmp_path, ["--config", DEFAULT_CONFIG, "--set", f"output_dir={tmp_path / 'runs'}"],
+                                              "uvicorn")
     assert status == 143, out[-3000:]
     assert "rlhf: stopped by SIGTERM" in out and "flow run" not in out.lower()
     assert left == []
