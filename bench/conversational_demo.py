@@ -56,8 +56,8 @@ def write_data(work: Path) -> dict[str, dict[str, str]]:
 
 
 def run(variant: str, data: dict[str, str], sft_dir: Path, seed: int, work: Path) -> dict:
-    raw = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    raw.update(name=f"{variant}-s{seed}", output_dir=str(work / "runs"))
+    raw = {"base": str(REPO / "configs" / "demo.yaml"), "reward": {}, "policy": {},
+           "name": f"{variant}-s{seed}", "output_dir": str(work / "runs")}
     raw["data"] = data
     raw["model"] = {"pretrained": str(sft_dir), **({"chat_template": DEMO_TEMPLATE} if variant == "conversational" else {})}
     raw["sft"] = {"enabled": False}

@@ -60,7 +60,8 @@ def prepare_data(cfg: PipelineConfig, out_dir: Path, pretrained: PretrainedBase 
         for note in paths.notes:
             logger.warning("%s", note)
         misfit = demo_settings_misfit(cfg.policy.verifiable_reward, [s.path for s in cfg.gates.regression_suites],
-                                      list(read_table(paths.preferences)["prompt"]), f"data.preferences_path ({d.preferences_path})")
+                                      list(read_source(d.preferences_path).get("prompt", [])),
+                                      f"data.preferences_path ({d.preferences_path})")
         if misfit:
             raise ValueError("demo-only settings meet your data (the demo is `rlhf demo`; `rlhf run` without "
                              "--config trains on configs/own-data.yaml):\n  " + "\n  ".join(misfit))

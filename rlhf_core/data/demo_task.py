@@ -33,13 +33,22 @@ def addition_exact_match(prompts: Sequence[str], responses: Sequence[str]) -> to
     )
 
 
+def _user_text(prompt) -> str:
+    """A prompt's text: itself, or a conversation's last user turn."""
+    if isinstance(prompt, str):
+        return prompt
+    turns = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"] \
+        if isinstance(prompt, (list, tuple)) else []
+    return turns[-1] if turns and isinstance(turns[-1], str) else ""
+
+
 def demo_settings_misfit(verifiable_reward: str | None, suite_paths: Sequence[str], prompts: Sequence[str],
                          where: str) -> list[str]:
     """What of the demo's own settings cannot serve a user's data: the demo's answer key
     (`policy.verifiable_reward: addition_exact_match`, which the preference rounds' simulated rater
     also labels with) and its generated suites (`demo:<name>`) check the demo's sums only. One
     line per setting, naming it, when any of `prompts` (from `where`) is not a demo addition."""
-    strangers = [p for p in prompts if not isinstance(p, str) or _ADDITION.match(p) is None]
+    strangers = [p for p in prompts if _ADDITION.match(_user_text(p)) is None]
     if not strangers:
         return []
     told = f"{len(strangers)} of the {len(prompts)} prompts of {where} are not the demo's additions (e.g. {strangers[0]!r})"

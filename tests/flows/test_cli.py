@@ -98,8 +98,7 @@ def test_a_flow_command_without_a_prefect_server_starts_one_temporary_server(tmp
     """With no PREFECT_API_URL the CLI starts Prefect's temporary server while it imports the
     flow's libraries; the flow must then use that server, not start a second one (Prefect
     logs each start), and the command must work as before."""
-    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    config["output_dir"] = str(tmp_path / "runs")
+    config = {"base": str(REPO / "configs" / "demo.yaml"), "output_dir": str(tmp_path / "runs")}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     assert main(["make-demo-data", str(tmp_path / "data"), "--config", str(tmp_path / "config.yaml")]) == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

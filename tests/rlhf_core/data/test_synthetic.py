@@ -88,4 +88,6 @@ def test_the_demos_own_settings_are_refused_on_data_that_is_not_the_demos_naming
     assert misfit[1].startswith("gates.regression_suites: demo:no_carry is the demo's arithmetic")
     # the demo's own files (`rlhf make-demo-data`) given as data are still the demo's task
     assert demo_settings_misfit("addition_exact_match", ["demo:no_carry"], ["07+48=", "12+34="], "demo.jsonl") == []
+    conversation = [[{"role": "system", "content": "Add."}, {"role": "user", "content": "07+48="}]]
+    assert demo_settings_misfit("addition_exact_match", [], conversation, "chat.jsonl") == []  # the same task, as a chat
     assert demo_settings_misfit(None, ["suites/mine.jsonl"], chat, "my/prefs.jsonl") == []
