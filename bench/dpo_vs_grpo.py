@@ -71,6 +71,7 @@ def method_config(cfg: PipelineConfig, method: str, seed: int, dpo_overrides: di
 def run_method(cfg: PipelineConfig, files, sft_dir: Path, reward, work: Path, method: str) -> dict:
     from rlhf_core.distributed.offline_trainer import train_offline  # noqa: PLC0415
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
 
     p = cfg.policy
     evals = read_table(files.eval)
@@ -81,11 +82,11 @@ def run_method(cfg: PipelineConfig, files, sft_dir: Path, reward, work: Path, me
         sft_rows = read_table(files.sft).to_dict("records")
         prompts = list(dict.fromkeys([r["prompt"] for r in sft_rows] + [r["prompt"] for r in pairs]))
         result = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), sft_dir, reward.path, p,
-                              work / name, work / "ray", run_name=name)
+                              StageSite(work / name, work / "ray", name))
     else:
         train, held_out = split_by_prompt(pairs, cfg.reward.eval_share, cfg.reward.seed)
-        result = train_offline(train, held_out, list(evals["prompt"]), list(evals["answer"]), sft_dir, p, work / name,
-                           work / "ray", run_name=name)
+        result = train_offline(train, held_out, list(evals["prompt"]), list(evals["answer"]), sft_dir, p,
+                           StageSite(work / name, work / "ray", name))
     row = {"method": method, "seed": p.seed, "acc_before": result.accuracy_before, "acc_after": result.accuracy_after,
            "gain": result.accuracy_gain, "kl": result.kl_final, "steps": result.steps,
            "reward_s": reward.run.seconds if method in ONLINE else 0.0, "policy_s": time.perf_counter() - t0}
@@ -112,6 +113,7 @@ def main() -> None:
     dpo_overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     from rlhf_core.distributed.cluster import ray_session  # noqa: PLC0415
     from rlhf_core.distributed.reward_trainer import train_reward_model  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
 
     rows: list[dict] = []
     columns = ["method", "seed", "acc_before", "acc_after", "gain", "kl", "pair_accuracy", "steps", "reward_s",
@@ -125,8 +127,8 @@ def main() -> None:
         if set(ONLINE) & set(args.methods):
             pairs = read_table(files.preferences).to_dict("records")
             train, held_out = split_by_prompt(pairs, cfg.reward.eval_share, cfg.reward.seed)
-            reward = train_reward_model(train, held_out, sft_dir, cfg.reward, work / "reward", work / "ray",
-                                        run_name=f"reward-{INVOCATION}")
+            reward = train_reward_model(train, held_out, sft_dir, cfg.reward,
+                                        StageSite(work / "reward", work / "ray", f"reward-{INVOCATION}"))
         for seed in args.seeds:
             for method in args.methods:
                 row = run_method(method_config(cfg, method, seed, dpo_overrides, args.lora_learning_rate), files, sft_dir, reward, work, method)

@@ -51,6 +51,7 @@ def main() -> None:
     from rlhf_core.data.schema import read_table  # noqa: PLC0415
     from rlhf_core.distributed.cluster import shutdown_ray  # noqa: PLC0415
     from rlhf_core.distributed.offline_trainer import train_offline  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
     from rlhf_core.models.pretrained import inspect_pretrained, stage_estimates  # noqa: PLC0415
     from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
 
@@ -69,8 +70,9 @@ def main() -> None:
             start = time.perf_counter()
             with PeakMemory(every=0.5, driver=Path(__file__).name) as memory:
                 result = train_offline(train[: args.rows or len(train)], held_out, [r["prompt"] for r in evals],
-                                       [r["answer"] for r in evals], args.model, cfg.policy, work / "policy",
-                                       work / "ray", answer_checker=cfg.data.answer_checker)
+                                       [r["answer"] for r in evals], args.model, cfg.policy,
+                                       StageSite(work / "policy", work / "ray", "policy"),
+                                       answer_checker=cfg.data.answer_checker)
             wall = time.perf_counter() - start
         finally:
             shutdown_ray()

@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=None, help="policy learning rate (default: the demo's)")
     args = parser.parse_args()
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415 (spawn: under __main__)
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
 
     run_dir = args.run_dir or newest_demo_run()
     if run_dir is None:
@@ -59,8 +60,8 @@ def main() -> None:
                 run_cfg = cfg.model_copy(update={"seed": seed, "pipeline": pipeline})
                 name = f"{'pipe' if pipeline.max_lag else 'sync'}-{seed}"
                 r = train_policy(prompts, eval_prompts, eval_answers, run_dir / "models" / "sft",
-                                 run_dir / "models" / "reward", run_cfg, Path(tmp) / name, Path(tmp) / "ray",
-                                 run_name=name)
+                                 run_dir / "models" / "reward", run_cfg,
+                                 StageSite(Path(tmp) / name, Path(tmp) / "ray", name))
                 hist = r.run.metrics_history
                 loop_s = sum(max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in hist)
                 last = hist[-5:]

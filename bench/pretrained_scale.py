@@ -78,6 +78,7 @@ def main() -> None:
     from rlhf_core.chat import render_prompt  # noqa: PLC0415
     from rlhf_core.config import PolicyConfig  # noqa: PLC0415
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
     from rlhf_core.models.pretrained import inspect_pretrained, materialise, training_bytes  # noqa: PLC0415
     from rlhf_core.models.reward import RewardStats, reward_model_from_base, save_reward_model  # noqa: PLC0415
     from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
@@ -103,8 +104,8 @@ def main() -> None:
             sink = JsonlSink(tmp / f"metrics-{variant}.jsonl")
             start = time.perf_counter()
             with PeakMemory() as memory:
-                result = train_policy(prompts, prompts[:16], [], base, tmp / "reward", cfg, tmp / f"policy-{variant}",
-                                      tmp / "ray", on_metrics=sink, run_name=f"scale-{variant}")
+                result = train_policy(prompts, prompts[:16], [], base, tmp / "reward", cfg,
+                                      StageSite(tmp / f"policy-{variant}", tmp / "ray", f"scale-{variant}", sink))
             wall = time.perf_counter() - start
             records = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
             runs.append(figures_of(variant, info, args, cfg, result, records, wall, memory, training_bytes))

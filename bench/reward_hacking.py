@@ -106,15 +106,17 @@ def sft_policy(cfg: PipelineConfig, files, work: Path) -> Path:
 def reward_models(cfg: PipelineConfig, files, sft_dir: Path, work: Path, variant: str):
     from rlhf_core.data.pairs import split_by_prompt  # noqa: PLC0415
     from rlhf_core.distributed.reward_trainer import train_reward_models  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
 
     pairs = read_table(files.preferences).to_dict("records")
     train, held_out = split_by_prompt(pairs, cfg.reward.eval_share, cfg.reward.seed)
-    return train_reward_models(train, held_out, sft_dir, cfg.reward, work / f"reward-{variant}", work / "ray",
-                               run_name=f"reward-{variant}-{INVOCATION}")
+    return train_reward_models(train, held_out, sft_dir, cfg.reward,
+                               StageSite(work / f"reward-{variant}", work / "ray", f"reward-{variant}-{INVOCATION}"))
 
 
 def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, variant: str) -> dict:
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
     from rlhf_core.training.circuit_breaker import CircuitBreakerTripped  # noqa: PLC0415
 
     p = cfg.policy
@@ -129,7 +131,7 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
     t0 = time.perf_counter()
     try:
         result = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), sft_dir, rm.proxy.path, p,
-                              work / name, work / "ray", run_name=name, replay_pairs=pairs, queue_dir=work / "queue")
+                              StageSite(work / name, work / "ray", name), replay_pairs=pairs, queue_dir=work / "queue")
     except CircuitBreakerTripped as exc:
         return row | {"tripped": exc.trip.reason, "policy_s": time.perf_counter() - t0}
     first, last = result.evaluations[0], result.evaluations[-1]

@@ -52,6 +52,7 @@ def trl_python(venv: Path) -> Path:
 
 def ours(model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path) -> dict:
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
 
     cfg = PolicyConfig(
         algorithm="grpo", num_workers=2, precision="fp32", steps=steps, prompts_per_step=PROMPTS_PER_STEP,
@@ -64,8 +65,8 @@ def ours(model_dir: Path, prompts: list[str], steps: int, tokens: int, tmp: Path
     eval_prompts = prompts[:8]
     answers = [answer_for(int(p[:2]) + int(p[3:5]), 2) for p in eval_prompts]
     sink = JsonlSink(tmp / "ours.jsonl")
-    result = train_policy(prompts, eval_prompts, answers, model_dir, None, cfg, tmp / "policy", tmp / "ray",
-                          on_metrics=sink, run_name="bench")
+    result = train_policy(prompts, eval_prompts, answers, model_dir, None, cfg,
+                          StageSite(tmp / "policy", tmp / "ray", "bench", sink))
     rows = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     step_s = [max(v for k, v in r.items() if k.startswith("policy/step_time_s/worker_")) for r in steps]

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     from rlhf_core.distributed.reward_trainer import train_reward_model  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,8 +49,8 @@ def main() -> None:
             cfg = RewardConfig(num_workers=workers, micro_batch_size=args.global_batch // workers, epochs=args.epochs,
                                checkpoint_every=10_000, min_eval_accuracy=0.0)
             sink = JsonlSink(tmp / f"metrics-{workers}.jsonl")
-            result = train_reward_model(train, held_out, base, cfg, tmp / f"rm{workers}", tmp / "ray", on_metrics=sink,
-                                        run_name=f"scaling-{workers}")
+            result = train_reward_model(train, held_out, base, cfg,
+                                        StageSite(tmp / f"rm{workers}", tmp / "ray", f"scaling-{workers}", sink))
             steps = [json.loads(line) for line in Path(sink.path).read_text().splitlines()][5:]
             pairs_per_s = sum(s["reward/pairs_per_s"] for s in steps) / len(steps)
             rows.append({"workers": workers, "steps": result.steps, "pairs_per_s": pairs_per_s,

@@ -100,6 +100,7 @@ def run_seed(cfg: PipelineConfig, files: DemoFiles, seed: int, threads: int, wor
     from rlhf_core.data.pairs import split_by_prompt  # noqa: PLC0415
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
     from rlhf_core.distributed.reward_trainer import train_reward_models  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
 
     torch.set_num_threads(threads)
     sft_cfg = cfg.sft.model_copy(update={"seed": seed, "min_eval_accuracy": 0.0})
@@ -128,14 +129,14 @@ def run_seed(cfg: PipelineConfig, files: DemoFiles, seed: int, threads: int, wor
     if not sft_only:
         train, held_out = split_by_prompt(pairs, reward_cfg.eval_share, reward_cfg.seed)
         t0 = time.perf_counter()
-        reward = train_reward_models(train, held_out, base.path, reward_cfg, work / "reward", work / "ray",
-                                     run_name=f"reward-{seed}-{threads}")
+        reward = train_reward_models(train, held_out, base.path, reward_cfg,
+                                     StageSite(work / "reward", work / "ray", f"reward-{seed}-{threads}"))
         row.update(reward_accuracy=reward.proxy.eval_accuracy, reward_s=time.perf_counter() - t0,
                    audit_accuracy=reward.audit.eval_accuracy if reward.audit else None)
         prompts = list(dict.fromkeys([r["prompt"] for r in sft_rows] + [p["prompt"] for p in pairs]))
         t0 = time.perf_counter()
         policy = train_policy(prompts, list(evals["prompt"]), list(evals["answer"]), base.path, reward.proxy.path,
-                              policy_cfg, work / "policy", work / "ray", run_name=f"policy-{seed}-{threads}",
+                              policy_cfg, StageSite(work / "policy", work / "ray", f"policy-{seed}-{threads}"),
                               replay_pairs=pairs)
         row.update(final_accuracy=policy.accuracy_after, gain=policy.accuracy_gain, kl_max=policy.kl_max,
                    policy_s=time.perf_counter() - t0, labels=reward.proxy_pairs + reward.audit_pairs

@@ -107,6 +107,7 @@ def real_demo_steps(steps: int) -> dict | None:
     and the median of their ratio. None when there is no demo run."""
     from rlhf_core.config import load_config  # noqa: PLC0415
     from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
 
     run_dir = newest_demo_run()
     if run_dir is None:
@@ -117,7 +118,7 @@ def real_demo_steps(steps: int) -> dict | None:
     prompts, eval_prompts, eval_answers = demo_policy_inputs(run_dir)
     with tempfile.TemporaryDirectory() as tmp:
         r = train_policy(prompts, eval_prompts, eval_answers, run_dir / "models" / "sft",
-                         run_dir / "models" / "reward", cfg, Path(tmp) / "policy", Path(tmp) / "ray", run_name="sync")
+                         run_dir / "models" / "reward", cfg, StageSite(Path(tmp) / "policy", Path(tmp) / "ray", "sync"))
     sync = [m["timing/sync"] for m in r.run.metrics_history]
     step = [max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in r.run.metrics_history]
     return {"run_dir": run_dir.name, "steps": len(step), "sync_s": median(sync), "step_s": median(step),

@@ -120,10 +120,7 @@ def optimise_policy(
                         base.path,
                         reward.path,
                         cfg.policy,
-                        out_dir=run.out_dir / "models" / "policy",
-                        storage_path=run.out_dir / "ray",
-                        on_metrics=on_metrics,
-                        run_name="policy",  # one per pipeline run (storage_path is the run's): a resumed run continues it
+                        run.site("policy", on_metrics),
                         answers=prompt_answers(data),
                         replay_pairs=data.pairs,
                         validation=cfg.validation,
@@ -176,5 +173,4 @@ def _train_offline(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, r
     with ProgressSink("policy", total, figures) as progress, \
             exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
         return train_offline(train, held_out, prompts, answers or [], base.path, cfg.policy,
-                             out_dir=run.out_dir / "models" / "policy", storage_path=run.out_dir / "ray",
-                             on_metrics=on_metrics, run_name="policy", answer_checker=cfg.data.answer_checker)
+                             run.site("policy", on_metrics), answer_checker=cfg.data.answer_checker)

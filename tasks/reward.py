@@ -98,12 +98,7 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         with ProgressSink("reward", total, figures) as progress, \
                 exported(cfg, stage_id, "reward", sink, progress=progress) as on_metrics:
             models = train_reward_models(
-                train, held_out, backbone, cfg.reward,
-                out_dir=run.out_dir / "models" / "reward",
-                storage_path=run.out_dir / "ray",
-                on_metrics=on_metrics,
-                run_name="reward",  # one per pipeline run (storage_path is the run's): a resumed run continues it
-            )
+                train, held_out, backbone, cfg.reward, run.site("reward", on_metrics))
         result = models.proxy
         audit_figures = {} if models.audit is None else {
             "reward_audit/eval_accuracy": models.audit.eval_accuracy, "reward_audit/seconds": models.audit.run.seconds}

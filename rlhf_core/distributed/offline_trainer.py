@@ -54,7 +54,7 @@ from rlhf_core.models.logits import logits_from
 from rlhf_core.models.lora import frozen_reference, load_policy_for_training, merged_policy
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.preference_step import FIGURES, Rows, offline_loss
-from rlhf_core.training.stage_types import MetricsCallback, StageFailed
+from rlhf_core.training.stage_types import StageFailed, StageSite
 
 ENGINE_TAG = "actor"
 EVAL_BATCH = 256  # prompts per generate call at the end
@@ -83,23 +83,18 @@ def train_offline(
     eval_answers: Sequence[str],
     sft_dir: Path,
     cfg: PolicyConfig,
-    out_dir: Path,
-    storage_path: Path,
-    on_metrics: MetricsCallback | None = None,
-    run_name: str = "policy",
+    site: StageSite,
     *,
     answer_checker: str | None = None,
 ) -> PolicyTrainResult:
     """Train the SFT policy in `sft_dir` with `cfg.algorithm` (dpo, kto) on `train_rows`, report
     the loss's figures on `eval_rows` and held-out accuracy on `eval_prompts` / `eval_answers`
     (no answers: none measured; judged by `answer_checker`, None: the exact text), and save the
-    policy to `out_dir`.
+    policy to `site.out_dir`, reporting `policy/...` metrics (`StageSite`: where it runs and reports).
 
     Rows are preference pairs (`prompt`, `chosen`, `rejected`, optional `id`); for KTO they may
     instead be labelled answers (`prompt`, `completion`, `desirable`), and pairs are unpaired
-    first. Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
-    already holds a run is resumed. `on_metrics(step, {"policy/...": v})` runs on rank 0 and
-    must pickle. Raises `StageFailed` (after saving) when the held-out accuracy gains less than
+    first. Raises `StageFailed` (after saving) when the held-out accuracy gains less than
     `cfg.min_accuracy_gain`.
     """
     if cfg.offline is None:
@@ -118,21 +113,16 @@ def train_offline(
                          f"{cfg.algorithm}.batch_size={batch}")
 
     def loop_for(runtime: StageRuntime) -> OfflineWorkerInputs:
-        return OfflineWorkerInputs(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(out_dir).resolve()), ray.put(train),
-                           ray.put(evals), tuple(eval_prompts), tuple(eval_answers), answer_checker)
+        return OfflineWorkerInputs(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(site.out_dir).resolve()),
+                                   ray.put(train), ray.put(evals), tuple(eval_prompts), tuple(eval_answers),
+                                   answer_checker)
 
-    run = fit_stage(
-        "policy", loop_for, _train_loop, on_metrics=on_metrics, num_workers=cfg.num_workers,
-        use_gpu=cfg.use_gpu, placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures,
-        storage_path=storage_path, run_name=run_name,
-    )
+    run = fit_stage("policy", loop_for, _train_loop, cfg, site)
     s = run.summary
     result = PolicyTrainResult(
-        path=Path(out_dir), audit_dir=None, algorithm=method_name(cfg),
+        path=Path(site.out_dir), algorithm=method_name(cfg),
         accuracy_before=s["accuracy_before"], accuracy_after=s["accuracy_after"],
-        rm_score_before=None, rm_score_after=None, audit_score_before=None, audit_score_after=None,
-        labels_asked=0, round_pairs=0, kl_final=s["kl"], kl_max=s["kl"], kl_bound=cfg.kl_bound,
-        steps=s["global_step"], nonfinite_skipped=0, run=run.record(),
+        kl_final=s["kl"], kl_max=s["kl"], kl_bound=cfg.kl_bound, steps=s["global_step"], run=run.record(),
         evaluations=[{"step": s["global_step"], **s["held_out"]}],
         peak_memory=s["peak_memory"],
     )

@@ -33,7 +33,7 @@ from rlhf_core.distributed.policy_worker import train_loop
 from rlhf_core.distributed.stage import StageRecord, StageRuntime, fit_stage
 from rlhf_core.models.pretrained import VLLM_CPU_HEAD_SIZES
 from rlhf_core.models.reward import audit_model_dir
-from rlhf_core.training.stage_types import MetricsCallback, StageFailed
+from rlhf_core.training.stage_types import StageFailed, StageSite
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped, Trip
 from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
 
@@ -41,27 +41,29 @@ from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verif
 @dataclass(frozen=True)
 class PolicyTrainResult:
     path: Path  # HF directory of the trained policy
-    audit_dir: Path | None  # the audit model preference rounds kept current, saved with the policy; None: none
     algorithm: str
     accuracy_before: float | None  # held-out exact match, greedy through the engine; None: no answers
     accuracy_after: float | None
-    rm_score_before: float | None  # mean normalised RM score of the greedy eval answers
-    rm_score_after: float | None
-    audit_score_before: float | None  # the same answers under the audit reward model; None without one
-    audit_score_after: float | None
-    labels_asked: int  # labels the preference rounds asked for (their cost); 0 without rounds
-    round_pairs: int  # pairs the rounds added to the reward model's training
-    kl_final: float  # per-sequence KL(pi || ref) of the last step's rollouts
+    # per-sequence KL(pi || ref) of the last step's rollouts (dpo, kto: answers sampled on the held-out prompts)
+    kl_final: float
     kl_max: float  # largest over the run
     kl_bound: float  # cfg.kl_bound, for the gates
     steps: int
-    nonfinite_skipped: int  # optimizer steps skipped for non-finite loss / gradients (actor + critic)
-    run: StageRecord  # attempts, seconds, checkpoint; per step the rows consumed (prompt indices) and the metrics
+    run: StageRecord  # attempts, seconds, checkpoint; per step the rows consumed and the metrics
     evaluations: list[dict[str, float]] = field(repr=False, default_factory=list)  # {step, eval/...}
-    sync_checks: list[dict[str, Any]] = field(repr=False, default_factory=list)  # policy.rollout.check_sync
     # rank 0's largest resident memory (GiB) by the end of each phase: loaded, trained, then
     # evaluated (dpo, kto: the held-out figures after training) or saved (ppo, grpo)
     peak_memory: dict[str, float] = field(repr=False, default_factory=dict)
+    # ppo and grpo only (rollouts scored by a reward model); dpo and kto leave the defaults
+    rm_score_before: float | None = None  # mean normalised RM score of the greedy eval answers
+    rm_score_after: float | None = None
+    audit_score_before: float | None = None  # the same answers under the audit reward model; None without one
+    audit_score_after: float | None = None
+    audit_dir: Path | None = None  # the audit model preference rounds kept current, saved with the policy
+    labels_asked: int = 0  # labels the preference rounds asked for (their cost); 0 without rounds
+    round_pairs: int = 0  # pairs the rounds added to the reward model's training
+    nonfinite_skipped: int = 0  # optimizer steps skipped for non-finite loss / gradients (actor + critic)
+    sync_checks: list[dict[str, Any]] = field(repr=False, default_factory=list)  # policy.rollout.check_sync
 
     @property
     def accuracy_gain(self) -> float | None:
@@ -77,10 +79,7 @@ def train_policy(
     sft_dir: Path,
     reward_dir: Path | None,
     cfg: PolicyConfig,
-    out_dir: Path,
-    storage_path: Path,
-    on_metrics: MetricsCallback | None = None,
-    run_name: str = "policy",
+    site: StageSite,
     *,
     answers: Mapping[str, str] | None = None,
     replay_pairs: Sequence[Mapping[str, str]] = (),
@@ -90,16 +89,14 @@ def train_policy(
 ) -> PolicyTrainResult:
     """Optimise the SFT policy in `sft_dir` on `prompts` with `cfg.algorithm`, rewarded by the
     reward model in `reward_dir` and/or the verifiable reward `cfg.verifiable_reward`, and
-    save it to `out_dir`. `answers` (prompt -> answer, from the prompt set) feed a verifiable
+    save it to `site.out_dir`, reporting `policy/...` metrics (`StageSite`: where it runs and
+    reports). `answers` (prompt -> answer, from the prompt set) feed a verifiable
     reward that checks against them (`rlhf_core.training.verifiable.answer_exact_match`).
     With `cfg.rounds` on, preference rounds replay `replay_pairs` (the reward model's training
     pairs), pass new pairs through the `validation` contract and, for the queue annotator,
-    use `queue_dir` (default: `out_dir`'s sibling `labelling-queue`). Held-out accuracy judges
+    use `queue_dir` (default: `site.out_dir`'s sibling `labelling-queue`). Held-out accuracy judges
     `eval_answers` with `answer_checker` (`data.answer_checker`; None: the exact text).
-
-    Ray Train keeps runs and checkpoints under `storage_path / run_name`; a run name that
-    already holds a run is resumed. `on_metrics(step, {"policy/...": v})` runs on rank 0 and
-    must pickle. Raises `StageFailed` (after saving) when the held-out accuracy gain is below
+    Raises `StageFailed` (after saving) when the held-out accuracy gain is below
     `cfg.min_accuracy_gain`.
     """
     answers = dict(answers or {})
@@ -109,23 +106,19 @@ def train_policy(
         return PolicyWorkerInputs(
             runtime, cfg, sft_dir=str(Path(sft_dir).resolve()),
             reward_dir=str(Path(reward_dir).resolve()) if reward_dir is not None else None,
-            out_dir=str(Path(out_dir).resolve()), prompts=tuple(prompts), eval_prompts=tuple(eval_prompts),
+            out_dir=str(Path(site.out_dir).resolve()), prompts=tuple(prompts), eval_prompts=tuple(eval_prompts),
             eval_answers=tuple(eval_answers), prompts_verifiable=prompts_verifiable,
             answers=tuple(answers.items()),
             replay_pairs=tuple({k: r[k] for k in ("prompt", "chosen", "rejected")} for r in replay_pairs),
-            queue_dir=str(Path(queue_dir or cfg.rounds.queue_dir or Path(out_dir).parent / "labelling-queue").resolve()),
+            queue_dir=str(Path(queue_dir or cfg.rounds.queue_dir or Path(site.out_dir).parent / "labelling-queue").resolve()),
             validation=validation or ValidationConfig(), answer_checker=answer_checker,
         )
 
-    run = fit_stage(
-        "policy", loop_for, train_loop, on_metrics=on_metrics, num_workers=cfg.num_workers,
-        use_gpu=cfg.use_gpu, placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures,
-        storage_path=storage_path, run_name=run_name,
-    )
+    run = fit_stage("policy", loop_for, train_loop, cfg, site)
     summary = run.summary
     if summary.get("trip") is not None:
         raise CircuitBreakerTripped(Trip(**summary["trip"]), run.checkpoint_path)
-    out = _result(run, cfg, Path(out_dir))
+    out = _result(run, cfg, Path(site.out_dir))
     if out.accuracy_gain is not None and out.accuracy_gain < cfg.min_accuracy_gain:
         raise StageFailed(
             f"policy: held-out accuracy {out.accuracy_before:.3f} -> {out.accuracy_after:.3f} "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,9 @@ from rlhf_core.models.reward import (
 )
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.precision import Precision, computing_in
-from rlhf_core.training.stage_types import MetricsCallback, StageFailed
+from rlhf_core.training.stage_types import MetricsCallback, StageFailed, StageSite
+
+Pairs = Sequence[Mapping[str, Any]]  # preference pairs: prompt, chosen, rejected, optional id
 
 ENGINE_TAG = "engine"
 
@@ -73,24 +75,12 @@ class RewardTrainResult:
 # ----------------------------------------------------------------------------- driver
 
 
-def train_reward_model(
-    train_pairs: Sequence[Mapping[str, Any]],
-    eval_pairs: Sequence[Mapping[str, Any]],
-    base_dir: Path,
-    cfg: RewardConfig,
-    out_dir: Path,
-    storage_path: Path,
-    on_metrics: MetricsCallback | None = None,
-    run_name: str = "reward",
-) -> RewardTrainResult:
+def train_reward_model(train_pairs: Pairs, eval_pairs: Pairs, base_dir: Path, cfg: RewardConfig,
+                       site: StageSite) -> RewardTrainResult:
     """Train a reward model from the SFT policy in `base_dir` on `train_pairs` (rows with
     `prompt`, `chosen`, `rejected`, optional `id`), evaluate it on `eval_pairs` and save it
-    to `out_dir`. Ray Train keeps runs and checkpoints under `storage_path / run_name`; a
-    run name that already holds a run is resumed, so give each pipeline run its own.
-
-    `on_metrics(step, {"reward/...": value})` is called on the rank-0 worker, so it must
-    pickle (e.g. `monitoring.sink.MlflowMetricsSink`). Steps redone after a restart are
-    reported again. Raises `StageFailed` (after saving) when the held-out accuracy is below
+    to `site.out_dir`, reporting `reward/...` metrics (`StageSite`: where it runs and reports).
+    Raises `StageFailed` (after saving) when the held-out accuracy is below
     `cfg.min_eval_accuracy`.
     """
     if len(train_pairs) == 0:
@@ -108,16 +98,11 @@ def train_reward_model(
         )
 
     weights = bootstrap_weights(len(train), cfg.ensemble_size, cfg.seed)
-    run = fit_stage(
-        "reward", partial(_loop, cfg=cfg, base_dir=base_dir, out_dir=out_dir, train=train, evals=evals,
-                          weights=weights), _train_loop,
-        on_metrics=on_metrics, num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-        placement_strategy=cfg.placement_strategy, max_failures=cfg.max_failures, storage_path=storage_path,
-        run_name=run_name,
-    )
+    run = fit_stage("reward", partial(_loop, cfg=cfg, base_dir=base_dir, out_dir=site.out_dir, train=train,
+                                      evals=evals, weights=weights), _train_loop, cfg, site)
     summary = run.summary
     out = RewardTrainResult(
-        path=Path(out_dir),
+        path=Path(site.out_dir),
         eval_accuracy=summary["eval_accuracy"],
         eval_loss=summary["eval_loss"],
         reward_mean=summary["reward_mean"],
@@ -146,29 +131,22 @@ class RewardModels:
     audit_pairs: int
 
 
-def train_reward_models(
-    train_pairs: Sequence[Mapping[str, Any]],
-    eval_pairs: Sequence[Mapping[str, Any]],
-    base_dir: Path,
-    cfg: RewardConfig,
-    out_dir: Path,
-    storage_path: Path,
-    on_metrics: MetricsCallback | None = None,
-    run_name: str = "reward",
-) -> RewardModels:
+def train_reward_models(train_pairs: Pairs, eval_pairs: Pairs, base_dir: Path, cfg: RewardConfig,
+                        site: StageSite) -> RewardModels:
     """`train_reward_model` for the proxy, then, when `cfg.audit_share` > 0, a plain reward
     model on the disjoint `audit_share` of the training prompts, saved inside the proxy's
     directory (`rlhf_core.models.reward.AUDIT_DIR`) so the two travel together. Both are
     judged on the same held-out pairs; the audit's metrics are reported as `reward_audit/*`."""
-    audit_rows: Sequence[Mapping[str, Any]] = ()
+    audit_rows: Pairs = ()
     if cfg.audit_share > 0:
         train_pairs, audit_rows = split_by_prompt(train_pairs, cfg.audit_share, cfg.seed + 1)
-    proxy = train_reward_model(train_pairs, eval_pairs, base_dir, cfg, out_dir, storage_path, on_metrics, run_name)
+    proxy = train_reward_model(train_pairs, eval_pairs, base_dir, cfg, site)
     audit = None
     if audit_rows:
         audit_cfg = cfg.model_copy(update={"ensemble_size": 1, "seed": cfg.seed + 1})
-        audit = train_reward_model(audit_rows, eval_pairs, base_dir, audit_cfg, Path(out_dir) / AUDIT_DIR,
-                                   storage_path, _renamed(on_metrics, "reward/", "reward_audit/"), f"{run_name}-audit")
+        audit_site = replace(site, out_dir=Path(site.out_dir) / AUDIT_DIR, run_name=f"{site.run_name}-audit",
+                             on_metrics=_renamed(site.on_metrics, "reward/", "reward_audit/"))
+        audit = train_reward_model(audit_rows, eval_pairs, base_dir, audit_cfg, audit_site)
     return RewardModels(proxy, audit, len(train_pairs), len(audit_rows))
 
 

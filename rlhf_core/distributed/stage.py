@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import ray
@@ -49,7 +49,7 @@ from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_
 from rlhf_core.models.memory import MachineMemory
 from rlhf_core.rng import seed_everything
 from rlhf_core.training.precision import resolve_precision
-from rlhf_core.training.stage_types import MetricsCallback
+from rlhf_core.training.stage_types import MetricsCallback, StageSite
 
 @dataclass(frozen=True)
 class StageRuntime:
@@ -94,33 +94,37 @@ class StageRun:
                            self.summary["consumed"], self.summary["history"])
 
 
+class StageWorkers(Protocol):
+    """How a stage's Ray Train workers are laid out (`RewardConfig` and `PolicyConfig` say it)."""
+
+    num_workers: int
+    use_gpu: bool | None  # None: GPUs when the cluster has them
+    placement_strategy: str
+    max_failures: int  # restarts from the last committed checkpoint before the stage fails
+
+
 def fit_stage(
     stage: str,
     loop_for: Callable[[StageRuntime], Any],
     train_loop: Callable[[Any], dict[str, Any] | None],
-    *,
-    on_metrics: MetricsCallback | None,
-    num_workers: int,
-    use_gpu: bool | None,
-    placement_strategy: str,
-    max_failures: int,
-    storage_path: Path,
-    run_name: str,
+    workers: StageWorkers,
+    site: StageSite,
 ) -> StageRun:
-    """Run `train_loop(loop_for(runtime))` on `num_workers` Ray Train workers; the loop's
-    settings are built once the cluster is known (`runtime.use_gpu`). Runs and checkpoints live
-    under `storage_path / run_name`; a run name that already holds a run is resumed.
+    """Run `train_loop(loop_for(runtime))` on `workers.num_workers` Ray Train workers at `site`;
+    the loop's settings are built once the cluster is known (`runtime.use_gpu`). A run name that
+    already holds a run is resumed.
 
     Raises `StageOutOfMemory` when Ray's memory monitor killed the stage, or, for a loop whose
     `cfg` is a `RewardConfig` (its model in `base_dir`) on a cluster that is this machine, before
     training when the estimate is more than the machine has available."""
     started_ray = connect_ray()
     try:
-        gpu = check_cluster(stage, num_workers, use_gpu)
-        run_dir = Path(storage_path).resolve() / run_name
+        num_workers = workers.num_workers
+        gpu = check_cluster(stage, num_workers, workers.use_gpu)
+        run_dir = Path(site.storage_path).resolve() / site.run_name
         run_dir.mkdir(parents=True, exist_ok=True)
         attempts_file = run_dir / f"{stage}_attempts.jsonl"
-        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), on_metrics))
+        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), site.on_metrics))
         rollout = getattr(getattr(loop, "cfg", None), "rollout", None)
         if rollout is not None and rollout.placement == "separate":
             check_engine_room(stage, num_workers, gpu, rollout.num_engines, rollout.tensor_parallel_size)
@@ -130,8 +134,9 @@ def fit_stage(
         if _cluster_is_this_machine() and (refused := refusal(stage, cfg, getattr(loop, "base_dir", None), machine)):
             raise StageOutOfMemory(refused)
         trainer = torch_trainer(
-            partial(train_loop, loop), num_workers=num_workers, use_gpu=gpu, placement_strategy=placement_strategy,
-            run_name=run_name, storage_path=storage_path, max_failures=max_failures,
+            partial(train_loop, loop), num_workers=num_workers, use_gpu=gpu,
+            placement_strategy=workers.placement_strategy, run_name=site.run_name, storage_path=site.storage_path,
+            max_failures=workers.max_failures,
             # DeepSpeed picks its accelerator when first imported; without GPUs it must be "cpu".
             # A test's fault ($RLHF_FAULT) reaches the workers of a cluster started before it was set.
             env={**({} if gpu else {"DS_ACCELERATOR": "cpu"}),

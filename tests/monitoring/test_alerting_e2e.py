@@ -484,6 +484,7 @@ def test_a_throttled_worker_fires_the_imbalance_alert_and_nothing_is_rolled_back
     from monitoring.prometheus import JobExporter
     from rlhf_core.config import RewardConfig
     from rlhf_core.distributed.reward_trainer import train_reward_model
+    from rlhf_core.training.stage_types import StageSite
     from rlhf_core.config import DemoDataConfig
     from rlhf_core.data.schema import read_table
     from rlhf_core.data.synthetic import generate_demo_data
@@ -506,8 +507,8 @@ def test_a_throttled_worker_fires_the_imbalance_alert_and_nothing_is_rolled_back
 
     def train():
         try:
-            result["r"] = train_reward_model(pairs[:1100], pairs[1100:], base, cfg, tmp_path / "rm", tmp_path / "ray",
-                                             on_metrics=sink, run_name="imbalance")
+            result["r"] = train_reward_model(pairs[:1100], pairs[1100:], base, cfg,
+                                             StageSite(tmp_path / "rm", tmp_path / "ray", "imbalance", sink))
         except Exception as exc:  # noqa: BLE001 - checked below: only the test's own stop is expected
             result["error"] = exc
 

@@ -23,6 +23,7 @@ HOG_GIB = 3.0  # each worker stops there (two workers: well past the margin) if 
 SCRIPT = """
 import json, os, sys, time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -33,7 +34,7 @@ os.environ["RAY_memory_monitor_refresh_ms"] = "50"
 
 from rlhf_core.config import RewardConfig
 from rlhf_core.distributed.memory_failure import StageOutOfMemory
-from rlhf_core.distributed.stage import fit_stage
+from rlhf_core.distributed.stage import StageSite, fit_stage
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,10 @@ def hog(loop):
     time.sleep(10)
 
 
-cfg = RewardConfig(num_workers=2, micro_batch_size=8, max_length=16, max_failures=0)
+cfg = RewardConfig(num_workers=2, micro_batch_size=8, max_length=16, max_failures=0, use_gpu=False,
+                   placement_strategy="PACK")
 try:
-    fit_stage("reward", lambda runtime: Loop(cfg), hog, on_metrics=None, num_workers=2,
-              use_gpu=False, placement_strategy="PACK", max_failures=0, storage_path=sys.argv[1], run_name="oom")
+    fit_stage("reward", lambda runtime: Loop(cfg), hog, cfg, StageSite(Path(sys.argv[1]) / "rm", Path(sys.argv[1]), "oom"))
     print(json.dumps({{"error": None}}))
 except StageOutOfMemory as exc:
     print(json.dumps({{"error": str(exc), "cause": type(exc.__cause__).__name__}}))

@@ -29,6 +29,7 @@ TRAIN = textwrap.dedent("""
     from rlhf_core.data.schema import read_table
     from rlhf_core.data.synthetic import generate_demo_data
     from rlhf_core.distributed.reward_trainer import train_reward_model
+    from rlhf_core.training.stage_types import StageSite
     from rlhf_core.models.llama import build_policy, save_pretrained_atomic
     from rlhf_core.tokenizer import train_tokenizer
 
@@ -41,8 +42,8 @@ TRAIN = textwrap.dedent("""
     exporter = JobExporter("multinode", "reward")
     cfg = RewardConfig(num_workers=2, micro_batch_size=8, epochs=1, checkpoint_every=4, min_eval_accuracy=0.0,
                        warmup_steps=1)
-    result = train_reward_model(pairs[:180], pairs[180:], base, cfg, tmp / "rm", tmp / "shared",
-                                on_metrics=exporter.sink(), run_name="multinode")
+    result = train_reward_model(pairs[:180], pairs[180:], base, cfg,
+                                StageSite(tmp / "rm", tmp / "shared", "multinode", exporter.sink()))
     exporter.close()
     import ray  # still connected to the cluster it joined: its actor table holds finished actors too
     helpers = [a["ActorClassName"] for a in ray._private.state.actors().values()

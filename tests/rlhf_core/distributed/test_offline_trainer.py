@@ -28,6 +28,7 @@ from rlhf_core.training.preference_step import Rows, offline_loss, pair_logprobs
 from rlhf_core.distributed.fault_injection import FAULT_ENV
 from rlhf_core.models.llama import load_policy
 from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.stage_types import StageSite
 from rlhf_core.testing.sinks import JsonlSink
 
 from .conftest import N_EVAL
@@ -50,10 +51,10 @@ def splits(demo):
     return split_by_prompt(demo["pairs"], eval_share=0.2, seed=0)
 
 
-def run(demo, splits, tmp: Path, cfg: PolicyConfig = CFG, **kwargs):
+def run(demo, splits, tmp: Path, cfg: PolicyConfig = CFG, on_metrics=None, **kwargs):
     train, held = splits
-    return train_offline(train, held, demo["eval_prompts"], demo["eval_answers"], demo["sft"], cfg, tmp / "policy",
-                     tmp / "ray", run_name="policy", **kwargs)
+    return train_offline(train, held, demo["eval_prompts"], demo["eval_answers"], demo["sft"], cfg,
+                         StageSite(tmp / "policy", tmp / "ray", "policy", on_metrics), **kwargs)
 
 
 # ----------------------------------------------------------------------------- fast
@@ -253,14 +254,14 @@ def test_offline_configs_are_checked_for_what_applies_to_them():
 def test_bad_input_fails_before_training(demo, splits, tmp_path):
     train, held = splits
     with pytest.raises(ValueError, match=r"policy \(dpo\): the training set is empty \(0 rows\)"):
-        train_offline([], held, [], [], demo["sft"], CFG, tmp_path / "m", tmp_path / "ray")
+        train_offline([], held, [], [], demo["sft"], CFG, StageSite(tmp_path / "m", tmp_path / "ray", "x"))
     with pytest.raises(ValueError, match=r"31 training rows are fewer than one batch of dpo.batch_size=32"):
-        train_offline(train[:31], held, [], [], demo["sft"], CFG, tmp_path / "m", tmp_path / "ray")
+        train_offline(train[:31], held, [], [], demo["sft"], CFG, StageSite(tmp_path / "m", tmp_path / "ray", "x"))
     reject = CFG.model_copy(update={"dpo": CFG.dpo.model_copy(update={"max_length": 9, "on_overlength": "reject"})})
     with pytest.raises(OverlengthError, match=r"policy.dpo \(training rows\): .* exceed max_length=9"):
-        train_offline(train, held, [], [], demo["sft"], reject, tmp_path / "m", tmp_path / "ray")
+        train_offline(train, held, [], [], demo["sft"], reject, StageSite(tmp_path / "m", tmp_path / "ray", "x"))
     with pytest.raises(ValueError, match="train_offline runs policy.algorithm dpo or kto, not 'grpo'"):
-        train_offline(train, held, [], [], demo["sft"], PolicyConfig(), tmp_path / "m", tmp_path / "ray")
+        train_offline(train, held, [], [], demo["sft"], PolicyConfig(), StageSite(tmp_path / "m", tmp_path / "ray", "x"))
     assert not (tmp_path / "ray").exists()
 
 

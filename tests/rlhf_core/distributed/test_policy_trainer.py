@@ -24,6 +24,7 @@ from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
 from rlhf_core.testing.sinks import JsonlSink
 from rlhf_core.tokenizer import load_tokenizer
+from rlhf_core.training.stage_types import StageSite
 from rlhf_core.training.policy_step import prompt_indices
 
 from .conftest import N_EVAL
@@ -55,9 +56,9 @@ FINITE = ("policy/reward_mean", "policy/kl", "policy/entropy", "policy/clipfrac"
           "rollout/prob_diff", "rollout/sync_s", "timing/generate", "timing/update", "timing/sync")
 
 
-def run(demo, tmp: Path, cfg: PolicyConfig = CFG, **kwargs):
+def run(demo, tmp: Path, cfg: PolicyConfig = CFG, on_metrics=None, **kwargs):
     return train_policy(demo["prompts"], demo["eval_prompts"], demo["eval_answers"], demo["sft"], demo["rm"], cfg,
-                        tmp / "policy", tmp / "ray", run_name="policy", **kwargs)
+                        StageSite(tmp / "policy", tmp / "ray", "policy", on_metrics), **kwargs)
 
 
 def check_finite_run(result, cfg: PolicyConfig) -> None:
@@ -110,19 +111,19 @@ def test_bad_input_fails_before_anything_starts(tmp_path):
     (sft / "config.json").write_text(json.dumps({"hidden_size": 48, "num_attention_heads": 2}))
     args = (["01+02="] * 8, ["03+04="], ["007"], sft, None, CFG.model_copy(update={"reward_model_weight": 0.0}))
     with pytest.raises(ValueError, match="no training prompts"):
-        train_policy([], *args[1:], tmp_path / "o", tmp_path / "ray")
+        train_policy([], *args[1:], StageSite(tmp_path / "o", tmp_path / "ray", "x"))
     with pytest.raises(ValueError, match="3 training prompts are fewer than prompts_per_step=8"):
-        train_policy(["01+02="] * 3, *args[1:], tmp_path / "o", tmp_path / "ray")
+        train_policy(["01+02="] * 3, *args[1:], StageSite(tmp_path / "o", tmp_path / "ray", "x"))
     # eval prompts may come without answers (no accuracy), but not with answers for only some
     with pytest.raises(ValueError, match="2 eval prompts but 1 answers"):
-        train_policy(args[0], ["03+04=", "05+06="], ["007"], *args[3:], tmp_path / "o", tmp_path / "ray")
+        train_policy(args[0], ["03+04=", "05+06="], ["007"], *args[3:], StageSite(tmp_path / "o", tmp_path / "ray", "x"))
     with pytest.raises(ValueError, match="reward_model_weight > 0 but no reward model"):
-        train_policy(*args[:5], CFG, tmp_path / "o", tmp_path / "ray")
+        train_policy(*args[:5], CFG, StageSite(tmp_path / "o", tmp_path / "ray", "x"))
     with pytest.raises(ValueError, match=r"head size is 24 .* vLLM's CPU backend supports \[32, 64"):
-        train_policy(*args, tmp_path / "o", tmp_path / "ray")
+        train_policy(*args, StageSite(tmp_path / "o", tmp_path / "ray", "x"))
     (sft / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
     with pytest.raises(ValueError, match="not every training prompt is one addition_exact_match can score"):
-        train_policy(["hello"] * 8, *args[1:], tmp_path / "o", tmp_path / "ray")
+        train_policy(["hello"] * 8, *args[1:], StageSite(tmp_path / "o", tmp_path / "ray", "x"))
     assert not (tmp_path / "ray").exists()
 
 
@@ -299,7 +300,7 @@ def test_grpo_with_lora_an_ensemble_audit_and_rounds_resumes_a_killed_worker_and
     monkeypatch.setenv(FAULT_ENV, f"kill:policy:step3:rank1={killed}")
     sink = JsonlSink(tmp_path / "metrics.jsonl")
     result = train_policy(demo["prompts"], demo["eval_prompts"], demo["eval_answers"], demo["sft"], tmp_path / "rm",
-                          cfg, tmp_path / "policy", tmp_path / "ray", on_metrics=sink, run_name="policy",
+                          cfg, StageSite(tmp_path / "policy", tmp_path / "ray", "policy", sink),
                           replay_pairs=[{"prompt": p, "chosen": "1", "rejected": "2"} for p in prompts],
                           )
     check_finite_run(result, cfg)

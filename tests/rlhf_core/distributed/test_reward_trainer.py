@@ -24,6 +24,7 @@ from rlhf_core.distributed.deepspeed_engine import deepspeed_config
 from rlhf_core.distributed.reward_trainer import train_reward_model
 from rlhf_core.models.reward import read_reward_meta, score
 from rlhf_core.testing.sinks import JsonlSink
+from rlhf_core.training.stage_types import StageSite
 
 from .conftest import arithmetic_pairs
 
@@ -53,9 +54,9 @@ def pairs():
     return split_by_prompt(arithmetic_pairs(1500), eval_share=0.2, seed=0)
 
 
-def run(pairs, base, tmp: Path, cfg: RewardConfig = CFG, **kwargs):
+def run(pairs, base, tmp: Path, cfg: RewardConfig = CFG, on_metrics=None):
     train, held = pairs
-    return train_reward_model(train, held, base, cfg, tmp / "model", tmp / "ray", run_name="reward", **kwargs)
+    return train_reward_model(train, held, base, cfg, StageSite(tmp / "model", tmp / "ray", "reward", on_metrics))
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_the_gpu_optimizer_is_torchs_fused_adamw_which_needs_no_compiler():
 
 def test_empty_training_set_fails_before_training(pairs, tiny_base, tmp_path):
     with pytest.raises(ValueError, match=r"training set is empty \(0 preference pairs\)"):
-        train_reward_model([], pairs[1], tiny_base, CFG, tmp_path / "m", tmp_path / "ray")
+        train_reward_model([], pairs[1], tiny_base, CFG, StageSite(tmp_path / "m", tmp_path / "ray", "x"))
     assert not (tmp_path / "ray").exists()
 
 
@@ -122,13 +123,13 @@ def test_overlength_pairs_with_reject_fail_before_training(pairs, tiny_base, tmp
     rows = list(pairs[0])
     rows[3] = {**rows[3], "chosen": "0" * 5}
     with pytest.raises(ValueError, match=rf"training pairs\): 1 of {len(rows)} .* id={rows[3]['id']} \(13 tokens\)"):
-        train_reward_model(rows, pairs[1], tiny_base, cfg, tmp_path / "m", tmp_path / "ray")
+        train_reward_model(rows, pairs[1], tiny_base, cfg, StageSite(tmp_path / "m", tmp_path / "ray", "x"))
     assert not (tmp_path / "ray").exists()
 
 
 def test_fewer_pairs_than_one_global_batch_fails_before_training(pairs, tiny_base, tmp_path):
     with pytest.raises(ValueError, match=r"31 training pairs are fewer than one global batch of 32"):
-        train_reward_model(pairs[0][:31], pairs[1], tiny_base, CFG, tmp_path / "m", tmp_path / "ray")
+        train_reward_model(pairs[0][:31], pairs[1], tiny_base, CFG, StageSite(tmp_path / "m", tmp_path / "ray", "x"))
 
 
 # ----------------------------------------------------------------------------- slow
@@ -263,7 +264,7 @@ def test_an_ensemble_and_its_audit_model_train_together(ray_cluster, pairs, tiny
 
     train, held = pairs
     cfg = CFG.model_copy(update={"ensemble_size": 3, "audit_share": 0.3, "epochs": 1, "frozen_layers": 1})
-    models = train_reward_models(train, held, tiny_base, cfg, tmp_path / "rm", tmp_path / "ray", run_name="ens")
+    models = train_reward_models(train, held, tiny_base, cfg, StageSite(tmp_path / "rm", tmp_path / "ray", "ens"))
     assert models.proxy_pairs + models.audit_pairs == len(train) and models.audit_pairs > 0
     assert len(models.proxy.member_eval_accuracy) == 3 and models.audit.member_eval_accuracy
     assert models.proxy.eval_accuracy > 0.6 and models.audit.eval_accuracy > 0.6
