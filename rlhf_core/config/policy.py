@@ -65,6 +65,15 @@ class CircuitBreakerConfig(_Strict):
     enabled: bool = Field(True, description='Stop an unstable run and keep its last good checkpoint.')
     kl_patience: int = Field(3, ge=1,
         description='Steps in a row with policy/kl above policy.kl_bound before the run stops.')
+    max_prob_diff_fp32: float | None = Field(0.01, gt=0,
+        description="Largest rollout/prob_diff (mean |p_engine - p_trainer| of the sampled tokens) of a trainer "
+                    "computing in fp32 before a step counts as out of sync with the engine (verl's problem bar); "
+                    "null: off. Not checked with pipelined rollouts.")
+    max_prob_diff_bf16: float | None = Field(0.05, gt=0,
+        description="The same for a trainer computing in bf16, whose log-probs differ from the engine's by its "
+                    "rounding too; null: off.")
+    sync_patience: int = Field(3, ge=1,
+        description='Steps in a row with rollout/prob_diff above its bound before the run stops.')
     max_consecutive_nonfinite: int = Field(2, ge=1,
         description='Steps in a row with a skipped non-finite update before the run stops.')
     entropy_floor: float | None = Field(None, ge=0,

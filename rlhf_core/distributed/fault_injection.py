@@ -1,7 +1,8 @@
 """Faults the tests inject into a run, all through one switch, $RLHF_FAULT, parsed once a
 process and said loudly when set: a worker that dies once at a step, a loss that turns NaN
 once, a pipeline process killed at a named point, a stage held at its first checkpoint for a
-kill from outside, a run waiting at a named point for the test's go. A production run leaves
+kill from outside, a run waiting at a named point for the test's go, a step that silently
+does not do its work (a weight sync that leaves the engine as it was). A production run leaves
 it unset (a deployment's run refuses it), and none of this code acts; the trainers take no
 parameter for it. `fit_stage` hands the variable to the stage's Ray workers."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FAULT_ENV = "RLHF_FAULT"
-FORMS = "kill:POINT[=FILE], hold:POINT, nan:POINT or wait:POINT=FILE"
+FORMS = "kill:POINT[=FILE], hold:POINT, nan:POINT, skip:POINT or wait:POINT=FILE"
 log = logging.getLogger(__name__)
 
 
@@ -24,7 +25,8 @@ class Fault:
     """What $RLHF_FAULT arms: at `point`, `kill` (SIGKILL this process; with a `release` file,
     once: the file is made as it fires, and a retried worker lives), `hold` (stop for good, so
     that a kill from outside lands there however fast the stage runs), `nan` (the next loss a
-    training worker backpropagates is NaN) or `wait` (say so, `release`.waiting appears, and go
+    training worker backpropagates is NaN), `skip` (the work at `point` is not done, and nothing
+    says so: `skipped`) or `wait` (say so, `release`.waiting appears, and go
     on once `release` exists, so that a test can order what two concurrent runs do next)."""
 
     action: str
@@ -39,8 +41,8 @@ def parse(value: str | None) -> Fault | None:
         return None
     action, _, rest = value.partition(":")
     point, _, release = rest.partition("=")
-    if action not in ("kill", "hold", "nan", "wait") or not point or (action == "wait" and not release) \
-            or (action in ("hold", "nan") and release):
+    if action not in ("kill", "hold", "nan", "skip", "wait") or not point or (action == "wait" and not release) \
+            or (action in ("hold", "nan", "skip") and release):
         raise ValueError(f"${FAULT_ENV}={value!r}: expected {FORMS}")
     fault = Fault(action, point, Path(release) if release else None)
     log.warning("fault injection armed ($%s=%s): this process will %s at %s", FAULT_ENV, value, action, point)
@@ -74,6 +76,12 @@ def nan_if_due(backward_and_step, point: str):
     return NanOnce(backward_and_step) if fault is not None and fault == Fault("nan", point) else backward_and_step
 
 
+def skipped(point: str) -> bool:
+    """Whether $RLHF_FAULT is `skip:point`: the caller then leaves out its work at `point`
+    (`policy:sync`: every weight sync of the policy stage, on every rank)."""
+    return armed() == Fault("skip", point)
+
+
 def fault_point(point: str, wait_s: float = 900) -> None:
     """Where the tests stop or order a run, through $RLHF_FAULT alone. The points: `<stage>:end`
     (a stage's work done, its MLflow run not yet closed), `<stage>:returned` (its task returned,
@@ -81,7 +89,7 @@ def fault_point(point: str, wait_s: float = 900) -> None:
     checkpoint is committed), `worker_point`s, and `register:promote` (a passing candidate
     registered, its promotion not yet tried)."""
     fault = armed()
-    if fault is None or fault.point != point or fault.action == "nan":
+    if fault is None or fault.point != point or fault.action in ("nan", "skip"):
         return
     if fault.action == "kill":
         if fault.release is not None:

@@ -43,7 +43,7 @@ from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed import policy_rollouts as rollouts
 from rlhf_core.distributed import policy_rounds
 from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, follow_gathers, gathered_module_state
-from rlhf_core.distributed.fault_injection import fault_point, nan_if_due, worker_point
+from rlhf_core.distributed.fault_injection import fault_point, nan_if_due, skipped, worker_point
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
 from rlhf_core.distributed.policy_metrics import PolicyRankStep, step_metrics
 from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
@@ -59,7 +59,7 @@ from rlhf_core.models.reward import (
 from rlhf_core.models.value import value_model_from
 from rlhf_core.rng import derive_seed
 from rlhf_core.tokenizer import load_tokenizer
-from rlhf_core.training.circuit_breaker import should_trip
+from rlhf_core.training.circuit_breaker import prob_diff_bound, should_trip
 from rlhf_core.training.precision import computing_in
 from rlhf_core.training.policy_step import (
     PolicyBatch,
@@ -248,7 +248,9 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
     local |= rollout_metrics(batch)  # the batch as sampled, before the update (old_logprobs are pi_old's)
 
     with _timed(timings, "sync"):  # pipelined: gather and hand over; the producer applies it
-        if rollouts.syncs_from_the_module(w):
+        if skipped("policy:sync"):  # a test's sync that does nothing: the engine keeps its weights
+            state_dict, sync_s = (policy_weights(w) if _sync_check_due(w, step) else None), 0.0
+        elif rollouts.syncs_from_the_module(w):
             sync_s = _sync_engine(w)
             state_dict = policy_weights(w) if _sync_check_due(w, step) else None  # the check's reference
         else:
@@ -292,7 +294,10 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
             metrics |= rollouts.evaluation_metrics(evaluation)
     if policy_rounds.due(w, step):
         metrics |= policy_rounds.run_round(w, state, step)
-    trip = should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound)
+    drift_bound = prob_diff_bound(cfg.circuit_breaker, w.precision, cfg.pipeline.max_lag)
+    if drift_bound is not None and cfg.circuit_breaker.enabled:
+        metrics["rollout/prob_diff_bound"] = drift_bound  # for the alert (Prometheus) beside the figure
+    trip = should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound, drift_bound)
     if trip is not None:
         state.trip = {"reason": trip.reason, "message": trip.message, "step": trip.step}
         metrics["policy/circuit_breaker_tripped"] = 1.0

@@ -1,12 +1,18 @@
 """The in-loop circuit breaker: should RL training stop now, before it does more harm?
 
-`should_trip(history, limits, kl_bound)` is a pure function of the run's per-step metrics
+`should_trip(history, limits, kl_bound, prob_diff_bound)` is a pure function of the run's per-step metrics
 (oldest first, as the trainer records them) and returns the first condition that holds at
 the last step, or None. Every rank computes it from the same gathered metrics, so all ranks
 stop at the same step. Conditions, each over the last `patience` steps:
 
     kl_above_bound      policy/kl > kl_bound at each of the last `kl_patience` steps
                         (a NaN KL counts as above: an unmeasurable policy is not a safe one)
+    sync_drift          rollout/prob_diff, the mean |p_engine - p_trainer| of the sampled
+                        tokens, above `prob_diff_bound` at each of the last `sync_patience`
+                        steps: the engine samples from weights other than the trainer's (a
+                        weight sync that did nothing, or only part of it) or computes too far
+                        from them. The bound is the trainer's precision's (`prob_diff_bound`);
+                        None (pipelined rollouts, whose lag is part of the gap): off
     nonfinite_loss      an optimizer step was skipped for a NaN/Inf loss or gradient at each
                         of the last `max_consecutive_nonfinite` steps (one skip alone is
                         ZeRO's normal protection and is tolerated)
@@ -42,6 +48,7 @@ from rlhf_core.training.stage_types import StageFailed
 PROXY = "policy/rm_score_mean"  # the score the policy is trained on
 AUDIT = "policy/audit_score_mean"  # a held-out reward model's score of the same rollouts
 DISAGREEMENT = "policy/ensemble_disagreement"  # mean over rollouts of the std across members
+PROB_DIFF = "rollout/prob_diff"  # mean |p_engine - p_trainer| of the sampled tokens
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,17 @@ def _window_means(values: list[float], window: int) -> list[float]:
     return [sum(values[i - window : i]) / window for i in range(window, len(values) + 1)]
 
 
+def prob_diff_bound(limits: CircuitBreakerConfig, precision: str, max_lag: int) -> float | None:
+    """The sync-drift bound of a trainer computing in `precision` (fp32, bf16) whose rollouts
+    lag `max_lag` updates (`policy.pipeline.max_lag`); None: no check."""
+    if max_lag > 0:
+        return None
+    return limits.max_prob_diff_bf16 if precision == "bf16" else limits.max_prob_diff_fp32
+
+
 def should_trip(
-    history: Sequence[Mapping[str, float]], limits: CircuitBreakerConfig, kl_bound: float
+    history: Sequence[Mapping[str, float]], limits: CircuitBreakerConfig, kl_bound: float,
+    prob_diff_bound: float | None = None,
 ) -> Trip | None:
     if not limits.enabled or not history:
         return None
@@ -85,6 +101,14 @@ def should_trip(
     if kl is not None and all(_above(x, kl_bound) for x in kl):
         return Trip("kl_above_bound", f"circuit breaker: KL to the reference {kl[-1]:.4g} above the bound "
                     f"{kl_bound:g} for {limits.kl_patience} consecutive steps (step {step})", step)
+
+    if prob_diff_bound is not None:
+        drift = _last(history, PROB_DIFF, limits.sync_patience)
+        if drift is not None and all(_above(x, prob_diff_bound) for x in drift):
+            return Trip("sync_drift", f"circuit breaker: the rollout engine's token probabilities differ from the "
+                        f"trainer's by {drift[-1]:.4g} on average ({PROB_DIFF}), above {prob_diff_bound:g}, for "
+                        f"{limits.sync_patience} consecutive steps (step {step}): the engine is not sampling from "
+                        f"the trainer's weights", step)
 
     skipped = _last(history, "policy/nonfinite_skipped", limits.max_consecutive_nonfinite)
     if skipped is not None and all(x > 0 for x in skipped):

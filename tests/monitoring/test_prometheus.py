@@ -37,6 +37,7 @@ def test_a_step_sent_through_the_pickled_sink_is_scraped_with_its_labels(exporte
     sink(3, {"policy/kl": 2.5, "policy/entropy": 0.7, "policy/reward_mean": 0.4, "policy/clipfrac": 0.1,
              "policy/grad_norm": 1.5, "policy/pg_loss": -0.2, "policy/nonfinite_skipped": 1.0,
              "policy/rm_score_mean": 1.25, "policy/audit_score_mean": -0.5, "policy/ensemble_disagreement": 0.3,
+             "rollout/prob_diff": 0.02, "rollout/prob_diff_bound": 0.01,
              "worker/0/host": "node-a", "worker/0/cpu_utilization": 0.93, "worker/0/samples_per_second": 120.0,
              "worker/1/host": "node-b", "worker/1/cpu_utilization": 0.41, "worker/1/step_seconds": 2.0,
              "timing/generate": 0.3})
@@ -48,6 +49,7 @@ def test_a_step_sent_through_the_pickled_sink_is_scraped_with_its_labels(exporte
     assert value(s, "rlhf_train_nonfinite_steps_total", **job) == 1.0
     assert value(s, "rlhf_policy_proxy_score", **job) == 1.25 and value(s, "rlhf_policy_audit_score", **job) == -0.5
     assert value(s, "rlhf_policy_ensemble_disagreement", **job) == 0.3
+    assert value(s, "rlhf_rollout_prob_diff", **job) == 0.02 and value(s, "rlhf_rollout_prob_diff_bound", **job) == 0.01
     assert value(s, "rlhf_train_running", **job) == 1.0
     assert value(s, "rlhf_worker_cpu_utilization_ratio", **job, rank="0", host="node-a") == 0.93
     assert value(s, "rlhf_worker_cpu_utilization_ratio", **job, rank="1", host="node-b") == 0.41

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rlhf_core.distributed import fault_injection
-from rlhf_core.distributed.fault_injection import FAULT_ENV, Fault, fault_point, parse
+from rlhf_core.distributed.fault_injection import FAULT_ENV, Fault, fault_point, parse, skipped
 from tasks.run_start import FaultRefused, refuse_in_deployment
 
 
@@ -36,10 +36,20 @@ def test_the_switch_is_parsed_once_and_said_loudly(caplog):
     assert parse("") is None and parse(None) is None
 
 
-@pytest.mark.parametrize("value", ["explode:sft:end", "kill:", "wait:register:promote", "hold:sft:end=/tmp/go"])
+@pytest.mark.parametrize("value", ["explode:sft:end", "kill:", "wait:register:promote", "hold:sft:end=/tmp/go",
+                                   "skip:policy:sync=/tmp/go"])
 def test_a_malformed_switch_says_what_it_takes(value):
-    with pytest.raises(ValueError, match=re.escape("expected kill:POINT[=FILE], hold:POINT, nan:POINT or wait:POINT=FILE")):
+    with pytest.raises(ValueError, match=re.escape(
+            "expected kill:POINT[=FILE], hold:POINT, nan:POINT, skip:POINT or wait:POINT=FILE")):
         parse(value)
+
+
+def test_a_skip_names_one_point_and_the_point_itself_does_nothing(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "skip:policy:sync")
+    assert skipped("policy:sync") and not skipped("reward:sync")
+    fault_point("policy:sync")  # a skip is the caller's to act on: the point neither kills nor waits
+    monkeypatch.delenv(FAULT_ENV)
+    assert not skipped("policy:sync")
 
 
 def test_a_deployments_run_refuses_an_armed_switch(monkeypatch):

@@ -25,6 +25,7 @@ from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_r
 from rlhf_core.testing.sinks import JsonlSink
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.stage_types import StageSite
+from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
 from rlhf_core.training.policy_step import prompt_indices
 
 from .conftest import N_EVAL
@@ -161,6 +162,30 @@ def test_more_workers_than_cluster_cpus_fails_before_training(ray_cluster, demo,
     with pytest.raises(ValueError, match=r"policy.num_workers=2 with policy.rollout.num_engines=3 .*CPU 5 needed, 4 in "
                                          r"the cluster"):
         run(demo, tmp_path, separate)
+
+
+@pytest.mark.slow
+def test_an_engine_that_keeps_its_weights_stops_the_run(ray_cluster, demo, tmp_path, monkeypatch):
+    """A weight sync that silently does nothing: the engine samples from the SFT weights while
+    the trainer moves on. The gap shows in rollout/prob_diff from the first step after the
+    first skipped sync, and the circuit breaker stops the run on it, keeping no checkpoint of
+    the tripping step."""
+    monkeypatch.setenv(FAULT_ENV, "skip:policy:sync")
+    cfg = CFG.model_copy(update={"steps": 6, "checkpoint_every": 100})
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    with pytest.raises(CircuitBreakerTripped) as tripped:
+        run(demo, tmp_path, cfg, on_metrics=sink)
+    trip = tripped.value.trip
+    drift = [json.loads(line).get("rollout/prob_diff") for line in sink.path.read_text().splitlines()][1:]
+    print(f"\nrollout/prob_diff with the sync skipped: {drift}")
+    assert trip.reason == "sync_drift", trip
+    # step 1 sampled from the weights the trainer started from; the gap grows as the trainer
+    # moves away (this machine: 1e-7, then 0.017, 0.044, 0.050, against the fp32 bound 0.01)
+    patience, bound = cfg.circuit_breaker.sync_patience, cfg.circuit_breaker.max_prob_diff_fp32
+    assert drift[0] < 0.005, drift
+    assert trip.step == len(drift) < cfg.steps and all(d > bound for d in drift[-patience:]), drift
+    assert "the engine is not sampling from the trainer's weights" in str(tripped.value)
+    assert tripped.value.checkpoint_path is None
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from rlhf_core.config import CircuitBreakerConfig, ConfigError, parse_config
-from rlhf_core.training.circuit_breaker import should_trip
+from rlhf_core.training.circuit_breaker import prob_diff_bound, should_trip
 
 BOUND = 10.0
 
@@ -13,7 +13,7 @@ def steps(**series) -> list[dict]:
     """History rows from per-metric lists: steps(kl=[1, 2]) -> [{step 1, policy/kl 1}, ...]."""
     names = {"kl": "policy/kl", "skipped": "policy/nonfinite_skipped", "entropy": "policy/entropy",
              "reward": "policy/reward_mean", "proxy": "policy/rm_score_mean", "audit": "policy/audit_score_mean",
-             "spread": "policy/ensemble_disagreement"}
+             "spread": "policy/ensemble_disagreement", "drift": "rollout/prob_diff"}
     n = max(len(v) for v in series.values())
     return [{"step": i + 1, **{names[k]: v[i] for k, v in series.items() if i < len(v)}} for i in range(n)]
 
@@ -68,6 +68,34 @@ def test_should_trip(history, limits, expected):
     assert (None if trip is None else trip.reason) == expected
     if trip is not None:
         assert trip.step == history[-1]["step"] and trip.message.startswith("circuit breaker:")
+
+
+@pytest.mark.parametrize(
+    "drift, bound, expected",
+    [
+        pytest.param([0.002, 0.003, 0.004], 0.01, None, id="in-sync"),
+        pytest.param([0.2, 0.2, 0.2], 0.01, "sync_drift", id="engine-keeps-old-weights"),
+        pytest.param([0.02, 0.005, 0.02, 0.02], 0.01, None, id="streak-broken"),
+        pytest.param([0.02, math.nan, 0.02], 0.01, "sync_drift", id="nan-counts-as-above"),
+        pytest.param([0.2, 0.2], 0.01, None, id="too-few-steps"),
+        pytest.param([0.2, 0.2, 0.2], None, None, id="no-bound-no-check"),
+    ],
+)
+def test_sync_drift(drift, bound, expected):
+    trip = should_trip(steps(drift=drift), ALL_ON, BOUND, bound)
+    assert (None if trip is None else trip.reason) == expected
+
+
+def test_the_drift_bound_follows_the_trainers_precision_and_is_off_for_lagged_rollouts():
+    limits = CircuitBreakerConfig()
+    assert prob_diff_bound(limits, "fp32", 0) == limits.max_prob_diff_fp32 == 0.01
+    assert prob_diff_bound(limits, "bf16", 0) == limits.max_prob_diff_bf16 == 0.05
+    assert prob_diff_bound(limits, "fp32", 1) is None  # pipelined: the lag is part of the gap by design
+    assert prob_diff_bound(CircuitBreakerConfig(max_prob_diff_fp32=None), "fp32", 0) is None
+    trip = should_trip(steps(drift=[0.2, 0.3, 0.25]), limits, BOUND, 0.01)
+    assert trip.message == ("circuit breaker: the rollout engine's token probabilities differ from the trainer's by "
+                            "0.25 on average (rollout/prob_diff), above 0.01, for 3 consecutive steps (step 3): the "
+                            "engine is not sampling from the trainer's weights")
 
 
 def test_the_first_condition_in_order_is_reported_and_the_message_has_the_numbers():
