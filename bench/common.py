@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import threading
 import time
 from datetime import datetime, timezone
@@ -62,6 +63,32 @@ def demo_policy_inputs(run_dir: Path) -> tuple[list[str], list[str], list[str]]:
                                  + list(read_table(data / "preferences.jsonl")["prompt"])))
     evals = read_table(data / "eval.jsonl")
     return prompts, list(evals["prompt"]), list(evals["answer"])
+
+
+def demo_grpo_steps(steps: int, run_name: str) -> tuple[Path, list[dict[str, float]]] | None:
+    """The demo's GRPO stage run for `steps` steps from the newest demo run's SFT policy and
+    reward model (configs/demo.yaml, 2 Ray workers): (the demo run, its per-step metrics), or
+    None when there is no demo run (said)."""
+    from rlhf_core.config import load_config  # noqa: PLC0415
+    from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
+    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
+
+    run_dir = newest_demo_run()
+    if run_dir is None:
+        print(f"\nno real-step figure: {NO_DEMO_RUN}")
+        return None
+    cfg = load_config(REPO / "configs" / "demo.yaml").policy
+    cfg = cfg.model_copy(update={"steps": steps, "eval_every": steps, "min_accuracy_gain": -1.0})
+    prompts, eval_prompts, eval_answers = demo_policy_inputs(run_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = train_policy(prompts, eval_prompts, eval_answers, run_dir / "models" / "sft", run_dir / "models" / "reward",
+                         cfg, StageSite(Path(tmp) / "policy", Path(tmp) / "ray", run_name))
+    return run_dir, r.run.metrics_history
+
+
+def step_seconds(metrics: dict[str, float]) -> float:
+    """A policy step's wall time: its slowest worker's."""
+    return max(v for k, v in metrics.items() if k.startswith("policy/step_time_s/"))
 
 
 def defences_off(cfg, answer_key: bool = False):

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import NO_DEMO_RUN, REPO, SIZES, demo_policy_inputs, median, newest_demo_run, save, table, timed  # noqa: E402
+from bench.common import SIZES, demo_grpo_steps, median, save, step_seconds, table, timed  # noqa: E402
 from bench.rollout_generation import GROUP, demo_tokenizer  # noqa: E402
 from rlhf_core.config import ModelConfig  # noqa: E402
 from rlhf_core.data.synthetic import prompt_for  # noqa: E402
@@ -102,25 +102,14 @@ def main() -> None:
 
 
 def real_demo_steps(steps: int) -> dict | None:
-    """The demo GRPO stage's own steps, from the newest demo run's SFT policy and reward model:
-    the median over steps of `timing/sync` and of the step's wall time (the slowest worker's),
-    and the median of their ratio. None when there is no demo run."""
-    from rlhf_core.config import load_config  # noqa: PLC0415
-    from rlhf_core.distributed.policy_trainer import train_policy  # noqa: PLC0415
-    from rlhf_core.training.stage_types import StageSite  # noqa: PLC0415
-
-    run_dir = newest_demo_run()
-    if run_dir is None:
-        print(f"\nno real-step figure: {NO_DEMO_RUN}")
+    """The demo GRPO stage's own steps: the median over steps of `timing/sync` (rank 0 gathering
+    the actor and pushing it into the engine) and of the step's wall time, and of their ratio."""
+    found = demo_grpo_steps(steps, "sync")
+    if found is None:
         return None
-    cfg = load_config(REPO / "configs" / "demo.yaml").policy
-    cfg = cfg.model_copy(update={"steps": steps, "eval_every": steps, "min_accuracy_gain": -1.0})
-    prompts, eval_prompts, eval_answers = demo_policy_inputs(run_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        r = train_policy(prompts, eval_prompts, eval_answers, run_dir / "models" / "sft",
-                         run_dir / "models" / "reward", cfg, StageSite(Path(tmp) / "policy", Path(tmp) / "ray", "sync"))
-    sync = [m["timing/sync"] for m in r.run.metrics_history]
-    step = [max(v for k, v in m.items() if k.startswith("policy/step_time_s/")) for m in r.run.metrics_history]
+    run_dir, history = found
+    sync = [m["timing/sync"] for m in history]
+    step = [step_seconds(m) for m in history]
     return {"run_dir": run_dir.name, "steps": len(step), "sync_s": median(sync), "step_s": median(step),
             "sync_share": median([a / b for a, b in zip(sync, step, strict=True)])}
 

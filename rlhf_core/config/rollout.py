@@ -65,6 +65,11 @@ class RolloutEngineConfig(_Strict):
     sync_timeout_s: float = Field(300.0, gt=0, description=(
         "Seconds a weight sync may take before the stage fails with a timeout (a hung transfer otherwise holds "
         "the run's workers forever)."))
+    verify_sync: bool = Field(True, description=(
+        "After every weight sync, score a few of the step's rollouts with the engine and with the trainer and stop "
+        "the run (after one retried sync) when their token probabilities differ by more than the circuit breaker's "
+        "bound for the trainer's precision, or when the engine did not move from the SFT weights with the trainer: "
+        "a sync that silently did nothing. Not with pipelined rollouts."))
     check_sync: bool = Field(False, description=(
         "After the first and the last weight sync, compare the engine's greedy answers to 32 held-out prompts "
         "with the trainer's own and keep the comparison with the stage's result: a diagnostic for a new model "

@@ -41,16 +41,16 @@ from rlhf_core.distributed import collectives
 from rlhf_core.config import PolicyConfig
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed import policy_rollouts as rollouts
-from rlhf_core.distributed import policy_rounds
-from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep, follow_gathers, gathered_module_state
-from rlhf_core.distributed.fault_injection import fault_point, nan_if_due, skipped, worker_point
+from rlhf_core.distributed import policy_rounds, policy_sync
+from rlhf_core.distributed.deepspeed_engine import DeepSpeedBackwardAndStep
+from rlhf_core.distributed.fault_injection import fault_point, nan_if_due, worker_point
 from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
 from rlhf_core.distributed.policy_metrics import PolicyRankStep, step_metrics
 from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
 from rlhf_core.distributed.stage import agreed_precision, record_attempt, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers, peak_rss_gib
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
-from rlhf_core.models.lora import frozen_reference, load_policy_for_training, merged_state_dict, reference_view
+from rlhf_core.models.lora import frozen_reference, load_policy_for_training, reference_view
 from rlhf_core.models.placement import frozen_on
 from rlhf_core.models.reward import (
     AUDIT_DIR, audit_model_dir, load_reward_model, member_mean, member_stats, normalise, read_reward_meta, score,
@@ -59,7 +59,7 @@ from rlhf_core.models.reward import (
 from rlhf_core.models.value import value_model_from
 from rlhf_core.rng import derive_seed
 from rlhf_core.tokenizer import load_tokenizer
-from rlhf_core.training.circuit_breaker import prob_diff_bound, should_trip
+from rlhf_core.training.circuit_breaker import Trip, prob_diff_bound, should_trip
 from rlhf_core.training.precision import computing_in
 from rlhf_core.training.policy_step import (
     PolicyBatch,
@@ -91,7 +91,7 @@ def train_loop(loop: PolicyWorkerInputs) -> dict[str, Any] | None:
         if w.rank == 0:
             w.engine = rollouts.start_engine(w)
         if saved is not None:  # every rank: under ZeRO-3 the weights are gathered, a collective
-            _sync_engine(w)
+            policy_sync.sync_engine(w)
         if w.rank == 0:
             if not state.evaluations:
                 state.evaluations.append(rollouts.evaluate(w, 0))
@@ -103,7 +103,7 @@ def train_loop(loop: PolicyWorkerInputs) -> dict[str, Any] | None:
         if state.trip is not None:  # every rank saw the same history: all stop here, nothing is saved
             return {**asdict(state), "sync_checks": []} if w.rank == 0 else None
         peaks["trained"] = peak_rss_gib()
-        state_dict = policy_weights(w)
+        state_dict = policy_sync.policy_weights(w)
         if w.rank != 0:
             return None
         summary = _finish(w, state, state_dict)
@@ -161,32 +161,6 @@ def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
     return w
 
 
-def policy_weights(w: PolicyWorker) -> dict[str, torch.Tensor] | None:
-    """The actor's weights as the plain policy names them, on rank 0 (None elsewhere): what the
-    rollout engine loads and the stage saves. Every rank must call it (ZeRO-3 gathers)."""
-    if w.cfg.lora.enabled:  # ZeRO-1/2 only: every rank holds the whole module
-        return merged_state_dict(w.actor.module) if w.rank == 0 else None
-    return gathered_module_state(w.actor, w.cfg.zero_stage, w.rank)
-
-
-def _sync_engine(w: PolicyWorker) -> float:
-    """Every rank: the engine takes the actor's weights; rank 0 returns the seconds (0 elsewhere).
-    Streamed from the module itself where the run allows (`rollouts.syncs_from_the_module`: rank 0
-    sends, the others join its ZeRO-3 gathers), else through a copy on rank 0."""
-    if rollouts.syncs_from_the_module(w):
-        if w.rank == 0:
-            return w.engine.sync_weights(w.actor.module)
-        follow_gathers(w.actor.module)
-        return 0.0
-    state_dict = policy_weights(w)
-    return w.engine.sync_weights(state_dict) if w.rank == 0 else 0.0
-
-
-def _sync_check_due(w: PolicyWorker, step: int) -> bool:
-    """The test hook's check of the engine against the trainer, after the first and the last step."""
-    return w.cfg.rollout.check_sync and step in (1, w.cfg.steps)
-
-
 @contextmanager
 def _timed(timings: dict[str, float], phase: str):
     start = time.perf_counter()
@@ -204,15 +178,19 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
     pipeline_metrics: dict[str, float] = {}
     with _timed(timings, "generate"):  # pipelined: the time the trainer waited for the batch
         indices = prompt_indices(len(w.loop.prompts), cfg.prompts_per_step, state.step, cfg.seed)
-        shards = None
+        shards, check = None, None
         if rank == 0 and w.pipeline is not None:
             shards, pipeline_metrics = rollouts.take_pipelined(w, step)
         elif rank == 0:
             shards = rollouts.generate(w, indices, step)
+            check = policy_sync.verification(w, step, shards[0])  # before the release: at step 1 the engine's SFT figures
             w.engine.release()  # with policy.rollout.sleep its GPU memory is the trainer's until the sync
         received: list[Any] = [None]
         dist.scatter_object_list(received, shards, src=0)
         samples: list[rollouts.Sample] = received[0]
+    check = policy_sync.shared(check) if policy_sync.verifies(w) else None
+    if check is not None and step == 1:  # the trainer's figures before its first update
+        check.trainer_before = policy_sync.trainer_logprobs(w, check.probe)
 
     batch = build_batch(samples, w.tokenizer.pad_token_id).to(w.device)
     with w.meter.compute():  # this worker's own forward passes, no collectives: its throughput
@@ -248,29 +226,21 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
     local |= rollout_metrics(batch)  # the batch as sampled, before the update (old_logprobs are pi_old's)
 
     with _timed(timings, "sync"):  # pipelined: gather and hand over; the producer applies it
-        if skipped("policy:sync"):  # a test's sync that does nothing: the engine keeps its weights
-            state_dict, sync_s = (policy_weights(w) if _sync_check_due(w, step) else None), 0.0
-        elif rollouts.syncs_from_the_module(w):
-            sync_s = _sync_engine(w)
-            state_dict = policy_weights(w) if _sync_check_due(w, step) else None  # the check's reference
-        else:
-            state_dict = policy_weights(w)
-            sync_s = 0.0
-            if rank == 0 and w.pipeline is not None:
-                w.pipeline.publish(step, state_dict, copy=False)  # policy_weights made a private copy
-                sync_s = w.pipeline.take_sync_seconds()[0]  # applied on the producer thread since the last step
-            elif rank == 0:
-                sync_s = w.engine.sync_weights(state_dict)
+        sync_s, state_dict = policy_sync.sync(w, step)
+    verified, failed = {}, None
+    if check is not None:
+        verified, failed = check.run(w, policy_sync.verify_bound(w), lambda: policy_sync.sync(w, step))
 
     gathered: list[Any] = [None] * w.world
     dist.all_gather_object(gathered, PolicyRankStep(time.perf_counter() - start, local, update,
                                                     int(batch.attention_mask.sum()), w.meter.figures(len(samples))))
-    metrics = step_metrics(gathered, timings, kl_coef, sync_s) | pipeline_metrics
-    _end_step(w, state, step, indices, metrics, state_dict, [g.worker for g in gathered])
+    metrics = step_metrics(gathered, timings, kl_coef, sync_s) | pipeline_metrics | verified
+    _end_step(w, state, step, indices, metrics, state_dict, [g.worker for g in gathered], failed)
 
 
 def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int], metrics: dict[str, float],
-              state_dict: dict[str, torch.Tensor] | None, workers: list[dict[str, Any]]) -> None:
+              state_dict: dict[str, torch.Tensor] | None, workers: list[dict[str, Any]],
+              sync_failed: str | None = None) -> None:
     """Every rank: the KL controller, the run's state, rank 0's evaluations, the circuit
     breaker, the metrics out, and the checkpoint when one is due."""
     cfg, rank = w.cfg, w.rank
@@ -284,7 +254,7 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
     state.consumed.append(indices)
     state.kl_controller = w.kl_controller.state_dict()
     if rank == 0:
-        if _sync_check_due(w, step):
+        if policy_sync.check_due(w, step):
             with rollouts.engine_at_newest(w):
                 w.sync_checks.append(rollouts.sync_check(w, state_dict, step))
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -294,10 +264,11 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
             metrics |= rollouts.evaluation_metrics(evaluation)
     if policy_rounds.due(w, step):
         metrics |= policy_rounds.run_round(w, state, step)
-    drift_bound = prob_diff_bound(cfg.circuit_breaker, w.precision, cfg.pipeline.max_lag)
+    drift_bound = policy_sync.verify_bound(w)
     if drift_bound is not None and cfg.circuit_breaker.enabled:
         metrics["rollout/prob_diff_bound"] = drift_bound  # for the alert (Prometheus) beside the figure
-    trip = should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound, drift_bound)
+    trip = Trip("sync_failed", sync_failed, step) if sync_failed is not None else \
+        should_trip([*state.history, {"step": step, **metrics}], cfg.circuit_breaker, cfg.kl_bound, drift_bound)
     if trip is not None:
         state.trip = {"reason": trip.reason, "message": trip.message, "step": trip.step}
         metrics["policy/circuit_breaker_tripped"] = 1.0

@@ -111,6 +111,10 @@ class EngineActor:
     def collective_rpc(self, method: str, timeout: float | None, args: tuple) -> list[Any]:
         return self.engine._engine().collective_rpc(method, timeout=timeout, args=args)
 
+    def probe(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        [answer] = self.engine.probe(prompt_ids, response_ids)
+        return answer
+
     def reset_prefix_cache(self) -> None:
         self.engine._engine().reset_prefix_cache()
 
@@ -233,6 +237,11 @@ class EngineGroup:
         seconds = time.perf_counter() - start
         self.last_metrics["rollout/sync_s"] = seconds
         return seconds
+
+    def probe(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]) -> list[list[list[float]]]:
+        """`RolloutEngine.probe` on every engine of the group: each must hold the trainer's weights."""
+        rows = ([list(p) for p in prompt_ids], [list(r) for r in response_ids])
+        return ray.get([a.probe.remote(*rows) for a in self.actors])
 
     def release(self) -> None:
         """Engines of their own hold their devices through the update: nothing to free."""

@@ -243,6 +243,20 @@ class RolloutEngine:
         )
         return rollouts
 
+    def probe(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]) -> list[list[list[float]]]:
+        """What the engine's weights say about fixed tokens: the log-probs (temperature 1, the raw
+        distribution) of each row's `response_ids` after its `prompt_ids`, teacher-forced, as one
+        list for this one engine (an `EngineGroup` gives one per engine). Nothing is sampled:
+        the engine's generator is not touched."""
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        rows = [TokensPrompt(prompt_token_ids=[*p, *r]) for p, r in zip(prompt_ids, response_ids, strict=True)]
+        with self._own_rng():
+            outputs = self._engine().generate(rows, params, use_tqdm=False)
+        return [[[step[token].logprob for token, step in zip(r, out.prompt_logprobs[len(p):], strict=True)]
+                 for p, r, out in zip(prompt_ids, response_ids, outputs, strict=True)]]
+
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> float:
         """Replace the engine's weights in place with `state_dict` (Hugging Face names, as from
         `model.state_dict()`), or, through a streaming transport, with the trainer's module read

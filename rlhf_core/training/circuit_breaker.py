@@ -32,6 +32,9 @@ stop at the same step. Conditions, each over the last `patience` steps:
                           (policy/ensemble_disagreement) is above `max_disagreement`: the
                           policy went where the reward models no longer agree
 
+The trainer trips the same way, with reason `sync_failed`, when the rollout engine fails its
+check after a weight sync twice (`rlhf_core.distributed.policy_sync`).
+
 What the trainer does on a trip (`rlhf_core.distributed.policy_trainer`): it stops without
 writing a checkpoint for the tripping step, so the last checkpoint is the last good one,
 does not save the policy, and the stage fails with the trip's message.

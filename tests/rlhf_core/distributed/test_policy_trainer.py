@@ -165,13 +165,36 @@ def test_more_workers_than_cluster_cpus_fails_before_training(ray_cluster, demo,
 
 
 @pytest.mark.slow
-def test_an_engine_that_keeps_its_weights_stops_the_run(ray_cluster, demo, tmp_path, monkeypatch):
-    """A weight sync that silently does nothing: the engine samples from the SFT weights while
-    the trainer moves on. The gap shows in rollout/prob_diff from the first step after the
-    first skipped sync, and the circuit breaker stops the run on it, keeping no checkpoint of
-    the tripping step."""
+@pytest.mark.parametrize("fault, what", [("skip:policy:sync", "keeps its weights"),
+                                         ("skip:policy:sync-tensors", "takes half the tensors")])
+def test_a_sync_that_does_not_take_stops_the_run_at_the_first_sync(ray_cluster, demo, tmp_path, monkeypatch, fault,
+                                                                    what):
+    """The engine is checked after every sync (`policy_sync`): one that keeps its weights, or
+    takes every other tensor only, fails the check at the first sync, again after the retried
+    sync, and the stage stops with one block, keeping no checkpoint of that step."""
+    monkeypatch.setenv(FAULT_ENV, fault)
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    with pytest.raises(CircuitBreakerTripped) as tripped:
+        run(demo, tmp_path, CFG.model_copy(update={"rollout": RolloutEngineConfig(weight_sync="file")}), on_metrics=sink)
+    trip, message = tripped.value.trip, str(tripped.value)
+    print(f"\nan engine that {what}:\n{message}")
+    assert trip.reason == "sync_failed" and trip.step == 1, trip
+    assert message.startswith("weight sync failed: the rollout engine does not serve the trainer's weights")
+    assert "transport: policy.rollout.weight_sync=file (file, colocated engine)" in message
+    assert "check:     " in message and "retried:   " in message and tripped.value.checkpoint_path is None
+    [step1] = [json.loads(line) for line in sink.path.read_text().splitlines()][1:]
+    assert step1["policy/circuit_breaker_tripped"] == 1.0
+
+
+@pytest.mark.slow
+def test_without_the_check_the_breaker_catches_an_engine_that_keeps_its_weights(ray_cluster, demo, tmp_path,
+                                                                                monkeypatch):
+    """Defence in depth: with `policy.rollout.verify_sync` off, a sync that silently does nothing
+    shows in rollout/prob_diff from the first step after the first skipped sync, and the circuit
+    breaker stops the run on it."""
     monkeypatch.setenv(FAULT_ENV, "skip:policy:sync")
-    cfg = CFG.model_copy(update={"steps": 6, "checkpoint_every": 100})
+    cfg = CFG.model_copy(update={"steps": 6, "checkpoint_every": 100,
+                                 "rollout": RolloutEngineConfig(verify_sync=False)})
     sink = JsonlSink(tmp_path / "metrics.jsonl")
     with pytest.raises(CircuitBreakerTripped) as tripped:
         run(demo, tmp_path, cfg, on_metrics=sink)
@@ -208,6 +231,9 @@ def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, de
     assert max(diffs) < 1e-3, diffs
     prob_diffs = [m["rollout/prob_diff"] for m in result.run.metrics_history]
     assert max(prob_diffs) < 0.005, prob_diffs  # verl's "healthy" bar, with room: fp32 both sides
+    # every sync was checked right after it, and passed the first time
+    gaps = [m["rollout/verify_gap"] for m in result.run.metrics_history]
+    assert max(gaps) < 1e-3 and not any(m["rollout/verify_retries"] for m in result.run.metrics_history), gaps
     # The NaN injected at step 3 skipped exactly one optimizer step, and training went on.
     skipped = [m["policy/nonfinite_skipped"] for m in result.run.metrics_history]
     assert skipped == [0, 0, 1, 0] and result.nonfinite_skipped == 1

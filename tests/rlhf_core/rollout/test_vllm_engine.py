@@ -202,6 +202,19 @@ def test_sampled_logprobs_match_the_trainer(engine, policy):
         assert diff.max() < 100 * LOGPROB_ATOL
 
 
+def test_the_probe_gives_the_trainers_logprobs(engine, policy):
+    """`probe`: teacher-forced log-probs of fixed tokens, the check of every weight sync."""
+    rollouts = engine.generate(policy.prompts[:8], n=1, temperature=1.0, max_tokens=MAX_NEW, seed=0)
+    prompts, responses = [r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts]
+    [probed] = engine.probe(prompts, responses)
+    hf = recompute_logprobs(policy.model, prompts, responses, temperature=1.0)
+    diff = torch.cat([(torch.tensor(e) - h).abs() for e, h in zip(probed, hf, strict=True)])
+    assert [len(e) for e in probed] == [len(r) for r in responses]
+    assert diff.mean() < LOGPROB_ATOL and diff.max() < 100 * LOGPROB_ATOL, diff
+    # the same figures as the logprobs the engine reported when it sampled these tokens at T=1
+    assert max(abs(a - b) for r, e in zip(rollouts, probed) for a, b in zip(r.logprobs, e)) < 100 * LOGPROB_ATOL
+
+
 def test_n_samples_per_prompt_are_grouped_and_seeded_sampling_is_reproducible(engine, policy):
     prompts = policy.prompts[:8]
     a = engine.generate(prompts, n=4, temperature=1.0, max_tokens=MAX_NEW, seed=123)
