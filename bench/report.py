@@ -80,6 +80,26 @@ def weight_sync(results: Path) -> list[str]:
     return out
 
 
+def sync_check_cost(results: Path) -> list[str]:
+    if (r := load("sync_check_cost", results)) is None:
+        return not_run("sync_check_cost", "sync_check_cost.py")
+    out = [measured_on(r, "sync_check_cost"), "",
+           "One check (the engine's and the fp32 trainer's scoring of the probe rows) against the sync and a "
+           "step's floor (generation + one train pass + the sync):", "",
+           md_table(r["rows"], [("model", "policy", ""), ("params", "parameters", ","), ("step_shape", "step", ""),
+                                ("probe_tokens", "probe tokens", ""), ("check_s", "check s", ".3f"),
+                                ("trainer_bf16_s", "trainer bf16 s", ".3f"), ("sync_s", "sync s", ".3f"),
+                                ("step_s", "step s", ".2f"), ("check_vs_sync", "check / sync", ".2f"),
+                                ("check_share", "check / step", ".1%")])]
+    if (real := r.get("real_demo")) is not None:
+        out += ["", f"The trainer's own demo GRPO steps (`rollout/verify_s` against the step's wall time, median of "
+                    f"{real['steps']} steps): check {real['verify_s'] * 1e3:.0f} ms, sync {real['sync_s'] * 1e3:.0f} ms, "
+                    f"step {real['step_s']:.2f} s: **{real['verify_share']:.1%}** of the step; the largest gap "
+                    f"measured {real['verify_gap_max']:.2g}."]
+    peaks = ", ".join(f"{p['process']} {p['peak_rss_gib']} GiB" for p in r.get("peak_rss", []))
+    return out + (["", f"Peak resident memory: {peaks}."] if peaks else [])
+
+
 def rl_step_vs_trl(results: Path) -> list[str]:
     out: list[str] = []
     for name in ("rl_step_vs_trl_demo", "rl_step_vs_trl_25m"):
@@ -256,7 +276,7 @@ def gpu_check(results: Path) -> list[str]:
 
 SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
-    "weight_sync": weight_sync, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
+    "weight_sync": weight_sync, "sync_check_cost": sync_check_cost, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
     "scaling": scaling, "orchestration_overhead": orchestration_overhead, "seed_spread": seed_spread,
     "seed_spread_kernels": seed_spread_kernels,
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,

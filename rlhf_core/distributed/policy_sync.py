@@ -33,7 +33,7 @@ from rlhf_core.distributed.deepspeed_engine import follow_gathers, gathered_modu
 from rlhf_core.distributed.fault_injection import skipped
 from rlhf_core.distributed.policy_loop import PolicyWorker
 from rlhf_core.distributed.policy_rollouts import syncs_from_the_module
-from rlhf_core.models.lora import merged_state_dict
+from rlhf_core.models.lora import merged_entries, merged_state_dict
 from rlhf_core.rollout.factory import streams
 from rlhf_core.training.circuit_breaker import prob_diff_bound
 from rlhf_core.training.policy_batch import build_batch
@@ -170,7 +170,11 @@ def policy_weights(w: PolicyWorker) -> dict[str, torch.Tensor] | None:
     """The actor's weights as the plain policy names them, on rank 0 (None elsewhere): what the
     rollout engine loads and the stage saves. Every rank must call it (ZeRO-3 gathers)."""
     if w.cfg.lora.enabled:  # ZeRO-1/2 only: every rank holds the whole module
-        return merged_state_dict(w.actor.module) if w.rank == 0 else None
+        if w.rank != 0:
+            return None
+        if skipped("policy:lora-merge"):  # a test's merge that yields the base weights
+            return {name: value.detach().float().cpu() for name, value, _ in merged_entries(w.actor.module)}
+        return merged_state_dict(w.actor.module)
     return gathered_module_state(w.actor, w.cfg.zero_stage, w.rank)
 
 
@@ -191,7 +195,7 @@ def sync(w: PolicyWorker, step: int) -> tuple[float, dict[str, torch.Tensor] | N
     """Every rank: the engine (or the pipeline's producer) takes the actor's weights. -> rank 0's
     seconds, and the weights as sent when a copy was made for it (else for the sync check, when due).
     A test breaks it through the fault switch: `skip:policy:sync` sends nothing, `skip:policy:sync-tensors`
-    every other tensor only (through a copy)."""
+    every other tensor only (through a copy), `skip:policy:lora-merge` LoRA's base weights (`policy_weights`)."""
     due = check_due(w, step)
     if skipped("policy:sync"):
         return 0.0, (policy_weights(w) if due else None)

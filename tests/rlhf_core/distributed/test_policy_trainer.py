@@ -164,18 +164,26 @@ def test_more_workers_than_cluster_cpus_fails_before_training(ray_cluster, demo,
         run(demo, tmp_path, separate)
 
 
+LORA = {"lora": {"enabled": True, "rank": 8, "alpha": 16.0}, "learning_rate": 1e-3}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fault, what", [("skip:policy:sync", "keeps its weights"),
-                                         ("skip:policy:sync-tensors", "takes half the tensors")])
+@pytest.mark.parametrize("fault, what, update", [
+    ("skip:policy:sync", "keeps its weights", {}),
+    ("skip:policy:sync-tensors", "takes half the tensors", {}),
+    ("skip:policy:lora-merge", "gets LoRA's base weights", LORA),
+])
 def test_a_sync_that_does_not_take_stops_the_run_at_the_first_sync(ray_cluster, demo, tmp_path, monkeypatch, fault,
-                                                                    what):
-    """The engine is checked after every sync (`policy_sync`): one that keeps its weights, or
-    takes every other tensor only, fails the check at the first sync, again after the retried
-    sync, and the stage stops with one block, keeping no checkpoint of that step."""
+                                                                    what, update):
+    """The engine is checked after every sync (`policy_sync`): one that keeps its weights, takes
+    every other tensor only, or gets a LoRA policy's base weights without the adapters fails the
+    check at the first sync, again after the retried sync, and the stage stops with one block,
+    keeping no checkpoint of that step."""
     monkeypatch.setenv(FAULT_ENV, fault)
     sink = JsonlSink(tmp_path / "metrics.jsonl")
+    cfg = PolicyConfig.model_validate(CFG.model_dump() | update | {"rollout": {"weight_sync": "file"}})
     with pytest.raises(CircuitBreakerTripped) as tripped:
-        run(demo, tmp_path, CFG.model_copy(update={"rollout": RolloutEngineConfig(weight_sync="file")}), on_metrics=sink)
+        run(demo, tmp_path, cfg, on_metrics=sink)
     trip, message = tripped.value.trip, str(tripped.value)
     print(f"\nan engine that {what}:\n{message}")
     assert trip.reason == "sync_failed" and trip.step == 1, trip
