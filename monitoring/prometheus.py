@@ -24,8 +24,9 @@ Series (labels `run`, `stage`; per-worker ones also `rank`, `host`), named in
     rlhf_policy_ensemble_disagreement, rlhf_rollout_prob_diff, rlhf_rollout_prob_diff_bound,
     rlhf_circuit_breaker_tripped{reason},
     rlhf_worker_cpu_utilization_ratio, rlhf_worker_step_seconds,
-    rlhf_worker_samples_per_second, rlhf_worker_gpu_utilization_ratio,
-    rlhf_worker_gpu_memory_used_bytes
+    rlhf_worker_samples_per_second, rlhf_rollout_tokens_per_second,
+    rlhf_worker_gpu_utilization_ratio, rlhf_worker_gpu_memory_used_bytes,
+    rlhf_worker_gpu_memory_total_bytes, rlhf_worker_gpu_max_allocated_bytes (GPU workers only)
 
 Per-worker figures arrive as flat keys `worker/<rank>/<figure>` with `worker/<rank>/host`
 (a string) naming the node.
@@ -60,6 +61,7 @@ STEP_GAUGES = {  # flat metric -> gauge (labels run, stage)
     "policy/ensemble_disagreement": "rlhf_policy_ensemble_disagreement",
     "rollout/prob_diff": "rlhf_rollout_prob_diff",
     "rollout/prob_diff_bound": "rlhf_rollout_prob_diff_bound",
+    "rollout/tokens_per_s": "rlhf_rollout_tokens_per_second",
     "policy/grad_norm": "rlhf_train_grad_norm",
     "policy/pg_loss": "rlhf_train_loss",
     "reward/grad_norm": "rlhf_train_grad_norm",
@@ -72,6 +74,8 @@ WORKER_GAUGES = {  # worker/<rank>/<figure> -> gauge (labels run, stage, rank, h
     "samples_per_second": "rlhf_worker_samples_per_second",
     "gpu_utilization": "rlhf_worker_gpu_utilization_ratio",
     "gpu_memory_used_bytes": "rlhf_worker_gpu_memory_used_bytes",
+    "gpu_memory_total_bytes": "rlhf_worker_gpu_memory_total_bytes",
+    "gpu_max_allocated_bytes": "rlhf_worker_gpu_max_allocated_bytes",
 }
 _WORKER_KEY = re.compile(r"^worker/(\d+)/(\w+)$")
 SHUTDOWN_POLL_S = 0.05  # how often the serving loop looks for a shutdown: what closing an exporter waits
@@ -90,8 +94,11 @@ _HELP = {
     "rlhf_worker_cpu_utilization_ratio": "Worker process CPU time / wall time over its last step",
     "rlhf_worker_step_seconds": "Wall time of the worker's last step",
     "rlhf_worker_samples_per_second": "Samples the worker processed per second over its last step",
-    "rlhf_worker_gpu_utilization_ratio": "GPU utilisation of the worker's device (NVML)",
-    "rlhf_worker_gpu_memory_used_bytes": "GPU memory used on the worker's device (NVML)",
+    "rlhf_worker_gpu_utilization_ratio": "Mean GPU utilisation of the worker's device over its last step (NVML)",
+    "rlhf_worker_gpu_memory_used_bytes": "Largest memory in use on the worker's GPU during its last step, every process's (NVML)",
+    "rlhf_worker_gpu_memory_total_bytes": "Memory of the worker's GPU (NVML)",
+    "rlhf_worker_gpu_max_allocated_bytes": "torch's largest allocation in the worker process during its last step",
+    "rlhf_rollout_tokens_per_second": "Tokens the rollout engine generated per second at the last step",
 }
 
 

@@ -48,7 +48,7 @@ from rlhf_core.distributed.policy_loop import PolicyWorkerInputs, PolicyWorker
 from rlhf_core.distributed.policy_metrics import PolicyRankStep, step_metrics
 from rlhf_core.distributed.policy_state import PolicyState, resume, save_checkpoint
 from rlhf_core.distributed.stage import agreed_precision, record_attempt, start_worker
-from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers, peak_rss_gib
+from rlhf_core.distributed.worker_meter import WorkerMeter, flatten_workers, peak_rss_gib, synchronise
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.lora import frozen_reference, load_policy_for_training, reference_view
 from rlhf_core.models.placement import frozen_on
@@ -163,9 +163,17 @@ def _build_worker(loop: PolicyWorkerInputs) -> PolicyWorker:
 
 @contextmanager
 def _timed(timings: dict[str, float], phase: str):
+    """The phase's wall time; on a GPU worker from a CUDA synchronisation to another, so that
+    it times the phase's kernels, not their launches."""
+    on_gpu = torch.cuda.is_initialized()
+    synchronise(on_gpu)
     start = time.perf_counter()
     yield
+    synchronise(on_gpu)
     timings[f"timing/{phase}"] = time.perf_counter() - start
+
+
+ENGINE_FIGURES = ("rollout/gen_s", "rollout/gen_tokens", "rollout/tokens_per_s", "rollout/sleep_s", "rollout/wake_s")
 
 
 def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
@@ -235,6 +243,8 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
     dist.all_gather_object(gathered, PolicyRankStep(time.perf_counter() - start, local, update,
                                                     int(batch.attention_mask.sum()), w.meter.figures(len(samples))))
     metrics = step_metrics(gathered, timings, kl_coef, sync_s) | pipeline_metrics | verified
+    if rank == 0 and w.pipeline is None:  # the engine's own: generation tokens/s, its sleep and wake
+        metrics |= {k: v for k, v in w.engine.last_metrics.items() if k in ENGINE_FIGURES}
     _end_step(w, state, step, indices, metrics, state_dict, [g.worker for g in gathered], failed)
 
 

@@ -264,13 +264,17 @@ class RolloutEngine:
         in `last_metrics`."""
         llm = self._engine()
         start = time.perf_counter()
+        woke = 0.0
         if self.asleep:  # as verl and OpenRLHF wake a colocated engine: weights first, then the cache
             release_cached_memory()  # the trainer's cached blocks, which the waking engine maps again
             llm.wake_up(tags=["weights"])
+            woke = time.perf_counter() - start
         self.transport.push(llm, state_dict)
         if self.asleep:
+            wake = time.perf_counter()
             llm.wake_up(tags=["kv_cache"])
             self.asleep = False
+            self.last_metrics["rollout/wake_s"] = woke + time.perf_counter() - wake
         llm.reset_prefix_cache()
         seconds = time.perf_counter() - start
         self.last_metrics["rollout/sync_s"] = seconds

@@ -252,6 +252,8 @@ def test_grpo_runs_end_to_end_and_the_engine_follows_the_trainer(ray_cluster, de
     for m in logged[1:]:
         assert isinstance(m["worker/0/host"], str) and m["worker/0/samples_per_second"] > 0
         assert m["worker/0/cpu_utilization"] > 0 and m["worker/0/step_seconds"] > 0
+        assert not [k for k in m if k.startswith("worker/0/gpu")], m  # a CPU worker: absent, not zero
+        assert m["rollout/tokens_per_s"] > 0 and m["rollout/gen_tokens"] > 0  # the engine's own figures
     names = set(result.run.metrics_history[-1])
     for phase in ("generate", "score", "old_logprobs", "ref_logprobs", "values", "advantages", "update", "sync"):
         assert f"timing/{phase}" in names
