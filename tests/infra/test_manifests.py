@@ -396,6 +396,53 @@ def test_every_ray_node_mounts_the_shared_volume_the_pipeline_writes_to():
     assert shared in PurePosixPath(CFG.monitoring.targets_dir).parents
 
 
+def test_every_ray_node_reads_the_hub_cache_on_the_shared_volume():
+    """A run's view of a pretrained model links to the weights the driver downloaded (on the
+    head): every worker must see them at the same path."""
+    for where, pod in _pod_specs():
+        if where.startswith("RayCluster/"):
+            env = {e["name"]: e.get("value") for e in pod["containers"][0].get("env", [])}
+            assert PurePosixPath("/mnt/shared") in PurePosixPath(env.get("HF_HOME", "/")).parents, where
+
+
+# docs/gpu.md's plan (b), one node of 8 x H100: the models each training worker loads in fp32
+# before DeepSpeed moves them (the 7.6B policy, the 1.5B reward model and its audit) and the
+# three policies the gates load in fp32 on the driver (candidate, champion, reference)
+PLAN_B = {"gpus": 8, "policy_params": 7.62e9, "reward_params": 1.54e9, "shm_gib": 32}
+GIB = 2**30
+
+
+def _bytes(quantity: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    return float(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else float(quantity)
+
+
+def test_the_8xh100_overlay_holds_plan_b_of_docs_gpu():
+    out = _run(_tool("kubectl"), "kustomize", REPO / "infra" / "k8s-8xh100")
+    built = [doc for doc in yaml.safe_load_all(out) if doc]
+    assert len(built) == len(DOCS), "the overlay changes the base's resources, it adds or drops none"
+    [cluster] = [d for d in built if d["kind"] == "RayCluster"]
+    [job] = [d for d in built if d["kind"] == "RayJob"]
+    cfg_path = REPO / "configs" / "gpu-8xh100-7b.yaml"
+    assert shlex.split(job["spec"]["entrypoint"])[-1] == f"{_workdir()}/configs/{cfg_path.name}"
+    cfg = load_config(cfg_path)
+    [group] = cluster["spec"]["workerGroupSpecs"]
+    [worker] = group["template"]["spec"]["containers"]
+    limits = worker["resources"]["limits"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1, "one node: NCCL over NVLink"
+    assert int(limits["nvidia.com/gpu"]) == PLAN_B["gpus"] == cfg.policy.num_workers == cfg.reward.num_workers
+    assert worker["resources"]["requests"] == limits
+    per_worker = 4 * (PLAN_B["policy_params"] + 2 * PLAN_B["reward_params"])  # fp32, before DeepSpeed moves them
+    assert _bytes(limits["memory"]) >= PLAN_B["gpus"] * per_worker
+    [shm] = [v for v in group["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory" and _bytes(shm["emptyDir"]["sizeLimit"]) >= PLAN_B["shm_gib"] * GIB
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert _bytes(head["memory"]) >= 3 * 4 * PLAN_B["policy_params"], "the gates' three fp32 policies on the driver"
+    gpu_md = (REPO / "docs" / "gpu.md").read_text()
+    assert "about 43 GB each, 340 GB" in gpu_md and "three 7B policies in fp32 (about 90" in gpu_md.replace("\n", " ")
+    assert f"{per_worker / 1e9:.0f}" == "43" and f"{3 * 4 * PLAN_B['policy_params'] / 1e9:.0f}" == "91"
+
+
 def test_the_training_exporter_is_reachable_through_the_head_service():
     m = CFG.monitoring
     _, head = _head()
