@@ -26,7 +26,8 @@ Series (labels `run`, `stage`; per-worker ones also `rank`, `host`), named in
     rlhf_worker_cpu_utilization_ratio, rlhf_worker_step_seconds,
     rlhf_worker_samples_per_second, rlhf_rollout_tokens_per_second,
     rlhf_worker_gpu_utilization_ratio, rlhf_worker_gpu_memory_used_bytes,
-    rlhf_worker_gpu_memory_total_bytes, rlhf_worker_gpu_max_allocated_bytes (GPU workers only)
+    rlhf_worker_gpu_memory_total_bytes, rlhf_worker_gpu_max_allocated_bytes,
+    rlhf_worker_gpu_info{UUID} (GPU workers only)
 
 Per-worker figures arrive as flat keys `worker/<rank>/<figure>` with `worker/<rank>/host`
 (a string) naming the node.
@@ -128,6 +129,8 @@ class JobExporter:
                                   labels, registry=self.registry)
         self._tripped = Gauge("rlhf_circuit_breaker_tripped", "1 when the circuit breaker stopped the job",
                               [*labels, "reason"], registry=self.registry)
+        self._gpu_info = Gauge("rlhf_worker_gpu_info", "1 for the GPU (its NVML UUID, DCGM's label) each rank computes on",
+                               [*labels, "rank", "host", "UUID"], registry=self.registry)
         self._kl_bound = Gauge("rlhf_policy_kl_bound", "The KL bound of the job (policy.kl_bound)", labels,
                                registry=self.registry)
         self._lock = threading.Lock()
@@ -183,6 +186,9 @@ class JobExporter:
                 m = _WORKER_KEY.match(key)
                 if m and m.group(2) in ("host", "node", "pid"):
                     self.workers.setdefault(m.group(1), {})[m.group(2)] = str(value)
+                if m and m.group(2) == "gpu_uuid":  # which GPU the rank computes on: joins DCGM's series
+                    host = str(metrics.get(f"worker/{m.group(1)}/host", "unknown"))
+                    self._gpu_info.labels(run, stage, m.group(1), host, str(value)).set(1)
                 if m and m.group(2) in WORKER_GAUGES and _number(value):
                     rank = m.group(1)
                     host = str(metrics.get(f"worker/{rank}/host", "unknown"))

@@ -23,6 +23,7 @@ On a GPU, besides (absent on a CPU worker, not zero):
                              processes: a colocated engine's too), and gpu_memory_total_bytes
     gpu_max_allocated_bytes, gpu_max_reserved_bytes
                              torch's high-water marks in this process during the step
+    gpu_uuid                 the GPU's NVML name (a label, like host): DCGM's series carry it
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class WorkerMeter:
             out["gpu_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
             out["gpu_max_reserved_bytes"] = float(torch.cuda.max_memory_reserved())
         if self._gpu is not None:
-            out |= self._gpu.take()
+            out |= self._gpu.take() | {"gpu_uuid": self._gpu.uuid}  # a label: joins DCGM's series
         return out
 
 
@@ -103,8 +104,8 @@ class GpuSampler:
     mean utilisation and the largest memory in use since the last `take()` (one reading at
     least: it reads once itself), and the device's total memory."""
 
-    def __init__(self, nvml: Any, handle: Any, every: float = GPU_SAMPLE_S):
-        self.nvml, self.handle = nvml, handle
+    def __init__(self, nvml: Any, handle: Any, every: float = GPU_SAMPLE_S, uuid: str = ""):
+        self.nvml, self.handle, self.uuid = nvml, handle, uuid
         self.total = float(nvml.nvmlDeviceGetMemoryInfo(handle).total)
         self._lock = threading.Lock()
         self._utilisation: list[float] = []
@@ -158,7 +159,8 @@ def open_gpu_sampler(uuid: str | None = None, nvml: Any = None, every: float = G
             import pynvml as nvml  # noqa: PLC0415
         nvml.nvmlInit()
         # bytes: nvidia-ml-py before 11.5 hands the argument to ctypes as it is
-        return GpuSampler(nvml, nvml.nvmlDeviceGetHandleByUUID((uuid or device_uuid()).encode("ascii")), every)
+        uuid = uuid or device_uuid()
+        return GpuSampler(nvml, nvml.nvmlDeviceGetHandleByUUID(uuid.encode("ascii")), every, uuid)
     except Exception as exc:  # noqa: BLE001 - no NVML: the GPU figures are left out, nothing else changes
         log.warning("GPU sampler: NVML unavailable (%s); the GPU utilisation and memory figures are left out", exc)
         return None

@@ -40,6 +40,7 @@ def test_a_step_sent_through_the_pickled_sink_is_scraped_with_its_labels(exporte
              "rollout/prob_diff": 0.02, "rollout/prob_diff_bound": 0.01,
              "worker/0/host": "node-a", "worker/0/cpu_utilization": 0.93, "worker/0/samples_per_second": 120.0,
              "worker/1/host": "node-b", "worker/1/cpu_utilization": 0.41, "worker/1/step_seconds": 2.0,
+             "worker/1/gpu_uuid": "GPU-5f2c", "worker/1/gpu_memory_used_bytes": 7e10, "worker/1/gpu_memory_total_bytes": 8e10,
              "timing/generate": 0.3})
     s = scrape(exporter)
     job = {"run": "run1", "stage": "policy"}
@@ -55,6 +56,9 @@ def test_a_step_sent_through_the_pickled_sink_is_scraped_with_its_labels(exporte
     assert value(s, "rlhf_worker_cpu_utilization_ratio", **job, rank="1", host="node-b") == 0.41
     assert value(s, "rlhf_worker_samples_per_second", **job, rank="0", host="node-a") == 120.0
     assert value(s, "rlhf_worker_step_seconds", **job, rank="1", host="node-b") == 2.0
+    assert value(s, "rlhf_worker_gpu_info", **job, rank="1", host="node-b", UUID="GPU-5f2c") == 1.0
+    assert value(s, "rlhf_worker_gpu_memory_used_bytes", **job, rank="1", host="node-b") == 7e10
+    assert not [k for k in s if k[0] == "rlhf_worker_gpu_info" and ("rank", "0") in k[1]]  # rank 0 named no GPU
 
 
 def test_nan_kl_is_exported_as_nan_and_nonfinite_steps_accumulate(exporter):

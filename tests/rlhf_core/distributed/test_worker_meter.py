@@ -62,7 +62,7 @@ def test_the_sampler_reads_the_gpu_named_by_its_uuid_not_by_its_index():
         taken = sampler.take()
     finally:
         sampler.close()
-    assert nvml.initialised and nvml.reads["GPU-a"] == 0
+    assert nvml.initialised and nvml.reads["GPU-a"] == 0 and sampler.uuid == "GPU-b"  # the label DCGM's series join
     assert taken == {"gpu_utilization": 0.2, "gpu_memory_used_bytes": 10 * GiB, "gpu_memory_total_bytes": 80 * GiB}
 
 
