@@ -369,6 +369,55 @@ def test_a_run_hacking_its_reward_model_fires_the_over_optimisation_alert_and_as
 
 
 # ------------------------------------------------------------------------------------------
+# a rank's GPU nearly full -> GPU memory alert naming the rank -> the receiver tells a person
+
+
+def test_a_rank_whose_gpu_is_nearly_full_fires_the_gpu_memory_alert_naming_it_and_nothing_is_rolled_back(
+    stack_factory, tmp_path
+):
+    """Two GPU runs' worker figures pushed through the exporter as the rank-0 sink sends them
+    (the sampler's NVML readings: no GPU here): in one, rank 1's GPU is 97% full. Only that run
+    and rank fire, and the receiver notifies without starting anything."""
+    from monitoring.prometheus import JobExporter
+
+    triggered = []
+    stack = stack_factory(lambda incident, reason, by: triggered.append(incident) or "flow-run-never")
+    targets = tmp_path / "stack0" / "targets"
+    full, roomy = JobExporter("full-run", "policy", targets_dir=targets), JobExporter(
+        "roomy-run", "policy", targets_dir=targets)
+    step = 0
+
+    def figures(used_by_rank: list[float]) -> dict:
+        out = {}
+        for rank, used in enumerate(used_by_rank):
+            out |= {f"worker/{rank}/host": f"gpu-node-{rank}", f"worker/{rank}/gpu_uuid": f"GPU-{rank:04d}",
+                    f"worker/{rank}/gpu_memory_used_bytes": used, f"worker/{rank}/gpu_memory_total_bytes": 80e9,
+                    f"worker/{rank}/gpu_utilization": 0.9}
+        return out
+
+    def push_and_check():
+        nonlocal step
+        step += 1
+        full.sink()(step, figures([60e9, 77.6e9]))
+        roomy.sink()(step, figures([60e9, 70e9]))
+        return [d for d in stack.decisions() if d.get("alertname") == "TrainingGpuMemoryNearLimit"]
+
+    try:
+        [decision, *_] = wait_for("the receiver to hear TrainingGpuMemoryNearLimit", push_and_check, 90,
+                                  diagnose=lambda: (f"alerts {[(a['labels'], a['state']) for a in stack.alerts()]}, "
+                                                    f"targets {stack.scrape_health()}, decisions {stack.decisions()}"))
+        firing = stack.firing("TrainingGpuMemoryNearLimit")
+    finally:
+        full.close()
+        roomy.close()
+    assert decision["action"] == "notify" and decision["run"] == "full-run"
+    assert decision["runbook_url"] == "docs/runbooks/TrainingGpuMemoryNearLimit.md"
+    assert {(a["labels"]["run"], a["labels"]["rank"], a["labels"]["host"]) for a in firing} == {
+        ("full-run", "1", "gpu-node-1")}
+    assert triggered == []  # a notify alert starts nothing
+
+
+# ------------------------------------------------------------------------------------------
 # users turn unhappy with a newly served version -> satisfaction alert -> rollback asked for
 
 def test_users_unhappy_with_a_new_champion_fire_the_satisfaction_alert_and_ask_for_a_rollback(
