@@ -12,14 +12,16 @@ the same spurious carry), while one that sees the policy's own answers does not.
 """
 from __future__ import annotations
 
+import hashlib
 import time
-import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlhf_core.distributed import policy_rollouts as rollouts
+from rlhf_core.distributed.fault_injection import fault_point, worker_point
 from rlhf_core.distributed.policy_loop import PolicyWorker
 from rlhf_core.distributed.policy_state import PolicyState
 from rlhf_core.models.reward import RewardStats, score_members
@@ -79,13 +81,22 @@ def run_round(w: PolicyWorker, state: PolicyState, step: int) -> dict[str, float
                                  "rounds/pairs_total": float(len(state.round_pairs))}
 
 
+def round_id(w: PolicyWorker, step: int) -> str:
+    """The round of `step` of this stage's run: the same in every attempt of the run (a resumed
+    attempt redoes a round under its id, and a queue annotator hands it the labels the killed
+    attempt took: exactly once), another in another run sharing the labelling queue."""
+    run = hashlib.sha256(str(Path(w.loop.runtime.attempts_file).parent.resolve()).encode()).hexdigest()[:8]
+    return f"round-{run}-step{step:04d}"
+
+
 def _label_and_train(w: PolicyWorker, state: PolicyState, step: int) -> dict[str, Any]:
     start = time.perf_counter()
     cfg = w.cfg.rounds
     with rollouts.engine_at_newest(w):
         items = rollouts.round_items(w, step)
     items, identical = identical_items(items)
-    annotated = w.annotator.annotate(items, round_id=f"round-step{step:04d}-{uuid.uuid4().hex[:8]}")
+    annotated = w.annotator.annotate(items, round_id=round_id(w, step))
+    fault_point(worker_point("policy-round", step, w.rank))  # a test kills here: labels taken, nothing trained
     new, dropped = contract_filter(annotated.pairs, w.loop.validation)
     metrics = {f"rounds/{k}": float(annotated.counts.get(k, 0)) for k in COUNTS}
     metrics |= {"rounds/identical": float(identical), "rounds/contract_dropped": float(dropped),

@@ -176,18 +176,23 @@ class QueueAnnotator:
                                                   {"id", "prompt", "answer_a", "answer_b"}
         <queue_dir>/labelled/<any>.jsonl         returned by people: the same rows plus
                                                   "choice": "A" | "B" | "tie"
-        <queue_dir>/consumed/<any>.jsonl         labelled files once their pairs were used
+        <queue_dir>/consumed/<round_id>/<any>.jsonl
+                                                  labelled files once a round took their pairs
 
     A round writes its batch and labels nothing now (training goes on with the reward model
     as it is); each round first picks up every labelled file, so labels returned after a run
     ended train the reward model in the next run's first round. Rows with another choice are
-    counted `malformed` and skipped. Batches are written atomically (`rlhf_core.data.schema.write_jsonl`)."""
+    counted `malformed` and skipped. Batches are written atomically (`rlhf_core.data.schema.write_jsonl`).
+
+    Exactly once per round id: a round that is run again under the same id (the trainer
+    resumed from a checkpoint taken before the round: it redoes it) takes the files it
+    consumed the first time again, with any labelled since, and rewrites its own batch."""
 
     def __init__(self, queue_dir: Path):
         self.dir = Path(queue_dir)
 
     def annotate(self, items: Sequence[Item], round_id: str) -> Annotated:
-        out = self._pick_up()
+        out = self._pick_up(round_id)
         pending = self.dir / "pending"
         pending.mkdir(parents=True, exist_ok=True)
         rows = [{"id": f"{round_id}-{k}", "prompt": i.prompt, "answer_a": i.answer_a, "answer_b": i.answer_b}
@@ -196,10 +201,11 @@ class QueueAnnotator:
         out.counts["queued"] += len(rows)
         return out
 
-    def _pick_up(self) -> Annotated:
+    def _pick_up(self, round_id: str) -> Annotated:
         out = Annotated()
-        labelled, consumed = self.dir / "labelled", self.dir / "consumed"
-        for path in sorted(labelled.glob("*.jsonl")) if labelled.is_dir() else []:
+        labelled, consumed = self.dir / "labelled", self.dir / "consumed" / round_id
+        taken = sorted(consumed.glob("*.jsonl")) if consumed.is_dir() else []  # this round's, before a resume
+        for path in taken + (sorted(labelled.glob("*.jsonl")) if labelled.is_dir() else []):
             for line in path.read_text(encoding="utf-8").splitlines():
                 if not line.strip():
                     continue
@@ -217,8 +223,9 @@ class QueueAnnotator:
                     out.counts["labelled"] += 1
                 else:
                     out.counts["malformed"] += 1
-            consumed.mkdir(parents=True, exist_ok=True)
-            os.replace(path, consumed / path.name)
+            if path.parent != consumed:
+                consumed.mkdir(parents=True, exist_ok=True)
+                os.replace(path, consumed / path.name)
         return out
 
 

@@ -195,6 +195,30 @@ def test_a_sync_that_does_not_take_stops_the_run_at_the_first_sync(ray_cluster, 
 
 
 @pytest.mark.slow
+def test_a_worker_killed_inside_a_round_resumes_and_the_redone_round_trains_on_the_labels_once(
+        ray_cluster, demo, tmp_path, monkeypatch):
+    """People's labels wait in the queue; the round of step 2 takes them and its worker is killed
+    before anything trains or is checkpointed. The resumed attempt redoes step 2 and its round
+    under the same id: the labels reach the reward model once, not zero times or twice."""
+    queue = tmp_path / "queue"
+    (queue / "labelled").mkdir(parents=True)
+    rows = [{"prompt": p, "answer_a": "010", "answer_b": "011", "choice": c}
+            for p, c in (("04+06=", "A"), ("05+06=", "B"), ("02+03=", "A"))]
+    (queue / "labelled" / "people.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    killed = tmp_path / "killed"
+    monkeypatch.setenv(FAULT_ENV, f"kill:policy-round:step2:rank0={killed}")
+    cfg = PolicyConfig.model_validate(CFG.model_dump() | {
+        "checkpoint_every": 1, "rounds": {"enabled": True, "every": 2, "prompts": 8, "annotator": "queue", "epochs": 1}})
+    result = run(demo, tmp_path, cfg, queue_dir=queue)
+    assert killed.exists() and result.run.attempts == 2 and result.run.resumed_from_step == 1
+    assert result.round_pairs == len(rows)  # the killed attempt's labels, taken again by the redone round
+    assert result.run.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
+    [taken] = (queue / "consumed").iterdir()
+    assert [p.name for p in taken.iterdir()] == ["people.jsonl"] and not list((queue / "labelled").iterdir())
+    assert [p.stem for p in (queue / "pending").iterdir()] == [taken.name]  # one batch for people, not two
+
+
+@pytest.mark.slow
 def test_without_the_check_the_breaker_catches_an_engine_that_keeps_its_weights(ray_cluster, demo, tmp_path,
                                                                                 monkeypatch):
     """Defence in depth: with `policy.rollout.verify_sync` off, a sync that silently does nothing

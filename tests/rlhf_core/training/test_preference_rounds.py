@@ -134,8 +134,26 @@ def test_queue_writes_a_batch_for_people_and_picks_up_their_labels_next_time(tmp
     second = queue.annotate(ITEMS[2:], "round-2")
     assert second.pairs == [{"prompt": "12+07=", "chosen": "019", "rejected": "018"}]
     assert second.counts["picked_up"] == 3 and second.counts["tie"] == 1 and second.counts["malformed"] == 2
-    assert not (labelled / "batch.jsonl").exists() and (tmp_path / "q" / "consumed" / "batch.jsonl").exists()
+    assert not (labelled / "batch.jsonl").exists() and (tmp_path / "q" / "consumed" / "round-2" / "batch.jsonl").exists()
     assert queue.annotate([], "round-3").pairs == []  # consumed labels are used once
+
+
+def test_a_round_redone_after_a_resume_takes_the_labels_its_killed_attempt_took_and_no_later_round_does(tmp_path):
+    """The trainer resumes from a checkpoint taken before round 2 and redoes it under its id:
+    the labels the killed attempt moved to consumed/ reach the redone round (and its reward
+    model), with any labelled since; round 3 takes neither again."""
+    queue = QueueAnnotator(tmp_path / "q")
+    labelled = tmp_path / "q" / "labelled"
+    labelled.mkdir(parents=True)
+    row = {"prompt": "12+07=", "answer_a": "019", "answer_b": "018"}
+    (labelled / "early.jsonl").write_text(json.dumps({**row, "choice": "A"}) + "\n")
+    killed = queue.annotate(ITEMS[:1], "round-2")  # the attempt that is killed before its checkpoint
+    (labelled / "late.jsonl").write_text(json.dumps({**row, "choice": "B"}) + "\n")
+    redone = queue.annotate(ITEMS[:1], "round-2")
+    assert killed.counts["labelled"] == 1 and redone.counts["labelled"] == 2
+    assert sorted(p["chosen"] for p in redone.pairs) == ["018", "019"]
+    assert len((tmp_path / "q" / "pending" / "round-2.jsonl").read_text().splitlines()) == 1  # one batch, rewritten
+    assert queue.annotate([], "round-3").counts["labelled"] == 0
 
 
 def test_make_annotator_needs_an_answer_key_for_the_simulated_one(tmp_path):
