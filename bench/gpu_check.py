@@ -7,7 +7,9 @@ is installed).
    a GPU also the CPU tests of the same torch code, under that machine's torch and transformers.
 2. GRPO steps on a random-weight Llama of Qwen2.5-0.5B's shape (vocabulary cut to 32,000),
    built on the device, through the project's own step code (`bench/gpu_step.py`): fp32 weights
-   under bf16 autocast, the reference frozen in bf16 (`frozen_on`), torch's fused AdamW.
+   under bf16 autocast, the reference frozen in bf16 (`frozen_on`), torch's fused AdamW; after
+   each update the policy stage's check of a weight sync (`rlhf_core.rollout.sync_check`) on a
+   stand-in engine in the engine's dtype: synced it must pass, left as it sampled it must fail.
 3. The same steps under DeepSpeed, as the policy stage runs them on GPUs: its own engine
    (`deepspeed_engine.policy_engine`: bf16 weights, fp32 master weights, ZeRO-1) over a process
    group of one. Left out, and said, where DeepSpeed is not installed.

@@ -9,6 +9,7 @@ rlhf_core's configs (pydantic) alone.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -18,12 +19,15 @@ from dataclasses import dataclass, fields
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_core.config import PolicyConfig
+from rlhf_core.config import CircuitBreakerConfig, PolicyConfig, RolloutEngineConfig
 from rlhf_core.models.memory import GpuPolicyShape, gpu_policy_bytes
 from rlhf_core.training.policy_step import (
     BackwardAndStep, PolicyBatch, algorithm_spec, batched_logprobs, build_batch, compute_advantages,
     old_logprobs_from_update, rollout_metrics, token_rewards, update_minibatches,
 )
+from rlhf_core.rollout.factory import engine_settings
+from rlhf_core.rollout.sync_check import PROBE_ROWS, Probe, probe_of, verdict
+from rlhf_core.training.circuit_breaker import prob_diff_bound
 from rlhf_core.training.precision import computing_in
 
 PAD, BOS, EOS = 0, 1, 2
@@ -164,16 +168,60 @@ def grpo_step(actor, reference, stepper: BackwardAndStep, prompts, plan: Plan, c
         rewards, _ = token_rewards(batch, spec, cfg.kl_coef, cfg.kl_estimator)
         batch.advantages, batch.returns = compute_advantages(batch, rewards, spec, cfg)
     before = {name: w.detach().clone() for name, w in watched_weights(actor).items()}
+    probe = probe_of(rollouts)
+    stale = engine_copy(actor, precision)  # the engine as it sampled: what a sync that did nothing leaves
+    said_before = (teacher_forced(stale, probe, None), teacher_forced(actor, probe, precision))
     with phase(record, "update", device), computing_in(precision, device):
         update = update_minibatches(actor, batch, spec, cfg, stepper, minibatch_size=cfg.minibatch_size,
                                     kl_coef=cfg.kl_coef, generator=torch.Generator().manual_seed(step))
+    with phase(record, "sync", device):
+        sync = sync_checks(actor, stale, probe, precision, said_before)
     total = time.perf_counter() - start
     generated = int(batch.response_mask.sum())
-    metrics = {**rollout_metrics(batch), **update, "score_mean": batch.scores.mean().item()}
+    metrics = {**rollout_metrics(batch), **update, "score_mean": batch.scores.mean().item(), "sync_gap": sync["gap"]}
     return {"step": step, "seconds": {**record["seconds"], "total": total},
             "peak_gpu_memory_gib": record["peak_gib"] or None, "gpu_memory_in_use_gib": record["in_use_gib"] or None,
             "generated_tokens": generated, "generated_tokens_per_s": generated / record["seconds"]["generate"],
-            "metrics": metrics, "failed_checks": check(batch, metrics, before)}
+            "metrics": metrics, "failed_checks": check(batch, metrics, before) + sync["failed"]}
+
+
+def engine_copy(actor, precision: str) -> torch.nn.Module:
+    """A stand-in rollout engine synced with the actor: a copy holding its weights in the dtype
+    the pipeline's engine takes them in (`factory.engine_settings`: bf16 beside a bf16 trainer on a GPU)."""
+    dtype = getattr(torch, engine_settings(RolloutEngineConfig(), precision, actor.device.type)["dtype"])
+    return copy.deepcopy(actor).to(dtype).eval().requires_grad_(False)
+
+
+def teacher_forced(model, probe: Probe, precision: str | None) -> list[torch.Tensor]:
+    """The log-probs (temperature 1) `model` gives the probe's response tokens; in the trainer's
+    `precision` (autocast), or None: in the model's own dtype, as an engine computes."""
+    batch = build_batch(probe.rows, PAD).to(model.device)
+    with computing_in(precision or "fp32", model.device):
+        logprobs = batched_logprobs(model, batch, 1.0, PROBE_ROWS).float().cpu()
+    return [logprobs[i, : len(r.response_token_ids)] for i, r in enumerate(probe.rows)]
+
+
+def sync_checks(actor, stale, probe: Probe, precision: str, said_before) -> dict:
+    """The policy stage's check of a weight sync (`rlhf_core.rollout.sync_check`) on the stand-in
+    engine: synced after the update it passes; left as it sampled (a sync that did nothing) it
+    fails, when the update moved the policy beyond the precision's noise."""
+    bound = prob_diff_bound(CircuitBreakerConfig(), precision, max_lag=0)
+    trainer = teacher_forced(actor, probe, precision)
+    engine_before, trainer_before = said_before
+    synced = verdict([[t.tolist() for t in teacher_forced(engine_copy(actor, precision), probe, None)]], trainer,
+                     [[t.tolist() for t in engine_before]], trainer_before)
+    kept = verdict([[t.tolist() for t in teacher_forced(stale, probe, None)]], trainer,
+                   [[t.tolist() for t in engine_before]], trainer_before)
+    failed = []
+    if (why := synced.failure(bound, probe.tokens)) is not None:
+        failed.append(f"a synced engine failed the sync check: {why}")
+    if kept.trainer_moved > 2 * kept.noise and kept.failure(bound, probe.tokens) is None:
+        failed.append(f"the sync check passed an engine that kept its weights (gap {kept.gap:.3g}, trainer moved "
+                      f"{kept.trainer_moved:.3g}, noise {kept.noise:.3g})")
+    print(f"  sync check: synced engine gap {synced.gap:.2e} (bound {bound:g}); an engine that kept its weights: "
+          f"gap {kept.gap:.2e}, moved {kept.moved:.2e} against the trainer's {kept.trainer_moved:.2e} (noise "
+          f"{kept.noise:.2e}): {'caught' if kept.failure(bound, probe.tokens) else 'not judged: within the noise'}")
+    return {"gap": synced.gap, "failed": failed}
 
 
 def watched_weights(actor) -> dict[str, torch.Tensor]:

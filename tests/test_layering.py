@@ -83,8 +83,9 @@ def test_the_rollout_engine_sits_below_the_trainers():
 
 def test_the_trainers_open_their_engine_through_the_front_door_only():
     # rollout.factory.open_engine decides the engine, its transport and its sleep; rollout.pipeline
-    # runs an engine opened there on a thread of its own
-    door = {"rlhf_core.rollout", "rlhf_core.rollout.factory", "rlhf_core.rollout.pipeline"}
+    # runs an engine opened there on a thread of its own; rollout.sync_check judges what an
+    # engine's `probe` answers
+    door = {"rlhf_core.rollout", "rlhf_core.rollout.factory", "rlhf_core.rollout.pipeline", "rlhf_core.rollout.sync_check"}
     assert offenders("rlhf_core/distributed", lambda p, m: m.startswith("rlhf_core.rollout")
                      and not any(m == d or m.startswith(d + ".") for d in door - {"rlhf_core.rollout"})
                      and m != "rlhf_core.rollout") == {}

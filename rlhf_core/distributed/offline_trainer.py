@@ -36,8 +36,6 @@ import numpy as np
 import ray
 import torch
 
-from rlhf_core.algos.losses import logprobs_from_logits
-from rlhf_core.algos.preference import sequence_logprobs
 from rlhf_core.config import PolicyConfig
 from rlhf_core.data.pairs import (
     DataPosition, steps_per_epoch, tokenize_policy_pairs, unpaired_examples, with_mismatched,
@@ -46,19 +44,17 @@ from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.epochs import RankStep, run_epochs
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult
-from rlhf_core.distributed.stage import StageRuntime, fit_stage, start_worker
+from rlhf_core.distributed.stage import StageRuntime, evaluation_device, fit_stage, start_worker
 from rlhf_core.distributed.worker_meter import WorkerMeter, peak_rss_gib
 from rlhf_core.eval.accuracy import answer_accuracy, greedy_completions
+from rlhf_core.eval.sampled_kl import EVAL_BATCH, sampled_kl
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
-from rlhf_core.models.logits import logits_from
 from rlhf_core.models.lora import frozen_reference, load_policy_for_training, merged_policy
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.preference_step import FIGURES, Rows, offline_loss
 from rlhf_core.training.stage_types import StageFailed, StageSite
 
 ENGINE_TAG = "actor"
-EVAL_BATCH = 256  # prompts per generate call at the end
-KL_ROWS = 16  # sampled answers per forward pass of the KL at the end: (16, answer length, vocabulary) logits
 
 
 @dataclass(frozen=True)
@@ -191,7 +187,9 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
     state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:
         return None
-    summary = _evaluate_and_save(state_dict, reference, loop, pos)
+    fp32_bytes = 4 * sum(t.numel() for t in state_dict.values())  # the policy and a reference beside it
+    summary = _evaluate_and_save(state_dict, reference, loop, pos, evaluation_device(engine.device, 2 * fp32_bytes,
+                                                                                      "policy"))
     peaks["evaluated"] = peak_rss_gib()
     print(f"policy ({cfg.algorithm}): rank 0's peak resident memory, GiB: {peaks}", flush=True)
     return {**summary, "peak_memory": peaks}
@@ -245,16 +243,17 @@ def _step_metrics(gathered: list[RankStep], engine, figures: tuple[str, ...], ba
 
 
 @torch.no_grad()
-def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: OfflineWorkerInputs, pos: DataPosition
-                       ) -> dict[str, Any]:
-    """Rank 0: held-out accuracy of the reference and the trained policy, the loss's figures on
-    the held-out rows, the KL to the reference of sampled answers; the HF save. -> the summary."""
+def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: OfflineWorkerInputs, pos: DataPosition,
+                       device: torch.device) -> dict[str, Any]:
+    """Rank 0, on the stage's `device`: held-out accuracy of the reference and the trained
+    policy, the loss's figures on the held-out rows, the KL to the reference of sampled answers;
+    the HF save. -> the summary."""
     cfg = loop.cfg
-    model = merged_policy(loop.sft_dir, cfg.lora, state_dict).eval()
-    if reference is None or next(reference.parameters()).device != next(model.parameters()).device:
-        # LoRA trained in place of a copy, or the frozen one is on the trainer's GPU while the
-        # held-out pass runs here: at the end a copy beside the model is cheap (no optimizer)
-        reference = load_policy(loop.sft_dir).eval()
+    model = merged_policy(loop.sft_dir, cfg.lora, state_dict).eval().to(device)  # fp32: the held-out figures exact
+    if reference is None or reference.dtype != model.dtype or reference.device != model.device:
+        # LoRA trained in place of a copy, or the frozen copy is bf16 on a GPU: at the end a copy
+        # beside the model is cheap (no optimizer)
+        reference = load_policy(loop.sft_dir).eval().to(device)
     tokenizer = load_tokenizer(loop.sft_dir)
     before = after = None
     if loop.eval_answers:
@@ -272,43 +271,8 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: Off
             "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
             "steps": pos.global_step, "accuracy_before": before, "accuracy_after": after, "kl": kl,
             "kl_bound": cfg.kl_bound}
-    save_pretrained_atomic(model, tokenizer, Path(loop.out_dir), extra=meta,
+    save_pretrained_atomic(model.cpu(), tokenizer, Path(loop.out_dir), extra=meta,
                            dtype=deepspeed_engine.saved_dtype(loop.runtime.use_gpu))
     return {**asdict(pos), "accuracy_before": before, "accuracy_after": after, "kl": kl, "held_out": held_out}
 
 
-@torch.no_grad()
-def sampled_kl(model, reference, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float,
-               seed: int) -> float:
-    """Mean over `prompts` of log π(y|x) − log π_ref(y|x) for one answer y sampled from `model`
-    per prompt, both at the sampling `temperature` (the k1 estimate of KL(π || π_ref) per
-    sequence, the unit of `policy.kl_bound`)."""
-    if not prompts:
-        return 0.0
-    torch.manual_seed(seed)
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    total = 0.0
-    try:
-        for i in range(0, len(prompts), EVAL_BATCH):
-            enc = tokenizer(prompts[i : i + EVAL_BATCH], return_tensors="pt", padding=True)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                 top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            width = enc["input_ids"].shape[1]
-            generated = out[:, width:]
-            # the answer's tokens up to and including the first EOS
-            after_eos = torch.cumsum((generated == tokenizer.eos_token_id).long(), dim=1)
-            answer = (after_eos == 0) | ((after_eos == 1) & (generated == tokenizer.eos_token_id))
-            attention = torch.cat([enc["attention_mask"], answer.long()], dim=1)
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
-            for j in range(0, out.shape[0], KL_ROWS):  # the head only at the answer's columns, a few rows at a time
-                rows = slice(j, j + KL_ROWS)
-                diff = []
-                for m in (model, reference):
-                    logits, offset = logits_from(m, out[rows], attention[rows], width - 1, position_ids=positions[rows])
-                    logits = logits[:, width - 1 - offset : -1].float()
-                    diff.append(logprobs_from_logits(logits / temperature, generated[rows]))
-                    del logits
-                total += sequence_logprobs(diff[0] - diff[1], answer[rows]).sum().item()
-    finally:
-        tokenizer.padding_side = side
-    return total / len(prompts)

@@ -1,18 +1,14 @@
 """The policy's weights into the rollout engine after every update (`sync`), and the engine's
 proof that it serves them: a sync that did not take stops the run (fail closed).
 
-The proof is what the engine computes, the same for every engine and transport: a few of the
-step's own rollouts (`PROBE_ROWS`, prompt and response tokens) are scored teacher-forced by
-the engine (`Engine.probe`, each engine of a group) and by the trainer's module, and the mean
-|p_engine - p_trainer| of their tokens must be within the bound of the trainer's precision
-(`circuit_breaker.prob_diff_bound`: the bound `rollout/prob_diff` is held to). A fingerprint of
-the engine's tensors cannot stand in for it: vLLM's CPU backend packs its linear weights away
-into its kernels' formats, and a stale packed copy (a tied LM head after a reload) is one of
-the faults to catch.
-
-After the first sync the engine must also have moved from the weights it sampled with by at
-least half as much as the trainer moved from them: a sync that leaves the SFT weights in the
-engine is caught even when the first update is smaller than the bound.
+The proof is what the engine computes (`rlhf_core.rollout.sync_check`): a few of the step's
+own rollouts are scored teacher-forced by the engine (`Engine.probe`, each engine of a group)
+and by the trainer's module, and the mean |p_engine - p_trainer| of their tokens must be within
+the bound of the trainer's precision (`circuit_breaker.prob_diff_bound`: the bound
+`rollout/prob_diff` is held to). After the first sync the engine must also have moved from the
+weights it sampled with by at least half as much as the trainer moved from them, where that
+move is beyond the precision's noise: a sync that leaves the SFT weights in the engine is
+caught even when the first update is smaller than the bound.
 
 A failed check syncs once more and checks again; a second failure stops the stage the circuit
 breaker's way (no checkpoint of that step: the last one is the last good one), with one block
@@ -21,9 +17,8 @@ their engine takes weights between its own chunks, not at the sync.
 """
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,36 +30,11 @@ from rlhf_core.distributed.policy_loop import PolicyWorker
 from rlhf_core.distributed.policy_rollouts import syncs_from_the_module
 from rlhf_core.models.lora import merged_entries, merged_state_dict
 from rlhf_core.rollout.factory import streams
+from rlhf_core.rollout.sync_check import PROBE_ROWS, Probe, verdict
 from rlhf_core.training.circuit_breaker import prob_diff_bound
 from rlhf_core.training.policy_batch import build_batch
 from rlhf_core.training.policy_step import batched_logprobs
 from rlhf_core.training.precision import computing_in
-
-PROBE_ROWS = 4  # rollouts of the step scored by both sides after each sync
-
-
-@dataclass(frozen=True)
-class Probe:
-    """The tokens both sides score: rank 0's first rollouts of the step that have a response."""
-
-    rows: list  # policy_rollouts.Sample
-
-    @property
-    def prompt_ids(self) -> list[list[int]]:
-        return [list(r.prompt_token_ids) for r in self.rows]
-
-    @property
-    def response_ids(self) -> list[list[int]]:
-        return [list(r.response_token_ids) for r in self.rows]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(r.response_token_ids) for r in self.rows)
-
-
-def probe_of(samples: Sequence) -> Probe:
-    return Probe([s for s in samples if s.response_token_ids][:PROBE_ROWS])
-
 
 def shared(check: "SyncCheck | None", src: int = 0) -> "SyncCheck":
     """Every rank: rank `src`'s check (every rank joins the trainer's forward under ZeRO-3)."""
@@ -74,14 +44,6 @@ def shared(check: "SyncCheck | None", src: int = 0) -> "SyncCheck":
     return box[0]
 
 
-def prob_gap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float] | torch.Tensor]) -> float:
-    """Mean over every token of |exp(a) - exp(b)|: the gap between two sets of log-probs of the
-    same tokens (NaN anywhere: NaN)."""
-    diffs = [abs(math.exp(x) - math.exp(float(y))) for row_a, row_b in zip(a, b, strict=True)
-             for x, y in zip(row_a, row_b, strict=True)]
-    return sum(diffs) / len(diffs) if diffs else 0.0
-
-
 def trainer_logprobs(w: PolicyWorker, probe: Probe) -> list[torch.Tensor]:
     """The trainer's teacher-forced log-probs of the probe's tokens (temperature 1), as it
     computes a step's old log-probs, in its precision. Every rank calls it (ZeRO-3 gathers)."""
@@ -89,34 +51,6 @@ def trainer_logprobs(w: PolicyWorker, probe: Probe) -> list[torch.Tensor]:
     with computing_in(w.precision, w.actor.device):
         logprobs = batched_logprobs(w.actor.module, batch, 1.0, PROBE_ROWS).float().cpu()
     return [logprobs[i, : len(r.response_token_ids)] for i, r in enumerate(probe.rows)]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    gap: float  # the worst engine's mean |p_engine - p_trainer| over the probe's tokens
-    moved: float | None  # first sync: the engine's move from the weights it sampled with
-    trainer_moved: float | None  # and the trainer's
-
-    def failure(self, bound: float, tokens: int) -> str | None:
-        if math.isnan(self.gap):
-            return f"log-prob parity: the engine's token probabilities of {tokens} probe tokens are not numbers (NaN)"
-        if self.gap > bound:
-            return (f"log-prob parity: the engine's token probabilities differ from the trainer's by "
-                    f"{self.gap:.4g} on average over {tokens} probe tokens, above {bound:g}")
-        if self.moved is not None and self.trainer_moved is not None and self.moved < self.trainer_moved / 2:
-            return (f"moved from the SFT weights: the engine's token probabilities moved {self.moved:.3g} on "
-                    f"average over {tokens} probe tokens, the trainer's {self.trainer_moved:.3g} (at least half "
-                    f"of it expected)")
-        return None
-
-
-def verdict(engines: list[list[list[float]]], trainer: list[torch.Tensor],
-            engine_before: list[list[list[float]]] | None, trainer_before: list[torch.Tensor] | None) -> Verdict:
-    gap = max(prob_gap(e, trainer) for e in engines)
-    if engine_before is None or trainer_before is None:
-        return Verdict(gap, None, None)
-    moved = min(prob_gap(now, then) for now, then in zip(engines, engine_before, strict=True))
-    return Verdict(gap, moved, prob_gap([t.tolist() for t in trainer], trainer_before))
 
 
 @dataclass

@@ -44,7 +44,14 @@ from rlhf_core.data.pairs import (
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.epochs import RankStep, run_epochs
-from rlhf_core.distributed.stage import StageRecord, StageRuntime, agreed_precision, fit_stage, start_worker
+from rlhf_core.distributed.stage import (
+    StageRecord,
+    StageRuntime,
+    agreed_precision,
+    evaluation_device,
+    fit_stage,
+    start_worker,
+)
 from rlhf_core.distributed.worker_meter import WorkerMeter
 from rlhf_core.models.reward import (
     AUDIT_DIR, freeze_lower_layers, member_mean, reward_model_from_base, reward_stats, save_reward_model, score_pairs_members,
@@ -231,7 +238,8 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
     state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:
         return None
-    return _evaluate_and_save(state_dict, engine.module.config, loop, pos, precision)
+    device = evaluation_device(engine.device, 4 * sum(t.numel() for t in state_dict.values()), "reward")
+    return _evaluate_and_save(state_dict, engine.module.config, loop, pos, precision, device)
 
 
 def _optimizer_step(
@@ -291,11 +299,13 @@ def _step_metrics(gathered: list[RankStep], engine, cfg: RewardConfig, truncated
 
 def _evaluate_and_save(
     state_dict: dict[str, torch.Tensor], model_config, loop: RewardWorkerInputs, pos: DataPosition,
-    precision: Precision,
+    precision: Precision, device: torch.device,
 ) -> dict[str, Any]:
-    """Rank 0: held-out accuracy and loss, normalisation stats, HF save. -> the run summary."""
+    """Rank 0, on the stage's `device`: held-out accuracy and loss, normalisation stats (in fp32:
+    the figures the gates and the policy's normalisation read), HF save. -> the run summary."""
     model = AutoModelForSequenceClassification.from_config(model_config, dtype=torch.float32)
     model.load_state_dict(state_dict, strict=True)
+    model.to(device)
     cfg = loop.cfg
     evals: TokenizedPairs = ray.get(loop.evals)
     members_chosen, members_rejected = score_pairs_members(model, evals)  # (K, N) each
@@ -319,7 +329,7 @@ def _evaluate_and_save(
         "member_stats": [[m.mean, m.std] for m in members],
         "member_eval_accuracy": (members_chosen > members_rejected).float().mean(1).tolist(),
     }
-    save_reward_model(model, load_tokenizer(loop.base_dir), Path(loop.out_dir), stats, extra=meta,
+    save_reward_model(model.cpu(), load_tokenizer(loop.base_dir), Path(loop.out_dir), stats, extra=meta,
                       dtype=deepspeed_engine.saved_dtype(loop.runtime.use_gpu))
     return {
         **meta,

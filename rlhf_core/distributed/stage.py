@@ -211,6 +211,21 @@ def start_worker(runtime: StageRuntime, seed: int, torch_threads: int | None = N
     return Worker(deepspeed, rank, world)
 
 
+def evaluation_device(device: torch.device, model_bytes: int, stage: str) -> torch.device:
+    """Where a stage's held-out pass runs: the stage's own `device`, unless that is a GPU with
+    less memory free than the pass's fp32 models need (`model_bytes`, with a quarter more for
+    activations): then the CPU, said in the log. The trainer's cached blocks are handed back first."""
+    if device.type != "cuda":
+        return device
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    if free >= 1.25 * model_bytes:
+        return device
+    print(f"{stage}: the held-out pass needs about {model_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free "
+          f"on {device}: it runs on the CPU", flush=True)
+    return torch.device("cpu")
+
+
 def agreed_precision(stage: str, requested: str, use_gpu: bool, worker: Worker) -> str:
     """`<stage>.precision` resolved on rank 0 (auto measures there) and given to every rank, so
     that no two ranks compute in different precisions. A resumed attempt resolves it again."""

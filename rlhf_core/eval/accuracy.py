@@ -14,14 +14,16 @@ from rlhf_core.training.verifiable import check_answers
 def greedy_completions(
     model, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 256
 ) -> list[str]:
-    """Greedy decoding with Hugging Face `generate`, left-padded batches, stopped at `</s>`."""
+    """Greedy decoding with Hugging Face `generate`, left-padded batches, stopped at `</s>`, on
+    the model's device."""
     model.eval()
+    device = next(model.parameters()).device
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     out: list[str] = []
     try:
         for i in range(0, len(prompts), batch_size):
-            enc = tokenizer(list(prompts[i : i + batch_size]), return_tensors="pt", padding=True)
+            enc = tokenizer(list(prompts[i : i + batch_size]), return_tensors="pt", padding=True).to(device)
             gen = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

@@ -23,7 +23,8 @@ from rlhf_core.data.pairs import (
     OverlengthError, collate_pairs, kto_examples, response_mask, split_by_prompt, tokenize_policy_pairs,
     unpaired_examples, with_mismatched,
 )
-from rlhf_core.distributed.offline_trainer import sampled_kl, train_offline
+from rlhf_core.distributed.offline_trainer import train_offline
+from rlhf_core.eval.sampled_kl import sampled_kl
 from rlhf_core.training.preference_step import Rows, offline_loss, pair_logprobs
 from rlhf_core.distributed.fault_injection import FAULT_ENV
 from rlhf_core.models.llama import load_policy
@@ -149,7 +150,7 @@ def test_the_sampled_kl_in_row_chunks_at_the_answer_columns_equals_one_whole_pas
     """The KL at the end reads the head at the answers' columns only, KL_ROWS answers at a time:
     the same figure as one pass over every column of every row (which held (200, L, V) logits
     twice over for a 49k vocabulary)."""
-    from rlhf_core.distributed import offline_trainer
+    from rlhf_core.eval import sampled_kl as kl
 
     model, tok = load_policy(demo["sft"]).eval(), load_tokenizer(demo["sft"])
     other = load_policy(demo["sft"]).eval()
@@ -157,9 +158,9 @@ def test_the_sampled_kl_in_row_chunks_at_the_answer_columns_equals_one_whole_pas
     for p in other.parameters():
         p.add_(0.05 * torch.randn(p.shape, generator=generator))
     prompts = demo["eval_prompts"][:40]  # more than KL_ROWS: several chunks, the last one short
-    assert len(prompts) % offline_trainer.KL_ROWS and len(prompts) > 2 * offline_trainer.KL_ROWS
+    assert len(prompts) % kl.KL_ROWS and len(prompts) > 2 * kl.KL_ROWS
     chunked = sampled_kl(model, other, tok, prompts, 4, 1.0, seed=0)
-    monkeypatch.setattr(offline_trainer, "KL_ROWS", 10_000)
+    monkeypatch.setattr(kl, "KL_ROWS", 10_000)
     whole = sampled_kl(_FullLogits(model), _FullLogits(other), tok, prompts, 4, 1.0, seed=0)
     assert abs(whole) > 1e-3  # the two policies differ
     assert chunked == pytest.approx(whole, rel=1e-5)

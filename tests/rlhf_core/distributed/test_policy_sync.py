@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from rlhf_core.distributed.policy_sync import PROBE_ROWS, Verdict, prob_gap, probe_of, verdict
+from rlhf_core.rollout.sync_check import PROBE_ROWS, Verdict, prob_gap, probe_of, verdict
 
 
 @dataclass
@@ -42,18 +42,20 @@ def test_the_worst_engine_of_a_group_decides_and_the_least_moved_one():
     # first sync: engine 1 moved with the trainer (0.4 -> 0.5), engine 0 never left 0.5
     moved = verdict([lp, lp], trainer, [lp, [[math.log(0.4)]]], [torch.tensor([math.log(0.4)])])
     assert moved.moved == pytest.approx(0.0) and moved.trainer_moved == pytest.approx(0.1)
+    assert moved.noise == pytest.approx(0.1)  # engine 0 already said 0.5 where the trainer said 0.4
 
 
 @pytest.mark.parametrize("found, expected", [
-    pytest.param(Verdict(0.004, None, None), None, id="in-parity"),
-    pytest.param(Verdict(0.01, None, None), None, id="at-the-bound"),
-    pytest.param(Verdict(0.02, None, None), "differ from the trainer's by 0.02 on average over 16 probe tokens, "
-                                            "above 0.01", id="above"),
-    pytest.param(Verdict(float("nan"), None, None), "are not numbers (NaN)", id="nan"),
-    pytest.param(Verdict(0.001, 0.003, 0.004), None, id="moved-with-the-trainer"),
-    pytest.param(Verdict(0.001, 0.0, 0.004), "moved 0 on average over 16 probe tokens, the trainer's 0.004",
+    pytest.param(Verdict(0.004), None, id="in-parity"),
+    pytest.param(Verdict(0.01), None, id="at-the-bound"),
+    pytest.param(Verdict(0.02), "differ from the trainer's by 0.02 on average over 16 probe tokens, above 0.01",
+                 id="above"),
+    pytest.param(Verdict(float("nan")), "are not numbers (NaN)", id="nan"),
+    pytest.param(Verdict(0.001, 0.003, 0.004, 1e-7), None, id="moved-with-the-trainer"),
+    pytest.param(Verdict(0.001, 0.0, 0.004, 1e-7), "moved 0 on average over 16 probe tokens, the trainer's 0.004",
                  id="stayed-on-the-sft-weights"),
     pytest.param(Verdict(0.001, 0.0, 0.0), None, id="neither-moved"),
+    pytest.param(Verdict(0.003, 0.0, 0.004, 0.003), None, id="a-move-within-the-precisions-noise-tells-nothing"),
 ])
 def test_a_verdict_fails_on_a_gap_above_the_bound_or_an_engine_left_behind(found, expected):
     failed = found.failure(0.01, 16)

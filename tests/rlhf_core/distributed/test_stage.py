@@ -67,3 +67,19 @@ def test_a_cpu_worker_gets_its_share_of_the_nodes_cores():
     assert cpu_threads(3, cores=16) == 5
     assert cpu_threads(4, cores=2) == 1  # never below one
     assert cpu_threads(1) >= 1
+
+
+def test_the_held_out_pass_runs_on_the_stages_gpu_where_its_models_fit_else_on_the_cpu(monkeypatch, capsys):
+    import torch
+
+    from rlhf_core.distributed.stage import evaluation_device
+
+    assert evaluation_device(torch.device("cpu"), 10**12, "reward") == torch.device("cpu")
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * 2**30, 80 * 2**30))
+    gpu = torch.device("cuda", 0)
+    assert evaluation_device(gpu, 20 * 2**30, "reward") == gpu and emptied  # 25 GiB with activations: fits
+    assert evaluation_device(gpu, 28 * 2**30, "policy") == torch.device("cpu")
+    assert "policy: the held-out pass needs about 28.0 GiB, 30.0 GiB are free on cuda:0: it runs on the CPU" in \
+        capsys.readouterr().out
