@@ -55,7 +55,7 @@ def start_engine(w: PolicyWorker):
         bundles, address = engine_bundles(rollout.tensor_parallel_size, on_gpu), ray.util.get_node_ip_address()
     return open_engine(w.loop.sft_dir, rollout, precision=w.precision, device=w.device, seed=cfg.seed,
                        max_num_seqs=cfg.rollouts_per_step, max_model_len=context, pipelined=cfg.pipeline.max_lag > 0,
-                       bundles=bundles, master_address=address)
+                       bundles=bundles, master_address=address, name=f"rollout-engine-{w.loop.runtime.run_token}")
 
 
 def syncs_from_the_module(w: PolicyWorker) -> bool:

@@ -12,9 +12,7 @@ the same spurious carry), while one that sees the policy's own answers does not.
 """
 from __future__ import annotations
 
-import hashlib
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,8 +83,7 @@ def round_id(w: PolicyWorker, step: int) -> str:
     """The round of `step` of this stage's run: the same in every attempt of the run (a resumed
     attempt redoes a round under its id, and a queue annotator hands it the labels the killed
     attempt took: exactly once), another in another run sharing the labelling queue."""
-    run = hashlib.sha256(str(Path(w.loop.runtime.attempts_file).parent.resolve()).encode()).hexdigest()[:8]
-    return f"round-{run}-step{step:04d}"
+    return f"round-{w.loop.runtime.run_token}-step{step:04d}"
 
 
 def _label_and_train(w: PolicyWorker, state: PolicyState, step: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from rlhf_core.distributed.policy_loop import PolicyWorker
 from rlhf_core.distributed.policy_rollouts import syncs_from_the_module
 from rlhf_core.models.lora import merged_entries, merged_state_dict
 from rlhf_core.rollout.factory import streams
-from rlhf_core.rollout.sync_check import PROBE_ROWS, Probe, verdict
+from rlhf_core.rollout.sync_check import PROBE_ROWS, Probe, probe_of, verdict
 from rlhf_core.training.circuit_breaker import prob_diff_bound
 from rlhf_core.training.policy_batch import build_batch
 from rlhf_core.training.policy_step import batched_logprobs

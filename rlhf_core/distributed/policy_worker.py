@@ -59,7 +59,7 @@ from rlhf_core.models.reward import (
 from rlhf_core.models.value import value_model_from
 from rlhf_core.rng import derive_seed
 from rlhf_core.tokenizer import load_tokenizer
-from rlhf_core.training.circuit_breaker import Trip, prob_diff_bound, should_trip
+from rlhf_core.training.circuit_breaker import Trip, should_trip
 from rlhf_core.training.precision import computing_in
 from rlhf_core.training.policy_step import (
     PolicyBatch,

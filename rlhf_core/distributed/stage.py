@@ -27,6 +27,7 @@ workers' memory, the machine's at the stage's start and the settings to change.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -63,6 +64,12 @@ class StageRuntime:
     def emit(self, step: int, metrics: dict[str, float]) -> None:
         if self.on_metrics is not None:
             self.on_metrics(step, metrics)
+
+    @property
+    def run_token(self) -> str:
+        """A name of this stage's run: the same in every attempt of it (a restart resumes the run),
+        another for another run on the cluster. For what an attempt names and the next one finds."""
+        return hashlib.sha256(str(Path(self.attempts_file).parent.resolve()).encode()).hexdigest()[:8]
 
 
 @dataclass(frozen=True)

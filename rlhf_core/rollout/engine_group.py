@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.rollout.vllm_engine import Rollout, RolloutEngine, prompt_seeds
@@ -148,14 +148,34 @@ class RemoteEngines:
         return [answer for answers in ray.get(calls, timeout=timeout) for answer in answers]
 
 
+def _taken_over(name: str, timeout_s: float) -> str:
+    """`name`, free: a placement group of that name (an earlier attempt's) removed and waited for."""
+    try:
+        left = get_placement_group(name)
+    except ValueError:
+        return name
+    remove_placement_group(left)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            get_placement_group(name)
+        except ValueError:
+            return name
+        time.sleep(0.2)
+    raise RuntimeError(f"the placement group {name!r} of an earlier attempt was not removed within {timeout_s:g} s")
+
+
 class EngineGroup:
     """`num_engines` engines of `tensor_parallel_size` devices each, as Ray actors in placement
     groups of their own (`bundles` each, as the trainer's cluster reserved them:
-    `cluster.engine_bundles`), taking weights through `transport` (`weight_sync`, `weight_transfer`)."""
+    `cluster.engine_bundles`), taking weights through `transport` (`weight_sync`, `weight_transfer`).
+    The groups are named `name`-i, a run's own: a group of that name still there was left by the
+    run's previous attempt (a killed worker's groups outlive it until Ray collects them) and is
+    removed before the new one is made."""
 
     def __init__(self, model_dir: str, *, num_engines: int, tensor_parallel_size: int, use_gpu: bool,
                  bundles: list[dict[str, float]], transport: WeightTransport, seed: int = 0, start_timeout_s: float = START_TIMEOUT_S,
-                 **engine_kwargs: Any):
+                 name: str = "rollout-engine", **engine_kwargs: Any):
         start = time.perf_counter()
         self.transport = transport
         self.groups: list[Any] = []
@@ -165,8 +185,7 @@ class EngineGroup:
             kwargs = dict(engine_kwargs, tensor_parallel_size=tensor_parallel_size,
                           distributed_executor_backend=executor_backend(tensor_parallel_size, use_gpu))
             for i in range(num_engines):
-                group = placement_group(bundles, strategy="STRICT_PACK",
-                                        name=f"rollout-engine-{i}")
+                group = placement_group(bundles, strategy="STRICT_PACK", name=_taken_over(f"{name}-{i}", start_timeout_s))
                 self.groups.append(group)
                 self._wait_placed(group, i, bundles, start_timeout_s)
                 own_gpu = use_gpu and tensor_parallel_size == 1

@@ -32,10 +32,12 @@ class Engine(Protocol):
 
 def open_engine(model_dir: str | Path, rollout: RolloutEngineConfig, *, precision: str, device: torch.device,
                 seed: int, max_num_seqs: int, max_model_len: int, pipelined: bool,
-                bundles: list[dict[str, float]] | None = None, master_address: str = "127.0.0.1") -> Engine:
+                bundles: list[dict[str, float]] | None = None, master_address: str = "127.0.0.1",
+                name: str = "rollout-engine") -> Engine:
     """The engine `policy.rollout` asks for, for a trainer computing in `precision` on `device`:
     with `placement: separate`, `rollout.num_engines` engines in the placement groups `bundles`
-    (what the trainer's cluster reserved for each), streaming from `master_address`; else one
+    (what the trainer's cluster reserved for each, named `name`-i: give each run its own),
+    streaming from `master_address`; else one
     engine in the trainer's process, a guest of its thread unless `pipelined` (then it generates
     on a thread of its own)."""
     settings = engine_settings(rollout, precision, device.type)
@@ -47,7 +49,7 @@ def open_engine(model_dir: str | Path, rollout: RolloutEngineConfig, *, precisio
             raise ValueError("policy.rollout.placement: separate needs the placement groups the cluster reserved")
         return EngineGroup(str(model_dir), num_engines=rollout.num_engines, tensor_parallel_size=rollout.tensor_parallel_size,
                            use_gpu=device.type == "cuda", bundles=bundles, transport=transport, seed=seed,
-                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, **settings)
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, name=name, **settings)
     from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415
 
     return RolloutEngine(model_dir, seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len, transport=transport,

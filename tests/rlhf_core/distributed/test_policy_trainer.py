@@ -219,6 +219,28 @@ def test_a_worker_killed_inside_a_round_resumes_and_the_redone_round_trains_on_t
 
 
 @pytest.mark.slow
+def test_a_pipelined_run_with_an_engine_of_its_own_resumes_a_killed_worker_with_the_same_ledger(
+        ray_cluster, demo, tmp_path, monkeypatch):
+    """Pipelined rollouts (max_lag 1) from an engine of its own: a worker killed at step 3 takes
+    the attempt down, engine included; the resumed attempt starts a new engine from the step-2
+    checkpoint, drops the batches generated ahead, and draws every step's prompts as an
+    uninterrupted run would. The killed attempt's engine gives its placement group back."""
+    killed = tmp_path / "killed"
+    monkeypatch.setenv(FAULT_ENV, f"kill:policy:step3:rank1={killed}")
+    cfg = CFG.model_copy(update={"num_workers": 2, "pipeline": RolloutPipelineConfig(max_lag=1, chunks=2),
+                                 "rollout": RolloutEngineConfig(placement="separate")})
+    before = set(ray.util.placement_group_table())
+    result = run(demo, tmp_path, cfg)
+    engines = [g["state"] for key, g in ray.util.placement_group_table().items() if key not in before
+               and g["name"].startswith("rollout-engine")]
+    assert killed.exists() and result.run.attempts == 2 and result.run.resumed_from_step == 2
+    assert result.run.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
+    assert max(m["pipeline/lag_max"] for m in result.run.metrics_history) <= 1
+    assert engines and set(engines) == {"REMOVED"}, engines  # one per attempt, each given back
+    check_finite_run(result, cfg)
+
+
+@pytest.mark.slow
 def test_without_the_check_the_breaker_catches_an_engine_that_keeps_its_weights(ray_cluster, demo, tmp_path,
                                                                                 monkeypatch):
     """Defence in depth: with `policy.rollout.verify_sync` off, a sync that silently does nothing
@@ -301,7 +323,8 @@ def test_pipelined_grpo_bounds_the_lag_and_weighs_lagged_tokens(ray_cluster, dem
     result = run(demo, tmp_path, cfg)
     engines = {g["name"]: g["state"] for key, g in ray.util.placement_group_table().items() if key not in before
                and g["name"].startswith("rollout-engine")}
-    assert engines == {"rollout-engine-0": "REMOVED"}  # used, then given back
+    [(name, state)] = engines.items()
+    assert name.endswith("-0") and state == "REMOVED"  # the run's one engine, used, then given back
     check_finite_run(result, cfg)
     history = result.run.metrics_history
     print("\n".join(f"step {m['step']}: lag {m['pipeline/lag_mean']:.2f} |log pi_old - log mu| "
