@@ -24,7 +24,7 @@ Series (labels `run`, `stage`; per-worker ones also `rank`, `host`), named in
     rlhf_policy_ensemble_disagreement, rlhf_rollout_prob_diff, rlhf_rollout_prob_diff_bound,
     rlhf_circuit_breaker_tripped{reason},
     rlhf_worker_cpu_utilization_ratio, rlhf_worker_step_seconds,
-    rlhf_worker_samples_per_second, rlhf_rollout_tokens_per_second,
+    rlhf_worker_samples_per_second, rlhf_rollout_tokens_per_second, rlhf_rollout_sync_seconds,
     rlhf_worker_gpu_utilization_ratio, rlhf_worker_gpu_memory_used_bytes,
     rlhf_worker_gpu_memory_total_bytes, rlhf_worker_gpu_max_allocated_bytes,
     rlhf_worker_gpu_info{UUID} (GPU workers only)
@@ -63,6 +63,7 @@ STEP_GAUGES = {  # flat metric -> gauge (labels run, stage)
     "rollout/prob_diff": "rlhf_rollout_prob_diff",
     "rollout/prob_diff_bound": "rlhf_rollout_prob_diff_bound",
     "rollout/tokens_per_s": "rlhf_rollout_tokens_per_second",
+    "rollout/sync_s": "rlhf_rollout_sync_seconds",
     "policy/grad_norm": "rlhf_train_grad_norm",
     "policy/pg_loss": "rlhf_train_loss",
     "reward/grad_norm": "rlhf_train_grad_norm",
@@ -100,6 +101,7 @@ _HELP = {
     "rlhf_worker_gpu_memory_total_bytes": "Memory of the worker's GPU (NVML)",
     "rlhf_worker_gpu_max_allocated_bytes": "torch's largest allocation in the worker process during its last step",
     "rlhf_rollout_tokens_per_second": "Tokens the rollout engine generated per second at the last step",
+    "rlhf_rollout_sync_seconds": "Seconds the last step's weight sync into the rollout engine took",
 }
 
 
