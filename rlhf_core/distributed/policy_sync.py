@@ -159,7 +159,10 @@ def verification(w: PolicyWorker, step: int, samples: list) -> SyncCheck | None:
     """Rank 0, right after generating: the step's probe, with the engine's own figures at step 1."""
     if not verifies(w):
         return None
-    probe = probe_of(samples)
+    probe = probe_of(samples, w.engine.max_model_len)
+    if not probe.rows:  # every answer fills the engine's context: nothing it can score, said
+        print(f"policy: step {step}: no rollout leaves room to check the next sync with; it goes unchecked", flush=True)
+        return None
     before = w.engine.probe(probe.prompt_ids, probe.response_ids) if step == 1 else None
     return SyncCheck(probe, engine_before=before)
 

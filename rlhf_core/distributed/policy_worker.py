@@ -196,7 +196,7 @@ def _rl_step(w: PolicyWorker, state: PolicyState) -> None:
         received: list[Any] = [None]
         dist.scatter_object_list(received, shards, src=0)
         samples: list[rollouts.Sample] = received[0]
-    check = policy_sync.shared(check) if policy_sync.verifies(w) else None
+    check = policy_sync.shared(check) if policy_sync.verifies(w) else None  # None on every rank when rank 0 has none
     if check is not None and step == 1:  # the trainer's figures before its first update
         check.trainer_before = policy_sync.trainer_logprobs(w, check.probe)
 

@@ -178,6 +178,7 @@ class EngineGroup:
                  name: str = "rollout-engine", **engine_kwargs: Any):
         start = time.perf_counter()
         self.transport = transport
+        self.max_model_len = engine_kwargs.get("max_model_len")
         self.groups: list[Any] = []
         self.actors: list[Any] = []
         try:

@@ -17,6 +17,7 @@ class Engine(Protocol):
     """What a trainer may ask of its rollout engine."""
 
     last_metrics: dict[str, float]  # rollout/* figures of the last start, generation, sync and sleep
+    max_model_len: int | None  # the longest sequence it takes (None: the model's own context)
 
     def generate(self, prompts, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, max_tokens: int = 64,
                  seed: int | None = None) -> list[Any]: ...
@@ -106,6 +107,8 @@ def engine_settings(rollout: RolloutEngineConfig, precision: str, device_type: s
 def engine_context(prompt_tokens: list[int], max_new_tokens: int, model_context: int) -> int:
     """The engine's `max_model_len`: the longest of the prompts it generates from (training,
     rounds and held-out prompts, `prompt_tokens` of each as the engine tokenises it) plus
-    `max_new_tokens`, never more than the model's own context. A model's context (8,192 tokens
-    for SmolLM2) would size a CPU KV cache for sequences 50-100 times longer than a run's."""
-    return min(model_context, max(prompt_tokens, default=0) + max_new_tokens)
+    `max_new_tokens`, plus one (the check after a sync scores a full-length answer as a prompt
+    and vLLM asks for a token after it), never more than the model's own context. A model's
+    context (8,192 tokens for SmolLM2) would size a CPU KV cache for sequences 50-100 times
+    longer than a run's."""
+    return min(model_context, max(prompt_tokens, default=0) + max_new_tokens + 1)

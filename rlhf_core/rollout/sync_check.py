@@ -37,8 +37,13 @@ class Probe:
         return sum(len(r.response_token_ids) for r in self.rows)
 
 
-def probe_of(samples: Sequence) -> Probe:
-    return Probe([s for s in samples if s.response_token_ids][:PROBE_ROWS])
+def probe_of(samples: Sequence, room: int | None = None) -> Probe:
+    """The first `PROBE_ROWS` samples with a response whose prompt and response leave a token of
+    `room` (the engine's `max_model_len`; None: no limit): an engine scores them as a prompt and
+    is asked for one token after it. Empty when none does (answers filling a model's context)."""
+    rows = [s for s in samples if s.response_token_ids
+            and (room is None or len(s.prompt_token_ids) + len(s.response_token_ids) < room)]
+    return Probe(rows[:PROBE_ROWS])
 
 
 def prob_gap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float] | torch.Tensor]) -> float:

@@ -139,6 +139,7 @@ class RolloutEngine:
             raise ValueError("policy.rollout.sleep: vLLM's CPU backend has no sleep mode; set it false (or null)")
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
+        self.max_model_len = max_model_len
         self.transport = transport or SafetensorsFileTransport()
         self.llm: LLM | None = None
         self.sleep_mode, self.asleep = sleep_mode, False

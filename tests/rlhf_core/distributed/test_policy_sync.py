@@ -27,11 +27,13 @@ def test_the_gap_is_the_mean_absolute_difference_of_the_probabilities_over_all_t
         prob_gap([[0.0, 0.0]], [[0.0]])
 
 
-def test_the_probe_is_the_first_rows_that_have_a_response():
+def test_the_probe_is_the_first_rows_that_have_a_response_and_leave_the_engine_a_token():
     rows = [Row([1, 2], []), *[Row([1, k], [k, k + 1]) for k in range(10)]]
     probe = probe_of(rows)
     assert len(probe.rows) == PROBE_ROWS and probe.rows[0] is rows[1]
     assert probe.prompt_ids[0] == [1, 0] and probe.response_ids[0] == [0, 1] and probe.tokens == 2 * PROBE_ROWS
+    full = [Row([1, 2, 3], [4, 5, 6]), Row([1, 2], [3, 4])]  # 6 tokens fill an engine of 6; 4 leave it two
+    assert probe_of(full, room=6).rows == [full[1]] and probe_of(full[:1], room=6).rows == []
 
 
 def test_the_worst_engine_of_a_group_decides_and_the_least_moved_one():

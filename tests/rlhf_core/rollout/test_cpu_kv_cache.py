@@ -36,15 +36,16 @@ def test_grouped_query_attention_counts_kv_heads_only(model_dir):
 
 
 def test_the_policy_engine_holds_the_runs_sequences_not_the_models_context():
-    """The rollout engine's context is the longest prompt plus a response, capped by the model's:
+    """The rollout engine's context is the longest prompt plus a response (and the token the sync
+    check asks for after a full-length one), capped by the model's:
     at SmolLM2-135M's shape (30 layers, 3 KV heads of 64) and 64 sequences its KV cache is 366 MiB
     instead of the 22.5 GiB its 8,192-token context would size."""
     from rlhf_core.rollout.factory import engine_context
     from rlhf_core.models.memory import kv_block_bytes, kv_cache_blocks
 
-    assert engine_context([12, 40, 7], max_new_tokens=64, model_context=8192) == 104
+    assert engine_context([12, 40, 7], max_new_tokens=64, model_context=8192) == 105
     assert engine_context([12, 40, 7], max_new_tokens=64, model_context=96) == 96
-    assert engine_context([], max_new_tokens=8, model_context=80) == 8
+    assert engine_context([], max_new_tokens=8, model_context=80) == 9
     smollm2 = kv_block_bytes(num_layers=30, num_kv_heads=3, head_dim=64)
     assert smollm2 == 2 * 30 * 3 * 64 * 4 * 128
     run = kv_cache_blocks(64, engine_context([40], 64, 8192)) * smollm2
