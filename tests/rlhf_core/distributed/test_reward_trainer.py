@@ -45,8 +45,10 @@ CFG = RewardConfig(
     max_failures=1,
     min_eval_accuracy=0.0,
 )
-# After the checkpoint at step 40 (epoch 1, its 4th step): steps 41-42 are lost and redone.
-KILL_AT_STEP = 42
+# Killed at step 42, after the checkpoint at step 40 (epoch 1's third step): steps 41-42 are
+# lost and redone inside the epoch. Killed at step 38, epoch 1's first: the resume from the
+# checkpoint at step 30 redoes steps 31-38 across the epoch boundary (epoch 0 ends at 37).
+KILL_STEPS = [pytest.param(42, id="inside-an-epoch"), pytest.param(38, id="across-an-epoch-boundary")]
 
 
 @pytest.fixture(scope="module")
@@ -205,15 +207,17 @@ def test_zero3_trains_in_bf16_mixed_precision(baseline, pairs, tiny_base, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kill_at_step", KILL_STEPS)
 def test_killed_worker_resumes_from_last_checkpoint_with_identical_results(baseline, pairs, tiny_base, tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch, kill_at_step):
     expected, _ = baseline
-    monkeypatch.setenv(FAULT_ENV, f"kill:reward:step{KILL_AT_STEP}:rank1={tmp_path / 'killed'}")
+    monkeypatch.setenv(FAULT_ENV, f"kill:reward:step{kill_at_step}:rank1={tmp_path / 'killed'}")
     result = run(pairs, tiny_base, tmp_path)
 
     assert (tmp_path / "killed").exists()  # rank 1 did SIGKILL itself
     assert result.run.attempts == 2
-    assert result.run.resumed_from_step == KILL_AT_STEP // CFG.checkpoint_every * CFG.checkpoint_every == 40
+    assert result.run.resumed_from_step == kill_at_step // CFG.checkpoint_every * CFG.checkpoint_every
+    assert steps_per_epoch(len(pairs[0]), CFG.global_batch_size) == 37  # the boundary the second case crosses
 
     # No data position repeated or skipped: the committed steps consumed exactly what the
     # uninterrupted run did, and within an epoch no pair twice.
