@@ -113,7 +113,8 @@ def gates_vs_reference(cfg, policy_dir: Path, sft_dir: Path, reward_dir: Path, p
     has no champion), as the evaluate stage computes them: under the reward model and the
     audit (the policy's, kept current by preference rounds, else the reward stage's), on
     intervals at `cfg.gates.confidence`, with the regression `suites` (`load_suites`; none:
-    their checks are left out). -> (the decision, the candidate's figures)."""
+    their checks are left out), looking at more of `prompts` while a call is open
+    (`gates.max_eval_prompts`). -> (the decision, the `EvalResult`)."""
     from rlhf_core.eval.evaluate import Policy, evaluate, scorers_for  # noqa: PLC0415
     from rlhf_core.eval.gates import gate  # noqa: PLC0415
     from rlhf_core.models.llama import load_policy  # noqa: PLC0415
@@ -121,16 +122,17 @@ def gates_vs_reference(cfg, policy_dir: Path, sft_dir: Path, reward_dir: Path, p
     from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
 
     scorer, audit = scorers_for(reward_dir, cfg.reward.max_length, current_audit_dir(policy_dir, reward_dir))
-    n = min(cfg.gates.eval_prompts, len(prompts))
+    gates = cfg.gates if suites else cfg.gates.model_copy(update={"regression_suites": []})
     result = evaluate(
         Policy("candidate", load_policy(policy_dir), load_tokenizer(policy_dir)),
         Policy("reference", load_policy(sft_dir), load_tokenizer(sft_dir)), None,
-        scorer, prompts[:n], answers[:n], max_new_tokens=cfg.policy.max_new_tokens,
+        scorer, prompts, answers, max_new_tokens=cfg.policy.max_new_tokens,
         temperature=cfg.policy.temperature, seed=seed, audit=audit, confidence=cfg.gates.confidence,
         bootstrap_samples=cfg.gates.bootstrap_samples, suites=suites, checker=cfg.data.answer_checker,
+        first_look=cfg.gates.eval_prompts, max_prompts=cfg.gates.max_eval_prompts,
+        judge=lambda c, r, ch: gate(c, r, ch, gates),
     )
-    gates = cfg.gates if suites else cfg.gates.model_copy(update={"regression_suites": []})
-    return gate(result.candidate.figures, result.reference.figures, None, gates), result.candidate.figures
+    return gate(result.candidate.figures, result.reference.figures, None, gates), result
 
 
 def timed(fn, repeats: int, warmup: int = 1) -> list[float]:

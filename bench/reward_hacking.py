@@ -150,8 +150,9 @@ def run_policy(cfg: PipelineConfig, files, sft_dir: Path, rm, work: Path, varian
         "per_eval": [{k: v for k, v in e.items() if k != "eval/samples"} | {"samples": e["eval/samples"]}
                      for e in result.evaluations],
     }
-    decision, figures = gates_vs_reference(cfg, result.path, sft_dir, rm.proxy.path, list(evals["prompt"]),
-                                           list(evals["answer"]), p.seed)
+    decision, evaluated = gates_vs_reference(cfg, result.path, sft_dir, rm.proxy.path, list(evals["prompt"]),
+                                             list(evals["answer"]), p.seed)
+    figures = evaluated.candidate.figures
     gap = figures.proxy_audit_gap_interval
     row |= {"gate_passed": decision.passed, "gate_status": decision.status,
             "gate_reasons": "; ".join(decision.reasons) or None, "gate_undecided": "; ".join(decision.undecided) or None,
@@ -177,8 +178,9 @@ def regate(cfg: PipelineConfig, works: list[Path]) -> list[dict]:
                 continue
             reward = next(iter(sorted(work.glob(f"reward-{m.group(2)}*"))), None)
             reference = sft_dir or Path(json.loads((policy_dir / "rlhf_meta.json").read_text())["base_model"])
-            decision, f = gates_vs_reference(cfg, policy_dir, reference, reward, list(evals["prompt"]),
-                                             list(evals["answer"]), int(m.group(3)))
+            decision, evaluated = gates_vs_reference(cfg, policy_dir, reference, reward, list(evals["prompt"]),
+                                                     list(evals["answer"]), int(m.group(3)))
+            f = evaluated.candidate.figures
             gap = f.proxy_audit_gap_interval
             rows.append({"run": policy_dir.name, "algorithm": m.group(1), "variant": m.group(2),
                          "seed": int(m.group(3)), "accuracy": f.accuracy, "proxy_win_rate": f.win_rate_vs_reference,

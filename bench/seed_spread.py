@@ -142,10 +142,12 @@ def run_seed(cfg: PipelineConfig, files: DemoFiles, seed: int, threads: int, wor
                    policy_s=time.perf_counter() - t0, labels=reward.proxy_pairs + reward.audit_pairs
                    + policy.labels_asked)
         suites = load_suites(cfg.gates.regression_suites, work / "suites", cfg.data.demo, list(evals["prompt"]))
-        decision, figures = gates_vs_reference(cfg, policy.path, base.path, reward.proxy.path, list(evals["prompt"]),
-                                               list(evals["answer"]), seed, suites)
+        decision, evaluated = gates_vs_reference(cfg, policy.path, base.path, reward.proxy.path, list(evals["prompt"]),
+                                                 list(evals["answer"]), seed, suites)
+        figures = evaluated.candidate.figures
         row.update(gate_passed=decision.passed, gate_status=decision.status, verdict=decision.status.upper(),
                    gate_reasons="; ".join(decision.reasons or decision.undecided) or None,
+                   eval_looks=[(look.rows, list(look.open), look.stopped) for look in evaluated.looks],
                    regression={s.name: {"accuracy": s.accuracy, "looks": [(look.rows, look.vs_reference["estimate"],
                                                                            look.vs_reference["low"], look.stopped)
                                                                           for look in s.looks]}

@@ -123,6 +123,7 @@ def _report_json(ev_result: EvalResult, decision: Decision, candidate: Candidate
         "decision": decision.to_dict(),
         "thresholds": cfg.gates.model_dump(mode="json"),
         "num_prompts": ev_result.num_prompts,
+        "eval_looks": [asdict(look) for look in ev_result.looks],
         "candidate": {"model_dir": str(candidate.model_dir), **policy(ev_result.candidate)},
         "reference": {"model_dir": str(candidate.reference_dir), **policy(ev_result.reference)},
         "champion": None if champion is None else {"version": champion, **policy(ev_result.champion)},
@@ -163,13 +164,13 @@ def evaluate_candidate(
             champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion",
                                                                    name))
         suites = regression_suites(cfg, run.out_dir, prompts, tokenizer_dir=candidate.reference_dir)
-        n = min(cfg.gates.eval_prompts, len(prompts))
         result = evaluate(
             _policy("candidate", candidate.model_dir), _policy("reference", candidate.reference_dir), champion_policy,
-            scorer, prompts[:n], None if answers is None else answers[:n],
+            scorer, prompts, answers,
             max_new_tokens=cfg.policy.max_new_tokens, temperature=cfg.policy.temperature, seed=cfg.policy.seed,
             audit=audit, confidence=cfg.gates.confidence, bootstrap_samples=cfg.gates.bootstrap_samples,
-            suites=suites, checker=cfg.data.answer_checker,
+            suites=suites, checker=cfg.data.answer_checker, first_look=cfg.gates.eval_prompts,
+            max_prompts=cfg.gates.max_eval_prompts, judge=lambda c, r, ch: gate(c, r, ch, cfg.gates),
         )
         decision = gate(
             result.candidate.figures, result.reference.figures,
@@ -276,13 +277,14 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
 def undecided_next_steps(evaluation: Evaluation, version: str, config_path: str | None) -> dict[str, str]:
     """What a person can do about an undecided candidate registered as `version`: the command
     that has the gates look at more rows (twice the rows of each suite whose looks ended
-    undecided, twice the eval prompts when a call on them is open), and the one that promotes
+    undecided, twice the eval prompts looked at when a call on them is open: the eval set
+    must have them), and the one that promotes
     it past the gates with the reason recorded. `config_path`: the run's, named unless None."""
     figures = evaluation.result.candidate.figures
     more = [f"gates.regression_suites.{i}.max_rows={2 * suite.looks[-1].rows}"
             for i, suite in enumerate(figures.regression) if suite.looks and suite.looks[-1].stopped != "decided"]
     if any(c.undecided and not c.name.startswith("regression_") for c in evaluation.decision.checks):
-        more.append(f"gates.eval_prompts={2 * evaluation.result.num_prompts}")
+        more.append(f"gates.max_eval_prompts={2 * evaluation.result.num_prompts}")
     config = [] if config_path is None else [f"--config {config_path}"]
     return {"look at more rows": " ".join(["rlhf evaluate", version, *config, *(f"--set {m}" for m in more)]),
             "or promote it anyway": " ".join(["rlhf promote", version, *config, '--force --reason "..."'])}

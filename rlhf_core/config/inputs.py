@@ -45,6 +45,10 @@ class DemoDataConfig(_Strict):
     n_pairs: int = Field(3000, ge=10, description='Preference pairs (prompt, chosen, rejected).')
     n_eval: int = Field(200, ge=10,
         description='Held-out eval prompts with their answers; none of them appears in training.')
+    n_eval_reserve: int = Field(0, ge=0, description=(
+        'Further held-out rows after them in the eval file, from problems that no split uses: the rows the gates '
+        'look at when a call on the first n_eval is undecided (gates.max_eval_prompts). The other splits are '
+        'the same bytes whatever this is.'))
     wrong_share: float = Field(0.6, ge=0.0, le=1.0,
         description='Share of SFT answers that forget to carry: the flaw RL must fix.')
     near_miss_share: float = Field(0.1, ge=0.0, le=1.0,

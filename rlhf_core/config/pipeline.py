@@ -127,7 +127,12 @@ class GateConfig(_Strict):
     """Promotion gates on held-out prompts (`rlhf_core.eval.gates.gate`): a trained policy
     replaces the champion only when every check passes (and `auto_promote` is on)."""
 
-    eval_prompts: int = Field(200, ge=1, description='Held-out prompts evaluated.')
+    eval_prompts: int = Field(200, ge=1, description="Held-out prompts of the gates' first look (the eval set's first rows).")
+    max_eval_prompts: int | None = Field(None, ge=1, description=(
+        "With gates.confidence, the most held-out prompts the gates may look at: while a call on them is undecided "
+        "(accuracy, win rates, audit checks), every policy answers twice the prompts, look by look up to this "
+        "budget or the eval set's last row, with the error rate spent across the looks (rlhf_core.eval.sequential); "
+        "null: eval_prompts (one look)."))
     min_accuracy_gain: float = Field(0.0, ge=-1, le=1,
         description='Least accuracy gain over the reference (SFT) policy.')
     max_regression_vs_champion: float = Field(0.02, ge=0, le=1,
@@ -168,6 +173,13 @@ class GateConfig(_Strict):
         "greedily; a candidate whose accuracy difference to the reference or the champion is worse than -margin "
         "(judged like accuracy_vs_champion) is rejected as regression:<name>. The files are checked before "
         "anything trains (docs/pipeline.md)."))
+
+    @model_validator(mode="after")
+    def _eval_budget_covers_first_look(self) -> "GateConfig":
+        if self.max_eval_prompts is not None and self.max_eval_prompts < self.eval_prompts:
+            raise ValueError(f"gates.max_eval_prompts ({self.max_eval_prompts}) is below gates.eval_prompts "
+                             f"({self.eval_prompts})")
+        return self
 
     @field_validator("regression_suites")
     @classmethod

@@ -12,7 +12,9 @@ Everything is generated locally from one seed (no hub), as three disjoint-by-pro
   the right sum with the no-carry answer on carry problems; a `near_miss_share` of them
   reject, on a problem without carries, an answer off by 1 or 10 or, as often as not, one
   with a carry where nothing carries into its leading digit (`36+53=` -> `189`);
-- a held-out eval set (`prompt`, `answer`) whose prompts appear in no training split.
+- a held-out eval set (`prompt`, `answer`) whose prompts appear in no training split; after
+  its `n_eval` rows, `n_eval_reserve` more from problems no split uses, the rows the gates
+  look at when a call on the first ones is undecided.
 
 Beside them, `no_carry_suite` draws a regression suite for the gates: additions without a
 carry, which the SFT corpus teaches right (`gates.regression_suites`, path `demo:no_carry`).
@@ -90,7 +92,8 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
     eval_set, train_pool = problems[: cfg.n_eval], problems[cfg.n_eval :]
 
     sft_rows = []
-    for a, b in rng.sample(train_pool, cfg.n_sft):
+    sft_problems = rng.sample(train_pool, cfg.n_sft)
+    for a, b in sft_problems:
         wrong = rng.random() < cfg.wrong_share
         answer = sum_without_carry(a, b) if wrong else a + b
         sft_rows.append({"prompt": prompt_for(a, b, width), "completion": answer_for(answer, width)})
@@ -120,6 +123,7 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
             }
         )
 
+    eval_set = eval_set + reserve_problems(train_pool, sft_problems + chosen_problems, cfg.n_eval_reserve, rng)
     eval_rows = [{"prompt": prompt_for(a, b, width), "answer": answer_for(a + b, width)} for a, b in eval_set]
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,6 +132,20 @@ def generate_demo_data(cfg: DemoDataConfig, out_dir: Path) -> DemoFiles:
     write_jsonl(pair_rows, files.preferences)
     write_jsonl(eval_rows, files.eval)
     return files
+
+
+def reserve_problems(pool: list[tuple[int, int]], used: list[tuple[int, int]], n: int,
+                     rng: random.Random) -> list[tuple[int, int]]:
+    """`n` problems of `pool` that no split uses, drawn last so that every other split is the
+    same whatever `n` (`data.demo.n_eval_reserve`)."""
+    if n == 0:
+        return []
+    taken = set(used)
+    unused = [p for p in pool if p not in taken]
+    if n > len(unused):
+        raise ValueError(f"data.demo: n_eval_reserve = {n} exceeds the {len(unused)} problems that no split uses: "
+                         "lower it, or n_sft or n_pairs, or raise max_operand")
+    return rng.sample(unused, n)
 
 
 NO_CARRY_SUITE_ROWS = 200

@@ -23,7 +23,7 @@ the three policies take seconds, and no engine must be started.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,10 +33,10 @@ from rlhf_core.eval.accuracy import greedy_completions
 from rlhf_core.eval.confidence import (
     Interval, bootstrap_interval, differences, paired_score_interval, proxy_audit_gaps, win_outcomes,
 )
-from rlhf_core.eval.gates import EvalFigures, SuiteFigures
+from rlhf_core.eval.gates import Decision, EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
 from rlhf_core.eval.regression import RegressionSuite, correct, run_looks
-from rlhf_core.eval.sequential import Look
+from rlhf_core.eval.sequential import Look, look_levels, look_sizes
 from rlhf_core.models.logits import logits_from
 from rlhf_core.models.reward import RewardStats, load_reward_model, normalise, score
 from rlhf_core.rollout.hf_reference import right_padded
@@ -198,6 +198,7 @@ class EvalResult:
     reference: PolicyReport
     champion: PolicyReport | None
     num_prompts: int
+    looks: tuple["EvalLook", ...] = ()  # the looks at the eval prompts (`evaluate`); none without a judge
 
     def metrics(self) -> dict[str, float]:
         out = {"eval/num_prompts": float(self.num_prompts)}
@@ -284,6 +285,26 @@ def _scored(by: Scorer, prompts: Sequence[str], outputs: dict[str, Answers]) -> 
             for name, out in outputs.items()}
 
 
+EVAL_SET_CALLS = ("accuracy_vs_reference", "accuracy_vs_champion", "win_rate_vs_reference", "win_rate_vs_champion",
+                  "audit_vs_reference", "proxy_audit_gap")  # the gate's checks that more eval prompts can decide
+
+
+@dataclass(frozen=True)
+class EvalLook:
+    """One look at the eval prompts: its prompts, the level of its intervals, each eval-set
+    call's estimate and interval (`EVAL_SET_CALLS`, as the gate judged them), the calls still
+    open, and why the looks stopped here (None: they went on)."""
+
+    rows: int
+    level: float
+    calls: dict[str, dict]
+    open: tuple[str, ...]
+    stopped: str | None = None
+
+
+Judge = Callable[[EvalFigures, EvalFigures, "EvalFigures | None"], Decision]
+
+
 def evaluate(
     candidate: Policy,
     reference: Policy,
@@ -301,6 +322,9 @@ def evaluate(
     bootstrap_samples: int = 2000,
     suites: Sequence[RegressionSuite] = (),
     checker: str | None = None,
+    first_look: int | None = None,
+    max_prompts: int | None = None,
+    judge: Judge | None = None,
 ) -> EvalResult:
     """Answer `prompts` with every policy and compute each one's `EvalFigures`.
 
@@ -315,52 +339,103 @@ def evaluate(
     prompts `bootstrap_samples` times, seeded with `seed`), and with `audit` so do its audit
     win rate against the reference and its proxy-audit gap, on the same resamples. Every
     policy also answers each regression suite of `suites` (`EvalFigures.regression`).
+
+    The figures are on the first `first_look` prompts (None: all). With `confidence` and a
+    `judge` (the gate: figures -> `Decision`), the prompts are looked at as a regression suite
+    is (`rlhf_core.eval.sequential`): while the judge leaves one of `EVAL_SET_CALLS` open and
+    nothing is rejected, every policy answers twice the prompts, up to `max_prompts` (None:
+    `first_look`) or the last prompt, each look's intervals at its spent level; the result's
+    `looks` record them. KL to the reference is measured on the first look's prompts.
     """
     if not prompts:
         raise ValueError("no eval prompts")
     if answers is not None and len(answers) != len(prompts):
         raise ValueError(f"{len(answers)} answers for {len(prompts)} eval prompts")
+    first = min(first_look or len(prompts), len(prompts))
+    budget = max(first, min(max_prompts or first, len(prompts)))
+    sizes = look_sizes(first, budget) if confidence is not None and judge is not None else (first,)
+    levels = look_levels(sizes, confidence) if confidence is not None else (None,) * len(sizes)
     policies = [p for p in (candidate, reference, champion) if p is not None]
-    outputs = {p.name: answer(p, prompts, max_new_tokens) for p in policies}
-    scores = _scored(scorer, prompts, outputs)
-    audit_scores = _scored(audit, prompts, outputs) if audit is not None else None
-    right = None if answers is None else {
-        name: check_answers(prompts, out.texts, answers, checker) for name, out in outputs.items()}
-    paired = _Paired(scores, audit_scores, right, reference.name, confidence, bootstrap_samples, seed)
     regression = suite_figures(candidate, reference, champion, suites, max_new_tokens, confidence)
-    ref_length = response_length_stats(outputs[reference.name].texts)["mean"]
-
-    def report(policy: Policy, kl: float) -> PolicyReport:
-        out = outputs[policy.name]
-        length = response_length_stats(out.texts)
-        figures = EvalFigures(
-            **paired.versus(policy.name, reference.name, "reference"),
-            **paired.audit(policy.name),
-            **({} if champion is None else paired.versus(policy.name, champion.name, "champion")),
-            accuracy=None if right is None else sum(right[policy.name]) / len(prompts),
-            rm_score_mean=sum(scores[policy.name]) / len(prompts),
-            win_rate_vs_reference=win_rate(scores[policy.name], scores[reference.name]),
-            win_rate_vs_champion=None if champion is None else win_rate(scores[policy.name], scores[champion.name]),
-            kl_to_reference=kl,
-            mean_length=length["mean"],
-            reference_mean_length=ref_length,
-            degenerate_rate=degenerate_rate(out.texts),
-            generation_failures=len(out.failed_prompts) / len(prompts),
-            audit_score_mean=None if audit_scores is None else sum(audit_scores[policy.name]) / len(prompts),
-            audit_win_rate_vs_reference=(None if audit_scores is None
-                                         else win_rate(audit_scores[policy.name], audit_scores[reference.name])),
-            regression=regression[policy.name],
-        )
-        samples = list(zip(prompts[:n_samples], out.texts[:n_samples]))
-        return PolicyReport(policy.name, figures, scores[policy.name], length, out.failed_prompts, samples)
+    texts: dict[str, list[str]] = {p.name: [] for p in policies}
+    failed: dict[str, list[int]] = {p.name: [] for p in policies}
+    scores: dict[str, list[float]] = {p.name: [] for p in policies}
+    audit_scores: dict[str, list[float]] | None = None if audit is None else {p.name: [] for p in policies}
+    right: dict[str, list[bool]] | None = None if answers is None else {p.name: [] for p in policies}
 
     def kl_of(policy: Policy) -> float:  # NaN: another vocabulary, no token-level KL
         same = _same_vocabulary(policy.tokenizer, reference.tokenizer)
-        return exact_sequence_kl(policy, reference, prompts, max_new_tokens, temperature, seed) if same else math.nan
+        return exact_sequence_kl(policy, reference, prompts[:first], max_new_tokens, temperature, seed) if same else math.nan
 
-    return EvalResult(
-        candidate=report(candidate, kl_of(candidate)),
-        reference=report(reference, 0.0),
-        champion=None if champion is None else report(champion, kl_of(champion)),
-        num_prompts=len(prompts),
-    )
+    kl = {candidate.name: kl_of(candidate), reference.name: 0.0,
+          **({} if champion is None else {champion.name: kl_of(champion)})}
+
+    def answer_to(n: int) -> None:
+        start, new = len(texts[reference.name]), prompts[len(texts[reference.name]):n]
+        outputs = {p.name: answer(p, new, max_new_tokens) for p in policies}
+        for name, out in outputs.items():
+            texts[name] += out.texts
+            failed[name] += [start + i for i in out.failed_prompts]
+        for name, got in _scored(scorer, new, outputs).items():
+            scores[name] += got
+        if audit_scores is not None:
+            for name, got in _scored(audit, new, outputs).items():
+                audit_scores[name] += got
+        if right is not None:
+            for name, out in outputs.items():
+                right[name] += check_answers(new, out.texts, answers[start:n], checker)
+
+    def result_at(n: int, level: float | None, looks: tuple[EvalLook, ...]) -> EvalResult:
+        paired = _Paired(scores, audit_scores, right, reference.name, level, bootstrap_samples, seed)
+        ref_length = response_length_stats(texts[reference.name])["mean"]
+
+        def report(policy: Policy) -> PolicyReport:
+            out, mine = texts[policy.name], scores[policy.name]
+            length = response_length_stats(out)
+            figures = EvalFigures(
+                **paired.versus(policy.name, reference.name, "reference"),
+                **paired.audit(policy.name),
+                **({} if champion is None else paired.versus(policy.name, champion.name, "champion")),
+                accuracy=None if right is None else sum(right[policy.name]) / n,
+                rm_score_mean=sum(mine) / n,
+                win_rate_vs_reference=win_rate(mine, scores[reference.name]),
+                win_rate_vs_champion=None if champion is None else win_rate(mine, scores[champion.name]),
+                kl_to_reference=kl[policy.name],
+                mean_length=length["mean"],
+                reference_mean_length=ref_length,
+                degenerate_rate=degenerate_rate(out),
+                generation_failures=len(failed[policy.name]) / n,
+                audit_score_mean=None if audit_scores is None else sum(audit_scores[policy.name]) / n,
+                audit_win_rate_vs_reference=(None if audit_scores is None
+                                             else win_rate(audit_scores[policy.name], audit_scores[reference.name])),
+                regression=regression[policy.name],
+            )
+            samples = list(zip(prompts[:n_samples], out[:n_samples]))
+            return PolicyReport(policy.name, figures, mine, length, failed[policy.name], samples)
+
+        return EvalResult(report(candidate), report(reference), None if champion is None else report(champion), n,
+                          looks)
+
+    looks: list[EvalLook] = []
+    for n, level in zip(sizes, levels):
+        answer_to(n)
+        result = result_at(n, level, tuple(looks))
+        if judge is None or level is None:
+            return result
+        decision = judge(result.candidate.figures, result.reference.figures,
+                         None if result.champion is None else result.champion.figures)
+        calls = {c.name: {"estimate": c.observed, "low": c.low, "high": c.high}
+                 for c in decision.checks if c.name in EVAL_SET_CALLS and c.low is not None}
+        still_open = tuple(c.name for c in decision.checks if c.undecided and c.name in EVAL_SET_CALLS)
+        stopped = None
+        if decision.reasons:
+            stopped = "rejected: more prompts cannot change the verdict"
+        elif not still_open:
+            stopped = "decided"
+        elif n == sizes[-1]:
+            stopped = (f"budget of {n} prompts reached" if n == (max_prompts or first)
+                       else f"the eval set has no more prompts ({n})")
+        looks.append(EvalLook(n, level, calls, still_open, stopped))
+        if stopped:
+            return result_at(n, level, tuple(looks))
+    raise AssertionError("the last look always stops")
