@@ -36,10 +36,9 @@ from rlhf_core.eval.confidence import (
 from rlhf_core.eval.gates import Decision, EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
 from rlhf_core.eval.regression import RegressionSuite, correct, run_looks
-from rlhf_core.eval.sequential import Look, look_levels, look_sizes
-from rlhf_core.models.logits import logits_from
+from rlhf_core.eval.sampled_kl import exact_kl
+from rlhf_core.eval.sequential import EvalLook, Look, eval_look, look_levels, look_sizes
 from rlhf_core.models.reward import RewardStats, load_reward_model, normalise, score
-from rlhf_core.rollout.hf_reference import right_padded
 from rlhf_core.training.verifiable import check_answers
 
 
@@ -129,67 +128,16 @@ def _same_vocabulary(a: PreTrainedTokenizerFast, b: PreTrainedTokenizerFast) -> 
     return a.get_vocab() == b.get_vocab()
 
 
-@torch.no_grad()
 def exact_sequence_kl(
     policy: Policy, reference: Policy, prompts: Sequence[str], max_new_tokens: int, temperature: float,
     seed: int = 0, batch_size: int = 128,
 ) -> float:
     """Mean over prompts of sum_t KL(pi_T(.|x,y<t) || ref_T(.|x,y<t)) along y ~ pi_T (see the
-    module docstring). Both policies must share a tokenizer."""
+    module docstring, `sampled_kl.exact_sequence_kl`). Both policies must share a tokenizer."""
     if not _same_vocabulary(policy.tokenizer, reference.tokenizer):
         raise ValueError(f"{policy.name} and {reference.name} have different vocabularies: no token-level KL")
-    tok = policy.tokenizer
-    side = tok.padding_side
-    tok.padding_side = "left"
-    policy.model.eval()
-    reference.model.eval()
-    total, count = 0.0, 0
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for start in range(0, len(prompts), batch_size):
-                enc = tok(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True)
-                gen = policy.model.generate(
-                    **enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=1.0,
-                    top_k=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                )
-                prompt_ids = [row[m.bool()].tolist() for row, m in zip(enc["input_ids"], enc["attention_mask"])]
-                responses = [_until_eos(row.tolist(), tok.eos_token_id) for row in gen[:, enc["input_ids"].shape[1] :]]
-                total += float(_summed_token_kl(policy.model, reference.model, prompt_ids, responses, temperature).sum())
-                count += len(responses)
-    finally:
-        tok.padding_side = side
-    return total / count
-
-
-def _until_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[: ids.index(eos) + 1] if eos in ids else ids
-
-
-KL_ROWS = 16  # rows per forward pass of the exact KL: two (16, L', V) fp32 tensors at a time
-
-
-def _summed_token_kl(policy, reference, prompt_ids, response_ids, temperature: float, rows: int = KL_ROWS
-                     ) -> torch.Tensor:
-    """(B,) sum over response positions of the exact KL between the two next-token
-    distributions at `temperature`; positions after a response's end count 0. Runs `rows`
-    sequences at a time, each model's head only from the columns that predict responses on."""
-    return torch.cat([_rows_token_kl(policy, reference, prompt_ids[i : i + rows], response_ids[i : i + rows],
-                                     temperature) for i in range(0, len(prompt_ids), rows)])
-
-
-def _rows_token_kl(policy, reference, prompt_ids, response_ids, temperature: float) -> torch.Tensor:
-    input_ids, mask = right_padded(prompt_ids, response_ids)  # (B, L)
-    first = min(len(p) for p in prompt_ids) - 1  # the first column that predicts a response token
-    logits_p, offset_p = logits_from(policy, input_ids, mask, first)
-    logits_q, offset_q = logits_from(reference, input_ids, mask, first)
-    logp = torch.log_softmax(logits_p[:, first - offset_p :].float() / temperature, -1)  # (B, L - first, V)
-    logq = torch.log_softmax(logits_q[:, first - offset_q :].float() / temperature, -1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, L - first): column t predicts position first + t + 1
-    predicts_response = torch.zeros_like(kl)
-    for row, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        predicts_response[row, len(p) - 1 - first : len(p) - 1 - first + len(r)] = 1.0
-    return (kl * predicts_response).sum(-1)
+    return exact_kl(policy.model, reference.model, policy.tokenizer, prompts, max_new_tokens, temperature, seed,
+                    batch_size)
 
 
 @dataclass
@@ -198,7 +146,7 @@ class EvalResult:
     reference: PolicyReport
     champion: PolicyReport | None
     num_prompts: int
-    looks: tuple["EvalLook", ...] = ()  # the looks at the eval prompts (`evaluate`); none without a judge
+    looks: tuple[EvalLook, ...] = ()  # the looks at the eval prompts (`evaluate`); none without a judge
 
     def metrics(self) -> dict[str, float]:
         out = {"eval/num_prompts": float(self.num_prompts)}
@@ -285,23 +233,6 @@ def _scored(by: Scorer, prompts: Sequence[str], outputs: dict[str, Answers]) -> 
             for name, out in outputs.items()}
 
 
-EVAL_SET_CALLS = ("accuracy_vs_reference", "accuracy_vs_champion", "win_rate_vs_reference", "win_rate_vs_champion",
-                  "audit_vs_reference", "proxy_audit_gap")  # the gate's checks that more eval prompts can decide
-
-
-@dataclass(frozen=True)
-class EvalLook:
-    """One look at the eval prompts: its prompts, the level of its intervals, each eval-set
-    call's estimate and interval (`EVAL_SET_CALLS`, as the gate judged them), the calls still
-    open, and why the looks stopped here (None: they went on)."""
-
-    rows: int
-    level: float
-    calls: dict[str, dict]
-    open: tuple[str, ...]
-    stopped: str | None = None
-
-
 Judge = Callable[[EvalFigures, EvalFigures, "EvalFigures | None"], Decision]
 
 
@@ -355,87 +286,107 @@ def evaluate(
     budget = max(first, min(max_prompts or first, len(prompts)))
     sizes = look_sizes(first, budget) if confidence is not None and judge is not None else (first,)
     levels = look_levels(sizes, confidence) if confidence is not None else (None,) * len(sizes)
-    policies = [p for p in (candidate, reference, champion) if p is not None]
-    regression = suite_figures(candidate, reference, champion, suites, max_new_tokens, confidence)
-    texts: dict[str, list[str]] = {p.name: [] for p in policies}
-    failed: dict[str, list[int]] = {p.name: [] for p in policies}
-    scores: dict[str, list[float]] = {p.name: [] for p in policies}
-    audit_scores: dict[str, list[float]] | None = None if audit is None else {p.name: [] for p in policies}
-    right: dict[str, list[bool]] | None = None if answers is None else {p.name: [] for p in policies}
 
     def kl_of(policy: Policy) -> float:  # NaN: another vocabulary, no token-level KL
         same = _same_vocabulary(policy.tokenizer, reference.tokenizer)
         return exact_sequence_kl(policy, reference, prompts[:first], max_new_tokens, temperature, seed) if same else math.nan
 
-    kl = {candidate.name: kl_of(candidate), reference.name: 0.0,
-          **({} if champion is None else {champion.name: kl_of(champion)})}
-
-    def answer_to(n: int) -> None:
-        start, new = len(texts[reference.name]), prompts[len(texts[reference.name]):n]
-        outputs = {p.name: answer(p, new, max_new_tokens) for p in policies}
-        for name, out in outputs.items():
-            texts[name] += out.texts
-            failed[name] += [start + i for i in out.failed_prompts]
-        for name, got in _scored(scorer, new, outputs).items():
-            scores[name] += got
-        if audit_scores is not None:
-            for name, got in _scored(audit, new, outputs).items():
-                audit_scores[name] += got
-        if right is not None:
-            for name, out in outputs.items():
-                right[name] += check_answers(new, out.texts, answers[start:n], checker)
-
-    def result_at(n: int, level: float | None, looks: tuple[EvalLook, ...]) -> EvalResult:
-        paired = _Paired(scores, audit_scores, right, reference.name, level, bootstrap_samples, seed)
-        ref_length = response_length_stats(texts[reference.name])["mean"]
-
-        def report(policy: Policy) -> PolicyReport:
-            out, mine = texts[policy.name], scores[policy.name]
-            length = response_length_stats(out)
-            figures = EvalFigures(
-                **paired.versus(policy.name, reference.name, "reference"),
-                **paired.audit(policy.name),
-                **({} if champion is None else paired.versus(policy.name, champion.name, "champion")),
-                accuracy=None if right is None else sum(right[policy.name]) / n,
-                rm_score_mean=sum(mine) / n,
-                win_rate_vs_reference=win_rate(mine, scores[reference.name]),
-                win_rate_vs_champion=None if champion is None else win_rate(mine, scores[champion.name]),
-                kl_to_reference=kl[policy.name],
-                mean_length=length["mean"],
-                reference_mean_length=ref_length,
-                degenerate_rate=degenerate_rate(out),
-                generation_failures=len(failed[policy.name]) / n,
-                audit_score_mean=None if audit_scores is None else sum(audit_scores[policy.name]) / n,
-                audit_win_rate_vs_reference=(None if audit_scores is None
-                                             else win_rate(audit_scores[policy.name], audit_scores[reference.name])),
-                regression=regression[policy.name],
-            )
-            samples = list(zip(prompts[:n_samples], out[:n_samples]))
-            return PolicyReport(policy.name, figures, mine, length, failed[policy.name], samples)
-
-        return EvalResult(report(candidate), report(reference), None if champion is None else report(champion), n,
-                          looks)
-
+    looked = _Looked(candidate, reference, champion, prompts, answers, scorer, audit, max_new_tokens, checker,
+                     regression=suite_figures(candidate, reference, champion, suites, max_new_tokens, confidence),
+                     kl={candidate.name: kl_of(candidate), reference.name: 0.0,
+                         **({} if champion is None else {champion.name: kl_of(champion)})},
+                     bootstrap_samples=bootstrap_samples, seed=seed, n_samples=n_samples)
     looks: list[EvalLook] = []
     for n, level in zip(sizes, levels):
-        answer_to(n)
-        result = result_at(n, level, tuple(looks))
+        looked.answer_to(n)
+        result = looked.result(level, ())
         if judge is None or level is None:
             return result
         decision = judge(result.candidate.figures, result.reference.figures,
                          None if result.champion is None else result.champion.figures)
-        calls = {c.name: {"estimate": c.observed, "low": c.low, "high": c.high}
-                 for c in decision.checks if c.name in EVAL_SET_CALLS and c.low is not None}
-        still_open = tuple(c.name for c in decision.checks if c.undecided and c.name in EVAL_SET_CALLS)
-        stopped = None
-        if decision.reasons:
-            stopped = "rejected: more prompts cannot change the verdict"
-        elif not still_open:
-            stopped = "decided"
-        elif n == sizes[-1]:
-            stopped = (f"budget of {n} prompts reached" if n == (max_prompts or first)
-                       else f"the eval set has no more prompts ({n})")
-        looks.append(EvalLook(n, level, calls, still_open, stopped))
-        if stopped:
-            return result_at(n, level, tuple(looks))
+        looks.append(eval_look(decision, n, level, n == sizes[-1], max_prompts or first))
+        if looks[-1].stopped:
+            return looked.result(level, tuple(looks))
     raise AssertionError("the last look always stops")
+
+
+@dataclass
+class _Looked:
+    """Every policy's answers to the eval prompts answered so far, with their scores and checks,
+    and what the figures take besides them (the suites' figures, each policy's KL)."""
+
+    candidate: Policy
+    reference: Policy
+    champion: Policy | None
+    prompts: Sequence[str]
+    answers: Sequence[str] | None
+    scorer: Scorer
+    audit: Scorer | None
+    max_new_tokens: int
+    checker: str | None
+    regression: dict[str, tuple[SuiteFigures, ...]]
+    kl: dict[str, float]
+    bootstrap_samples: int
+    seed: int
+    n_samples: int
+    texts: dict[str, list[str]] = field(default_factory=dict)
+    failed: dict[str, list[int]] = field(default_factory=dict)
+    scores: dict[str, list[float]] = field(default_factory=dict)
+    audit_scores: dict[str, list[float]] = field(default_factory=dict)
+    right: dict[str, list[bool]] = field(default_factory=dict)
+
+    @property
+    def policies(self) -> list[Policy]:
+        return [p for p in (self.candidate, self.reference, self.champion) if p is not None]
+
+    @property
+    def rows(self) -> int:
+        return len(self.texts.get(self.reference.name, ()))
+
+    def answer_to(self, n: int) -> None:
+        """Every policy answers the prompts from the last look's end to `n`; scored and checked."""
+        start, new = self.rows, self.prompts[self.rows:n]
+        outputs = {p.name: answer(p, new, self.max_new_tokens) for p in self.policies}
+        scored = _scored(self.scorer, new, outputs)
+        audited = _scored(self.audit, new, outputs) if self.audit is not None else {}
+        for name, out in outputs.items():
+            self.texts.setdefault(name, []).extend(out.texts)
+            self.failed.setdefault(name, []).extend(start + i for i in out.failed_prompts)
+            self.scores.setdefault(name, []).extend(scored[name])
+            if audited:
+                self.audit_scores.setdefault(name, []).extend(audited[name])
+            if self.answers is not None:
+                self.right.setdefault(name, []).extend(
+                    check_answers(new, out.texts, self.answers[start:n], self.checker))
+
+    def result(self, level: float | None, looks: tuple[EvalLook, ...]) -> EvalResult:
+        """Every policy's figures on the prompts answered so far, intervals at `level`."""
+        paired = _Paired(self.scores, self.audit_scores or None, self.right or None, self.reference.name, level,
+                         self.bootstrap_samples, self.seed)
+        reports = {p.name: self._report(p, paired) for p in self.policies}
+        return EvalResult(reports[self.candidate.name], reports[self.reference.name],
+                          None if self.champion is None else reports[self.champion.name], self.rows, looks)
+
+    def _report(self, policy: Policy, paired: _Paired) -> PolicyReport:
+        n, out, mine, ref = self.rows, self.texts[policy.name], self.scores[policy.name], self.reference.name
+        audit = self.audit_scores or None
+        length = response_length_stats(out)
+        figures = EvalFigures(
+            **paired.versus(policy.name, ref, "reference"),
+            **paired.audit(policy.name),
+            **({} if self.champion is None else paired.versus(policy.name, self.champion.name, "champion")),
+            accuracy=sum(self.right[policy.name]) / n if self.right else None,
+            rm_score_mean=sum(mine) / n,
+            win_rate_vs_reference=win_rate(mine, self.scores[ref]),
+            win_rate_vs_champion=None if self.champion is None else win_rate(mine, self.scores[self.champion.name]),
+            kl_to_reference=self.kl[policy.name],
+            mean_length=length["mean"],
+            reference_mean_length=response_length_stats(self.texts[ref])["mean"],
+            degenerate_rate=degenerate_rate(out),
+            generation_failures=len(self.failed[policy.name]) / n,
+            audit_score_mean=None if audit is None else sum(audit[policy.name]) / n,
+            audit_win_rate_vs_reference=None if audit is None else win_rate(audit[policy.name], audit[ref]),
+            regression=self.regression[policy.name],
+        )
+        samples = list(zip(self.prompts[:self.n_samples], out[:self.n_samples]))
+        return PolicyReport(policy.name, figures, mine, length, self.failed[policy.name], samples)

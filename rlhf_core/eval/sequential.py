@@ -18,7 +18,9 @@ it conservative: the intervals of successive looks share rows. A suite that cann
 rows (a file used whole, `max_rows` = `rows`) has one look at `confidence`, as before.
 
 `look_sizes` and `look_levels` are the plan, and `Look` is one look's record for the gate
-report (`rlhf_core.eval.regression.run_looks` makes the looks). `rows_to_decide` and
+report (`rlhf_core.eval.regression.run_looks` makes the looks). The eval prompts are looked at
+alike (`rlhf_core.eval.evaluate.evaluate`, each look an `EvalLook`), on the gate's calls about
+them (`EVAL_SET_CALLS`). `rows_to_decide` and
 `decidable_gap` are the power calculation `power_warnings` (`rlhf check-config`) warns with.
 Plain arithmetic on the config: the command line imports this module without torch or numpy.
 """
@@ -70,6 +72,39 @@ class Look:
     vs_reference: dict
     vs_champion: dict | None
     stopped: str | None = None
+
+
+EVAL_SET_CALLS = ("accuracy_vs_reference", "accuracy_vs_champion", "win_rate_vs_reference", "win_rate_vs_champion",
+                  "audit_vs_reference", "proxy_audit_gap")  # the gate's checks that more eval prompts can decide
+
+
+@dataclass(frozen=True)
+class EvalLook:
+    """One look at the eval prompts: its prompts, the level of its intervals, each eval-set
+    call's estimate and interval (`EVAL_SET_CALLS`, as the gate judged them), the calls still
+    open, and why the looks stopped here (None: they went on)."""
+
+    rows: int
+    level: float
+    calls: dict[str, dict]
+    open: tuple[str, ...]
+    stopped: str | None = None
+
+
+def eval_look(decision, n: int, level: float, last: bool, budget: int) -> EvalLook:
+    """The record of a look at `n` eval prompts that the judge gave `decision` (`rlhf_core.eval.checks.Decision`); it stops the
+    looks when no eval-set call is open, when a check rejects, or when it is the `last`."""
+    calls = {c.name: {"estimate": c.observed, "low": c.low, "high": c.high}
+             for c in decision.checks if c.name in EVAL_SET_CALLS and c.low is not None}
+    still_open = tuple(c.name for c in decision.checks if c.undecided and c.name in EVAL_SET_CALLS)
+    stopped = None
+    if decision.reasons:
+        stopped = "rejected: more prompts cannot change the verdict"
+    elif not still_open:
+        stopped = "decided"
+    elif last:
+        stopped = f"budget of {n} prompts reached" if n == budget else f"the eval set has no more prompts ({n})"
+    return EvalLook(n, level, calls, still_open, stopped)
 
 
 def _z(level: float) -> float:

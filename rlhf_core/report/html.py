@@ -213,7 +213,29 @@ def gates_section(report: dict | None) -> str:
     if report.get("regression_suites"):
         out.append("<h3>Regression suites</h3>")
         out.append(suites_table(report["regression_suites"]))
+    if looks := looks_rows(report):
+        out.append("<h3>Looks</h3><p>Each look's intervals are drawn at a level that spends the error rate "
+                   "across the looks; a call still open is looked at on twice the rows.</p>")
+        out.append(table(["rows of", "rows", "level", "intervals", "stopped"], looks, numeric={1, 2}))
     return "\n".join(out)
+
+
+def looks_rows(report: dict) -> list[tuple]:
+    """One row per look at the eval prompts, then per look at each regression suite."""
+    rows = []
+    for look in report.get("eval_looks") or []:
+        calls = "; ".join(f"{name}{' (open)' if name in look.get('open', ()) else ''} "
+                          f"{interval(c.get('low'), c.get('high'))}" for name, c in (look.get("calls") or {}).items())
+        rows.append(("eval prompts", e(num(look.get("rows"))), e(f"{look.get('level', 0):.2%}"), e(calls),
+                     e(look.get("stopped") or "went on")))
+    for suite in report.get("regression_suites") or []:
+        for look in suite.get("looks") or []:
+            diff = look.get("vs_reference") or {}
+            rows.append((e(f"suite {suite.get('name', '?')}"), e(num(look.get("rows"))),
+                         e(f"{look.get('level', 0):.2%}"),
+                         e(f"candidate − reference {interval(diff.get('low'), diff.get('high'))}"),
+                         e(look.get("stopped") or "went on")))
+    return rows
 
 
 def suites_table(suites: list[dict]) -> str:

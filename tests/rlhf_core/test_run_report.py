@@ -50,7 +50,11 @@ def gate_report() -> dict:
     return {
         "decision": Decision.from_checks(checks).to_dict(),
         "thresholds": {"confidence": 0.95, "bootstrap_samples": 2000, "max_kl": 10.0},
-        "num_prompts": 200,
+        "num_prompts": 400,
+        "eval_looks": [{"rows": 200, "level": 0.9874, "calls": {"audit_vs_reference": {"low": 0.44, "high": 0.6}},
+                        "open": ["audit_vs_reference"], "stopped": None},
+                       {"rows": 400, "level": 0.9841, "calls": {"audit_vs_reference": {"low": 0.47, "high": 0.57}},
+                        "open": ["audit_vs_reference"], "stopped": "budget of 400 prompts reached"}],
         "candidate": policy_report("/runs/r/models/policy", ["167", "067", "129"]),
         "reference": policy_report("/runs/r/models/sft", ["067", "<b>067</b>", "029"]),
         "champion": None,
@@ -137,6 +141,8 @@ def test_the_page_is_well_formed_and_holds_every_stage_and_gate_check(summary, g
     assert re.search(r'class="bad">FAIL<', page)  # the proxy-audit gap
     assert re.search(r'class="open">undecided<', page)  # the audit's interval straddles its bar
     assert "[-0.015, 0]" in page  # the regression suite's interval
+    assert "<td>audit_vs_reference (open) [0.44, 0.6]</td>" in page  # each look at the eval prompts
+    assert "<td>budget of 400 prompts reached</td>" in page and ">98.74%</td>" in page
 
 
 def test_everything_from_the_data_is_escaped(summary, gate_report):

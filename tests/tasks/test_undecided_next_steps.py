@@ -29,7 +29,7 @@ def test_more_rows_for_each_suite_whose_looks_ended_open_and_for_the_eval_prompt
     steps = undecided_next_steps(evaluation(suites, ("regression_vs_reference:no_carry", "accuracy_vs_champion")),
                                  "4", None)
     assert steps == {"look at more rows": "rlhf evaluate 4 --set gates.regression_suites.1.max_rows=1600 "
-                                          "--set gates.eval_prompts=400",
+                                          "--set gates.max_eval_prompts=400",
                      "or promote it anyway": 'rlhf promote 4 --force --reason "..."'}
     only_suite = undecided_next_steps(evaluation(suites, ("regression_vs_reference:no_carry",)), "4", "configs/chat.yaml")
     assert only_suite["look at more rows"] == ("rlhf evaluate 4 --config configs/chat.yaml "

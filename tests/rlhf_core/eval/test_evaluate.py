@@ -9,7 +9,8 @@ import torch
 
 from rlhf_core.config import ModelConfig
 from rlhf_core.eval.accuracy import greedy_completions
-from rlhf_core.eval.evaluate import Policy, Scorer, _summed_token_kl, answer, evaluate, exact_sequence_kl
+from rlhf_core.eval.evaluate import Policy, Scorer, answer, evaluate, exact_sequence_kl
+from rlhf_core.eval.sampled_kl import _summed_token_kl
 from rlhf_core.models.llama import build_policy, save_pretrained_atomic
 from rlhf_core.models.reward import RewardStats, reward_model_from_base
 from rlhf_core.tokenizer import train_tokenizer
