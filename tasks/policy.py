@@ -19,6 +19,7 @@ from rlhf_core.data.schema import read_table
 from rlhf_core.distributed.offline_trainer import train_offline
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult, train_policy
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
+from rlhf_core.training.stage_types import StageStopped
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
 from tasks.reward import RewardModel
@@ -120,7 +121,7 @@ def optimise_policy(
                         base.path,
                         reward.path,
                         cfg.policy,
-                        run.site("policy", on_metrics),
+                        run.site("policy", on_metrics, stage_id),
                         answers=prompt_answers(data),
                         replay_pairs=data.pairs,
                         validation=cfg.validation,
@@ -131,6 +132,12 @@ def optimise_policy(
                                "circuit_breaker.checkpoint": exc.checkpoint_path or "none"}.items():
                 client.set_tag(stage_id, key, str(value))
             log.error("%s", exc)
+            raise
+        except StageStopped as exc:
+            for key, value in {"stopped.reason": exc.reason, "stopped.step": exc.step,
+                               "checkpoint.path": exc.checkpoint_path or "none"}.items():
+                client.set_tag(stage_id, key, str(value))
+            log.warning("%s", exc)
             raise
         sink(result.steps, {  # headline figures; None (no reward model) is not logged
             "policy/accuracy_before": result.accuracy_before, "policy/accuracy_after": result.accuracy_after,

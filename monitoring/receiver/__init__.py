@@ -1,10 +1,10 @@
-"""Alertmanager webhook receiver: turns alerts into a rollback flow run or a log line.
+"""Alertmanager webhook receiver: turns alerts into a rollback flow run, a stop request or a log line.
 
 How to run it, what it answers and how to read its records: docs/operations.md ("The alert
 receiver"). The shape of the code, and why:
 
-- `decide` (`decision.py`) is pure: one alert in, a `Decision` (rollback | notify | resolved |
-  ignore, its incident id, a reason) out. A missing or unknown `action` label falls back to
+- `decide` (`decision.py`) is pure: one alert in, a `Decision` (rollback | stop | notify |
+  resolved | ignore, its incident id, a reason) out. A missing or unknown `action` label falls back to
   notify, so a mislabelled rule can never roll anything back. The incident of a rollback alert
   that names a training run is `run-<run>-<stage>`: one unstable run moves `champion` back
   once, however many alerts it trips in however many notifications.
@@ -20,6 +20,9 @@ receiver"). The shape of the code, and why:
   run already created rather than start a second one.
 - `PrefectRollbackTrigger` (`actions.py`) starts the deployment without waiting for it: the
   on-call path must not hold an HTTP request open for a whole rollback.
+- A `stop` alert that names a run (a fault of the hardware under it) asks that run to stop
+  after its current step with a checkpoint, through its MLflow run (`monitoring.stop`); the
+  run can then be resumed elsewhere. Claimed like a rollback: once per run and stage.
 
 `Receiver` (`core.py`) is everything but HTTP; `server.py` puts it behind `POST /alerts`, and
 `cli.py` is `python -m monitoring.receiver`. Each module imports only the siblings below it,
@@ -29,7 +32,7 @@ from monitoring.receiver.actions import PrefectRollbackTrigger, RollbackTriggerE
 from monitoring.receiver.auth import MIN_TOKEN_CHARS, TOKEN_ENV, TokenError, check_token, load_token
 from monitoring.receiver.claims import DB_NAME, DECISIONS_NAME, DEFAULT_CLAIM_TTL_S, Claim, DecisionLog, Store
 from monitoring.receiver.cli import main
-from monitoring.receiver.core import Receiver, Response, RollbackTrigger
+from monitoring.receiver.core import Receiver, Response, RollbackTrigger, StopRequest
 from monitoring.receiver.decision import (
     INCIDENT_MAX_CHARS,
     INCIDENT_RE,
@@ -47,7 +50,7 @@ __all__ = [
     "DB_NAME", "DECISIONS_NAME", "DEFAULT_CLAIM_TTL_S", "INCIDENT_MAX_CHARS", "INCIDENT_RE", "MAX_BODY_BYTES",
     "MIN_TOKEN_CHARS", "REASON_MAX_CHARS", "TOKEN_ENV",
     "Claim", "Decision", "DecisionLog", "Payload", "PayloadError", "PrefectRollbackTrigger", "Receiver",
-    "ReceiverServer", "Response", "RollbackTrigger", "RollbackTriggerError", "Store", "TokenError",
+    "ReceiverServer", "Response", "RollbackTrigger", "RollbackTriggerError", "StopRequest", "Store", "TokenError",
     "check_token", "decide", "incident_id", "load_token", "main", "parse_payload", "parse_rfc3339",
     "run_incident_id", "serve_in_thread",
 ]

@@ -27,7 +27,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS incidents (
     incident     TEXT NOT NULL,
     action       TEXT NOT NULL,      -- rollback | notify | resolved | ignore
-    status       TEXT NOT NULL,      -- rollback: pending | done | failed; others: recorded
+    status       TEXT NOT NULL,      -- rollback, stop: pending | done | failed; others: recorded
     decided_at   TEXT NOT NULL,      -- first decision, UTC
     updated_at   TEXT NOT NULL,
     claimed_at   REAL NOT NULL,      -- epoch seconds of the last claim (stale-claim check)
@@ -106,7 +106,7 @@ class Store:
         pending one whose owner process is gone (the receiver died mid-call and was restarted)
         or that is older than `retry_pending_after` seconds: acquired. Anything else: not."""
         now = self.clock()
-        initial = "pending" if decision.action == "rollback" else "recorded"
+        initial = "pending" if decision.action in ("rollback", "stop") else "recorded"
         with self._transaction() as db:
             inserted = db.execute(
                 "INSERT OR IGNORE INTO incidents (incident, action, status, decided_at, updated_at, claimed_at,"

@@ -1,4 +1,4 @@
-"""Alertmanager webhook receiver: turns alerts into a rollback flow run or a log line.
+"""Alertmanager webhook receiver: turns alerts into a rollback flow run, a stop request or a log line.
 
 The command line, `python -m monitoring.receiver` (the first line above is its --help text).
 """
@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 from monitoring.receiver.actions import PrefectRollbackTrigger, RollbackTriggerError
@@ -17,6 +19,7 @@ from monitoring.receiver.auth import TOKEN_ENV, TokenError, load_token
 from monitoring.receiver.claims import DB_NAME, DECISIONS_NAME
 from monitoring.receiver.core import Receiver
 from monitoring.receiver.server import ReceiverServer
+from monitoring.stop import request_stop
 
 log = logging.getLogger("rlhf.receiver")
 
@@ -29,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", required=True, help=f"where {DB_NAME} and {DECISIONS_NAME} live")
     parser.add_argument("--deployment", default="rollback/rollback", help="Prefect deployment of the rollback flow")
     parser.add_argument("--config", dest="config_path", help="config_path parameter for the rollback flow")
+    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                        help="MLflow tracking URI through which alerts labelled action=stop reach their run "
+                             "(default $MLFLOW_TRACKING_URI; none: such alerts are answered 500 and retried)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -42,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except RollbackTriggerError as exc:
         print(f"monitoring.receiver: not starting: {exc}", file=sys.stderr)
         return 2
-    server = ReceiverServer((args.host, args.port), Receiver(token, args.state_dir, trigger))
+    stop = None if not args.tracking_uri else partial(request_stop, args.tracking_uri)
+    server = ReceiverServer((args.host, args.port), Receiver(token, args.state_dir, trigger, request_stop=stop))
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     log.info(json.dumps({"event": "startup", "listen": f"http://{args.host}:{server.server_address[1]}/alerts",
                          "state_dir": str(Path(args.state_dir).resolve()), "deployment": args.deployment,

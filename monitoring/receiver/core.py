@@ -16,6 +16,7 @@ from monitoring.receiver.decision import REASON_MAX_CHARS, Decision, decide
 from monitoring.receiver.payload import Payload
 
 RollbackTrigger = Callable[[str, str, str], str]  # (incident, reason, requested_by) -> flow run id
+StopRequest = Callable[[str, str, str], None]  # (run, reason, requested_by): `monitoring.stop.request_stop`
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,15 @@ class Receiver:
     """Everything but HTTP: the token check and what a valid notification leads to."""
 
     def __init__(self, token: str, state_dir: str | os.PathLike, trigger_rollback: RollbackTrigger,
-                 *, retry_pending_after: float = DEFAULT_CLAIM_TTL_S, clock: Callable[[], float] = time.time):
+                 *, request_stop: StopRequest | None = None, retry_pending_after: float = DEFAULT_CLAIM_TTL_S,
+                 clock: Callable[[], float] = time.time):
         self._token = check_token(token, "token").encode("ascii")
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.state_dir / DB_NAME, clock)
         self.decisions = DecisionLog(self.state_dir / DECISIONS_NAME)
         self.trigger_rollback = trigger_rollback
+        self.request_stop = request_stop
         self.retry_pending_after = retry_pending_after
 
     def auth_failure(self, authorization: str | None) -> str | None:
@@ -53,9 +56,11 @@ class Receiver:
 
     def handle(self, payload: Payload, client: str = "") -> Response:
         """Decide on every alert of an authenticated, valid notification and act once per
-        incident. 500 if a rollback could not be started (Alertmanager then retries)."""
+        incident. 500 if a rollback could not be started or a stop not requested (Alertmanager
+        then retries)."""
         results: list[dict] = []
         rollbacks: list[tuple[Decision, Claim, dict]] = []
+        stopped = True
         for alert in payload.alerts:
             decision = decide(alert, payload.receiver)
             replay = self.store.mark_seen(payload.group_key, alert) > 0
@@ -67,13 +72,15 @@ class Receiver:
                 results.append({"incident": decision.incident, "action": decision.action, "result": "duplicate"})
             elif decision.action == "rollback":
                 rollbacks.append((decision, claim, context))
+            elif decision.action == "stop":
+                stopped &= self._stop(payload, decision, claim, context, results)
             else:
                 outcome = {"notify": "notified", "resolved": "resolved", "ignore": "ignored"}[decision.action]
                 self.store.finish(decision.incident, decision.action, "recorded", outcome)
                 level = logging.WARNING if decision.action == "notify" else logging.INFO
                 self.decisions.write("accepted", level, **context, result=outcome)
                 results.append({"incident": decision.incident, "action": decision.action, "result": outcome})
-        ok = self._roll_back(payload, rollbacks, results) if rollbacks else True
+        ok = (self._roll_back(payload, rollbacks, results) if rollbacks else True) and stopped
         status = HTTPStatus.OK if ok else HTTPStatus.INTERNAL_SERVER_ERROR
         return Response(status, {"status": "ok" if ok else "error", "results": results})
 
@@ -87,6 +94,26 @@ class Receiver:
             "starts_at": alert["startsAt"], "group_key": payload.group_key, "receiver": payload.receiver,
             "client": client,
         }
+
+    def _stop(self, payload: Payload, decision: Decision, claim: Claim, context: dict, results: list[dict]) -> bool:
+        """Ask the run to stop after its current step, with a checkpoint (`monitoring.stop`)."""
+        requested_by = f"alertmanager:{payload.receiver}"
+        try:
+            if self.request_stop is None:
+                raise RuntimeError("this receiver was started without a tracking URI to reach runs through")
+            self.request_stop(str(decision.run), decision.reason, requested_by)
+        except Exception as exc:  # noqa: BLE001 - any failure must be recorded and retried
+            outcome = f"error: {type(exc).__name__}: {exc}"[:REASON_MAX_CHARS]
+            self.store.finish(decision.incident, "stop", "failed", outcome)
+            self.decisions.write("failed", logging.ERROR, **context, result="error", error=outcome,
+                                 attempt=claim.attempts, requested_by=requested_by)
+            results.append({"incident": decision.incident, "action": "stop", "result": "error", "error": outcome})
+            return False
+        self.store.finish(decision.incident, "stop", "done", "stop requested")
+        self.decisions.write("accepted", logging.WARNING, **context, result="stop requested",
+                             attempt=claim.attempts, requested_by=requested_by)
+        results.append({"incident": decision.incident, "action": "stop", "result": "stop requested"})
+        return True
 
     def _roll_back(self, payload: Payload, claimed: list[tuple[Decision, Claim, dict]], results: list[dict]) -> bool:
         """One rollback for the rollback alerts this notification newly claimed (Alertmanager

@@ -13,9 +13,10 @@ REASON_MAX_CHARS = 1000
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # rollback | notify | resolved | ignore
+    action: str  # rollback | stop | notify | resolved | ignore
     incident: str
     reason: str
+    run: str | None = None  # the training run (its stage's MLflow run id) a stop is for
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-:]")
@@ -75,9 +76,15 @@ def decide(alert: dict, receiver: str) -> Decision:
     if action == "rollback" and labels.get("run"):
         return Decision(action, run_incident_id(str(labels["run"]), str(labels.get("stage", ""))),
                         summary[:REASON_MAX_CHARS])
+    if action == "stop" and labels.get("run"):
+        return Decision(action, run_incident_id(str(labels["run"]), str(labels.get("stage", ""))),
+                        summary[:REASON_MAX_CHARS], run=str(labels["run"]))
+    if action == "stop":
+        return Decision("notify", incident, f"action=stop names no run to stop: notifying only. {summary}"
+                        [:REASON_MAX_CHARS])
     if action in ("rollback", "notify"):
         return Decision(action, incident, summary[:REASON_MAX_CHARS])
     if action in ("none", "ignore"):
         return Decision("ignore", incident, f"action={action}: recorded only. {summary}"[:REASON_MAX_CHARS])
-    why = "no action label" if action is None else f"unknown action label {action!r} (expected rollback or notify)"
+    why = "no action label" if action is None else f"unknown action label {action!r} (expected rollback, stop or notify)"
     return Decision("notify", incident, f"{why} in receiver {receiver}: notifying only. {summary}"[:REASON_MAX_CHARS])

@@ -57,6 +57,7 @@ class PolicyWorker:
     audit: tuple | None = None  # (model, tokenizer, RewardStats) of the audit reward model, never trained against
     annotator: Any = None  # rank 0, with policy.rounds: rlhf_core.training.preference_rounds.Annotator
     precision: str = "fp32"  # what the trainer's passes compute in (`rlhf_core.training.precision`), one for all ranks
+    stopped: str | None = None  # why the stage was asked to stop after its last step (`StageRuntime.agreed_stop`)
 
     @property
     def cfg(self) -> PolicyConfig:

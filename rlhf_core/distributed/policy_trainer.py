@@ -33,7 +33,7 @@ from rlhf_core.distributed.policy_worker import train_loop
 from rlhf_core.distributed.stage import StageRecord, StageRuntime, fit_stage
 from rlhf_core.models.pretrained import VLLM_CPU_HEAD_SIZES
 from rlhf_core.models.reward import audit_model_dir
-from rlhf_core.training.stage_types import StageFailed, StageSite
+from rlhf_core.training.stage_types import StageFailed, StageSite, StageStopped
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped, Trip
 from rlhf_core.training.verifiable import resolve_verifiable_reward, score_verifiable
 
@@ -96,7 +96,8 @@ def train_policy(
     pairs), pass new pairs through the `validation` contract and, for the queue annotator,
     use `queue_dir` (default: `site.out_dir`'s sibling `labelling-queue`). Held-out accuracy judges
     `eval_answers` with `answer_checker` (`data.answer_checker`; None: the exact text).
-    Raises `StageFailed` (after saving) when the held-out accuracy gain is below
+    Raises `StageStopped` when asked to stop (`site.stop_requested`), after a checkpoint of its
+    last step, and `StageFailed` (after saving) when the held-out accuracy gain is below
     `cfg.min_accuracy_gain`.
     """
     answers = dict(answers or {})
@@ -118,6 +119,8 @@ def train_policy(
     summary = run.summary
     if summary.get("trip") is not None:
         raise CircuitBreakerTripped(Trip(**summary["trip"]), run.checkpoint_path)
+    if summary.get("stopped") is not None:
+        raise StageStopped("policy", summary["stopped"]["step"], summary["stopped"]["reason"], run.checkpoint_path)
     out = _result(run, cfg, Path(site.out_dir))
     if out.accuracy_gain is not None and out.accuracy_gain < cfg.min_accuracy_gain:
         raise StageFailed(

@@ -98,10 +98,12 @@ def train_loop(loop: PolicyWorkerInputs) -> dict[str, Any] | None:
                 loop.runtime.emit(0, rollouts.evaluation_metrics(state.evaluations[-1]))
         if w.rank == 0 and w.cfg.pipeline.max_lag > 0 and state.step < w.cfg.steps:
             w.pipeline = rollouts.start_pipeline(w, first_step=state.step + 1)
-        while state.step < w.cfg.steps and state.trip is None:
+        while state.step < w.cfg.steps and state.trip is None and w.stopped is None:
             _rl_step(w, state)
         if state.trip is not None:  # every rank saw the same history: all stop here, nothing is saved
             return {**asdict(state), "sync_checks": []} if w.rank == 0 else None
+        if w.stopped is not None:  # asked to stop: the step's checkpoint is saved, the weights are not
+            return {"stopped": {"step": state.step, "reason": w.stopped}} if w.rank == 0 else None
         peaks["trained"] = peak_rss_gib()
         state_dict = policy_sync.policy_weights(w)
         if w.rank != 0:
@@ -289,8 +291,10 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
         return  # no checkpoint of this step: the last one reported is the last good one
 
     fault_point(worker_point("policy", step, rank))
-    if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+    stop = w.loop.runtime.agreed_stop(rank) if step < cfg.steps else None
+    if stop is not None or step % cfg.checkpoint_every == 0 or step == cfg.steps:
         save_checkpoint(w, state, metrics)  # the only ray.train.report: see rlhf_core.distributed.stage
+    w.stopped = stop
 
 
 def _score(w: PolicyWorker, samples: list[rollouts.Sample], batch: PolicyBatch, state: PolicyState) -> dict[str, Any]:

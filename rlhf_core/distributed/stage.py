@@ -44,13 +44,14 @@ import ray.train
 import torch
 
 from rlhf_core.distributed.cluster import check_cluster, check_engine_room, connect_ray, shutdown_ray, torch_trainer
+from rlhf_core.distributed.collectives import host_group
 from rlhf_core.distributed.deepspeed_engine import import_deepspeed
 from rlhf_core.distributed.fault_injection import FAULT_ENV
 from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
 from rlhf_core.models.memory import MachineMemory
 from rlhf_core.rng import seed_everything
 from rlhf_core.training.precision import resolve_precision
-from rlhf_core.training.stage_types import MetricsCallback, StageSite
+from rlhf_core.training.stage_types import MetricsCallback, StageSite, StopCheck
 
 @dataclass(frozen=True)
 class StageRuntime:
@@ -60,10 +61,21 @@ class StageRuntime:
     use_gpu: bool
     attempts_file: str  # rank 0 appends one JSON line per attempt
     on_metrics: MetricsCallback | None  # runs on rank 0; must pickle
+    stop_requested: StopCheck | None = None  # read on rank 0 between steps; must pickle
 
     def emit(self, step: int, metrics: dict[str, float]) -> None:
         if self.on_metrics is not None:
             self.on_metrics(step, metrics)
+
+    def agreed_stop(self, rank: int) -> str | None:
+        """Every rank (a collective when a stop check is set): why the stage is asked to stop, as
+        rank 0 read it, else None. The same on every rank, so all stop after the same step."""
+        if self.stop_requested is None:
+            return None
+        reason = [self.stop_requested() if rank == 0 else None]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast_object_list(reason, src=0, group=host_group())
+        return reason[0]
 
     @property
     def run_token(self) -> str:
@@ -131,7 +143,7 @@ def fit_stage(
         run_dir = Path(site.storage_path).resolve() / site.run_name
         run_dir.mkdir(parents=True, exist_ok=True)
         attempts_file = run_dir / f"{stage}_attempts.jsonl"
-        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), site.on_metrics))
+        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), site.on_metrics, site.stop_requested))
         rollout = getattr(getattr(loop, "cfg", None), "rollout", None)
         if rollout is not None and rollout.placement == "separate":
             check_engine_room(stage, num_workers, gpu, rollout.num_engines, rollout.tensor_parallel_size)

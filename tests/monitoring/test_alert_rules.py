@@ -28,7 +28,7 @@ RUNBOOKS = REPO / "docs" / "runbooks"
 # at a temporary directory holding a sample targets file.
 TARGETS_DIR = "/var/lib/rlhf/prometheus-targets"
 
-REQUIRED_LABELS = {"severity": {"critical", "warning"}, "action": {"rollback", "notify"}}
+REQUIRED_LABELS = {"severity": {"critical", "warning"}, "action": {"rollback", "stop", "notify"}}
 REQUIRED_ANNOTATIONS = ("summary", "description", "runbook_url")
 RUNBOOK_SECTIONS = ("Meaning", "Likely causes", "What happens automatically", "What to do", "Silencing", "Escalation")
 
@@ -99,6 +99,7 @@ def test_alertmanager_config_passes_amtool_check(amtool):
 @pytest.mark.parametrize("labels", [
     ["alertname=PolicyKLExplosion", "action=rollback", "severity=critical", "run=r1", "stage=policy"],
     ["alertname=ServingDown", "action=notify", "severity=critical", "job=vllm"],
+    ["alertname=TrainingGpuXidError", "action=stop", "severity=critical", "run=r1", "stage=policy", "UUID=GPU-1"],
 ])
 def test_alertmanager_routes_every_alert_to_the_receiver(amtool, labels):
     output = _run(amtool, "config", "routes", "test", f"--config.file={ALERTMANAGER_CONFIG}", *labels)

@@ -58,7 +58,7 @@ def short_rules(text: str) -> str:
 class Stack:
     """Prometheus + Alertmanager + the receiver, started for one test and stopped after."""
 
-    def __init__(self, tools, tmp: Path, trigger, ports: list[int]):
+    def __init__(self, tools, tmp: Path, trigger, ports: list[int], **receiver_options):
         from monitoring.receiver import Receiver, serve_in_thread
 
         self.tmp = tmp
@@ -67,7 +67,7 @@ class Stack:
         token = secrets.token_urlsafe(24)
         (tmp / "token").write_text(token)
         (tmp / "token").chmod(0o600)
-        self.receiver = Receiver(token, tmp / "receiver", trigger)
+        self.receiver = Receiver(token, tmp / "receiver", trigger, **receiver_options)
         self.receiver_server, _ = serve_in_thread(self.receiver)
         receiver_port = self.receiver_server.server_address[1]
 
@@ -152,8 +152,9 @@ class Stack:
 def stack_factory(monitoring_tools, tmp_path, free_ports):
     stacks = []
 
-    def make(trigger):
-        stacks.append(Stack(monitoring_tools, tmp_path / f"stack{len(stacks)}", trigger, free_ports(2)))
+    def make(trigger, **receiver_options):
+        stacks.append(Stack(monitoring_tools, tmp_path / f"stack{len(stacks)}", trigger, free_ports(2),
+                            **receiver_options))
         return stacks[-1]
 
     (tmp_path / "stack0").mkdir()
@@ -624,3 +625,65 @@ def _tiny_base(tmp: Path) -> Path:
     tok = train_tokenizer([f"{a:02d}+{b:02d}={a + b:03d}" for a in range(100) for b in range(100)], vocab_size=64)
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
     return save_pretrained_atomic(build_policy(cfg, tok, seed=0), tok, tmp / "base")
+
+
+# ------------------------------------------------------------------------------------------
+# an XID error on a rank's GPU -> XID alert naming the run -> the receiver asks the run to stop
+
+
+def test_an_xid_error_on_a_ranks_gpu_asks_that_run_to_stop_through_its_mlflow_run(stack_factory, tmp_path):
+    """DCGM's XID series (served as the exporter serves it: no GPU here) reports error 79 on the
+    GPU of rank 1 of one run; another run computes on other GPUs. The alert joins the two on the
+    GPU's UUID, names the run and rank, and the receiver sets the stop request on that run's
+    MLflow run only (`monitoring.stop`), which the run's stage reads between steps."""
+    import json
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    from monitoring.prometheus import JobExporter
+    from monitoring.stop import STOP_TAG, StopRequests, request_stop
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("xid")
+    faulty, healthy = (client.create_run(experiment).info.run_id for _ in range(2))
+    since = time.time()
+    triggered = []
+    stack = stack_factory(lambda incident, reason, by: triggered.append(incident) or "flow-run-never",
+                          request_stop=partial(request_stop, uri))
+    registry = CollectorRegistry()
+    xid = Gauge("DCGM_FI_DEV_XID_ERRORS", "last XID", ["gpu", "UUID", "Hostname"], registry=registry)
+    xid.labels("1", "GPU-0001", "gpu-node-0").set(79)
+    xid.labels("0", "GPU-0000", "gpu-node-0").set(0)
+    dcgm, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+    (stack.targets / "dcgm.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{dcgm.server_port}"]}]))
+    exporters = {run: JobExporter(run, "policy", targets_dir=stack.targets) for run in (faulty, healthy)}
+    gpus = {faulty: ["GPU-0000", "GPU-0001"], healthy: ["GPU-0100", "GPU-0101"]}
+    step = 0
+
+    def push_and_check():
+        nonlocal step
+        step += 1
+        for run, exporter in exporters.items():
+            exporter.sink()(step, {f"worker/{rank}/{k}": v for rank, uuid in enumerate(gpus[run]) for k, v in (
+                ("host", f"gpu-node-{rank}"), ("gpu_uuid", uuid), ("gpu_utilization", 0.9))})
+        return [d for d in stack.decisions() if d.get("alertname") == "TrainingGpuXidError"]
+
+    try:
+        [decision, *_] = wait_for("the receiver to hear TrainingGpuXidError", push_and_check, 90,
+                                  diagnose=lambda: (f"alerts {[(a['labels'], a['state']) for a in stack.alerts()]}, "
+                                                    f"targets {stack.scrape_health()}, decisions {stack.decisions()}"))
+        firing = stack.firing("TrainingGpuXidError")
+    finally:
+        for exporter in exporters.values():
+            exporter.close()
+        dcgm.shutdown()
+    assert decision["action"] == "stop" and decision["run"] == faulty and decision["result"] == "stop requested"
+    assert {(a["labels"]["run"], a["labels"]["rank"], a["labels"]["UUID"]) for a in firing} == {
+        (faulty, "1", "GPU-0001")}
+    request = json.loads(client.get_run(faulty).data.tags[STOP_TAG])
+    assert request["reason"].startswith("GPU 1 on gpu-node-0 reported XID error 79 under run")
+    assert STOP_TAG not in client.get_run(healthy).data.tags
+    assert StopRequests(uri, faulty, since, poll_s=0)().endswith("(requested by alertmanager:rlhf-receiver)")
+    assert triggered == []  # a stop rolls nothing back

@@ -529,3 +529,56 @@ def test_the_receiver_refuses_to_start_without_prefect_or_the_rollback_deploymen
         assert main(args) == 2
         assert "not starting: PREFECT_API_URL is not set" in capsys.readouterr().err
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+
+
+# --- stop: a run asked to stop through its MLflow run ----------------------------------------
+
+XID_SUMMARY = "GPU 3 on gpu-node-1 reported XID error 79 under run r1 (policy), rank 3: stopping the run"
+
+
+def test_decide_maps_a_stop_alert_to_its_run_and_one_without_a_run_to_notify():
+    decision = decide(alert("TrainingGpuXidError", action="stop", summary=XID_SUMMARY), "r")
+    assert (decision.action, decision.incident, decision.run) == ("stop", RUN_INCIDENT, "r1")
+    nameless = alert("TrainingGpuXidError", action="stop")
+    del nameless["labels"]["run"]
+    assert decide(nameless, "r").action == "notify" and "names no run" in decide(nameless, "r").reason
+
+
+def test_a_stop_alert_sets_the_request_on_the_runs_mlflow_run_once_and_the_stage_reads_it(serve, tmp_path):
+    """Through a real MLflow store: the receiver tags the run named by the alert, a replay
+    does not tag it again, and the stage's `StopRequests` reads the reason; a request made
+    before a stage started is not that stage's."""
+    from mlflow.tracking import MlflowClient
+
+    from monitoring.stop import STOP_TAG, StopRequests, request_stop
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("stop")).info.run_id
+    earlier_stage = StopRequests(uri, run_id, poll_s=0)
+    calls = []
+
+    def stop(run, reason, requested_by):
+        calls.append(run)
+        request_stop(uri, run, reason, requested_by)
+
+    s = serve(RecordingTrigger(), request_stop=stop)
+    xid = alert("TrainingGpuXidError", action="stop", summary=XID_SUMMARY, run=run_id)
+    response = s.post(notification(xid))
+    assert response.status_code == 200
+    assert response.json()["results"] == [{"incident": f"run-{run_id}-policy", "action": "stop",
+                                           "result": "stop requested"}]
+    assert s.post(notification(xid)).json()["results"][0]["result"] == "duplicate" and calls == [run_id]
+    assert json.loads(client.get_run(run_id).data.tags[STOP_TAG])["reason"] == XID_SUMMARY
+    assert earlier_stage() == f"{XID_SUMMARY} (requested by alertmanager:rlhf-receiver)"
+    assert StopRequests(uri, run_id, poll_s=0)() is None  # a stage started after the request
+    polled = StopRequests(uri, run_id, since=0.0, poll_s=3600)
+    assert polled() is not None and polled() is None  # read at most once per poll interval
+
+
+def test_a_stop_the_receiver_cannot_deliver_is_500_and_retried(serve):
+    s = serve(RecordingTrigger())  # started without a tracking URI
+    response = s.post(notification(alert("TrainingGpuXidError", action="stop")))
+    assert response.status_code == 500 and "without a tracking URI" in response.json()["results"][0]["error"]
+    [row] = s.receiver.store.incidents()
+    assert (row["action"], row["status"]) == ("stop", "failed")

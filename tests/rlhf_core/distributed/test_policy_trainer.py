@@ -24,7 +24,7 @@ from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score_members
 from rlhf_core.testing.sinks import JsonlSink
 from rlhf_core.tokenizer import load_tokenizer
-from rlhf_core.training.stage_types import StageSite
+from rlhf_core.training.stage_types import StageSite, StageStopped
 from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
 from rlhf_core.training.policy_step import prompt_indices
 
@@ -456,3 +456,32 @@ def test_grpo_with_lora_an_ensemble_audit_and_rounds_resumes_a_killed_worker_and
     finally:
         engine.close()
     assert served == result.sync_checks[-1]["hf"]
+
+
+@pytest.mark.slow
+def test_a_stop_requested_through_mlflow_stops_after_the_step_with_a_checkpoint_and_the_run_resumes(
+        ray_cluster, demo, tmp_path):
+    """A stop requested on the stage's MLflow run (what the receiver does for a `stop` alert)
+    reaches both ranks after step 1: the stage saves step 1's checkpoint, though its
+    `checkpoint_every` is 2, and ends with `StageStopped` naming it. Run again, the stage
+    resumes from that checkpoint and draws every step's prompts as an uninterrupted run would."""
+    from mlflow.tracking import MlflowClient
+
+    from monitoring.stop import StopRequests, request_stop
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("policy")).info.run_id
+    request_stop(uri, run_id, "GPU 3 reported XID error 79", "alertmanager:rlhf-receiver")
+    cfg = CFG.model_copy(update={"num_workers": 2})
+    site = StageSite(tmp_path / "policy", tmp_path / "ray", "policy", stop_requested=StopRequests(uri, run_id, 0.0))
+    with pytest.raises(StageStopped) as stopped:
+        train_policy(demo["prompts"], demo["eval_prompts"], demo["eval_answers"], demo["sft"], demo["rm"], cfg, site)
+    assert stopped.value.step == 1 and stopped.value.checkpoint_path is not None
+    assert "stopped on request after step 1 (GPU 3 reported XID error 79 (requested by alertmanager:rlhf-receiver))" \
+        in str(stopped.value)
+    assert not (tmp_path / "policy" / "model.safetensors").exists()  # stopped, not finished
+    result = run(demo, tmp_path, cfg)
+    assert result.run.resumed_from_step == 1
+    assert result.run.consumed == [prompt_indices(len(demo["prompts"]), 8, s, cfg.seed) for s in range(cfg.steps)]
+    check_finite_run(result, cfg)
