@@ -45,9 +45,11 @@ class RolloutEngineConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "What the engine computes in. auto: bfloat16 on GPU when the trainer computes in bf16 (policy.precision), "
         "else float32 (on CPU always: the engine's log-probs then match the trainer's within rounding)."))
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description=(
-        "Share of rank 0's GPU memory the engine takes for its weights and KV cache; the trainer's weights, "
-        "optimizer and activations need the rest. Not used on CPU."))
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=0.95, description=(
+        "Share of the GPU's memory the engine takes for its weights, activations and KV cache; beside the trainer "
+        "(colocated) the trainer's weights, optimizer and activations need the rest. null: sized from the run, "
+        "the weights plus the KV cache of a step's rollouts at the engine's context plus 2 GiB "
+        "(rlhf_core/models/engine_share.py), 0.9 on GPUs of its own. Not used on CPU."))
     enforce_eager: bool | None = Field(None, description=(
         "true: no CUDA graphs (less memory, slower decoding); null: eager on CPU, CUDA graphs on GPU."))
     sleep: bool | None = Field(None, description=(

@@ -39,6 +39,7 @@ from rlhf_core.models.memory import (
     ways_to_use_less,
 )
 from rlhf_core.models.weights import INDEX, weight_files
+from rlhf_core.models.engine_share import SEPARATE_SHARE, engine_share, model_share
 
 if TYPE_CHECKING:
     from rlhf_core.config import PipelineConfig, PolicyConfig, RewardConfig
@@ -280,7 +281,7 @@ def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int
         micro_batch_size=policy.micro_batch_size, sequence_tokens=cfg.reward.max_length,
         response_tokens=policy.max_new_tokens, gradient_checkpointing=policy.gradient_checkpointing))
     separate = policy.rollout.placement == "separate"  # engines on GPUs of their own: none on rank 0's
-    parts["engine"] = 0 if separate else int(policy.rollout.gpu_memory_utilization * gpu_bytes)
+    parts["engine"] = 0 if separate else int(engine_gpu_share(info, cfg, gpu_bytes) * gpu_bytes)
     need = sum(parts.values())
     sleeps = not separate and (policy.rollout.sleep if policy.rollout.sleep is not None else policy.pipeline.max_lag == 0)
     if sleeps:  # the engine's memory is free during the update, the trainer's passes are done while it generates
@@ -297,11 +298,22 @@ def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int
                 + (", the engine asleep during the update" if sleeps else "") + ")")
     if need <= gpu_bytes:
         return None, estimate
-    ways = [f"policy.rollout.gpu_memory_utilization={policy.rollout.gpu_memory_utilization} (the engine's share)",
+    ways = [f"policy.rollout.gpu_memory_utilization={engine_gpu_share(info, cfg, gpu_bytes):.2f} (the engine's share)",
             *ways_to_use_less("policy", policy)]
     if policy.zero_stage < 3:
         ways.append(f"policy.zero_stage={policy.zero_stage} (3 shards the actor's weights over the workers)")
     return f"{where}: {estimate}, more than the device holds\n{advice(ways)}", estimate
+
+
+def engine_gpu_share(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int) -> float:
+    """The share of a `gpu_bytes` device the policy stage's engine takes: configured, or sized
+    from the run (`rlhf_core.models.engine_share`) for a step's rollouts at `engine_cache`'s length."""
+    policy, cache = cfg.policy, engine_cache(info, cfg)
+    dtype_bytes = engine_weight_bytes(info, policy) // max(info.num_parameters, 1)
+    return engine_share(policy.rollout.gpu_memory_utilization, on_gpu=True,
+                        separate=policy.rollout.placement == "separate",
+                        sized=lambda: model_share(info, dtype_bytes, cache["engine_sequences"], cache["engine_tokens"],
+                                                  gpu_bytes))
 
 
 def engine_weight_bytes(info: PretrainedInfo, policy: PolicyConfig) -> int:
@@ -319,12 +331,12 @@ def engine_gpu_problem(info: PretrainedInfo, policy: PolicyConfig, gpu_bytes: in
     it may use on each (`gpu_memory_utilization` of `gpu_bytes`), leaving its KV cache no room."""
     rollout = policy.rollout
     weights = engine_weight_bytes(info, policy) / rollout.tensor_parallel_size
-    usable = rollout.gpu_memory_utilization * gpu_bytes
+    usable = (rollout.gpu_memory_utilization or SEPARATE_SHARE) * gpu_bytes
     if weights <= 0.8 * usable:
         return None
     return (f"{where}: each rollout engine holds {gib(weights)} GiB of weights per GPU ({info.num_parameters / 1e9:.1f}B "
             f"parameters over tensor_parallel_size={rollout.tensor_parallel_size}), more than 80% of the "
-            f"{gib(usable)} GiB it may use (gpu_memory_utilization={rollout.gpu_memory_utilization} of {gib(gpu_bytes)} "
+            f"{gib(usable)} GiB it may use (gpu_memory_utilization={usable / gpu_bytes:g} of {gib(gpu_bytes)} "
             "GiB): raise policy.rollout.tensor_parallel_size or gpu_memory_utilization")
 
 

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from rlhf_core.config import RolloutEngineConfig
+from rlhf_core.models.engine_share import engine_share, model_share
 
 
 class Engine(Protocol):
@@ -42,6 +43,9 @@ def open_engine(model_dir: str | Path, rollout: RolloutEngineConfig, *, precisio
     engine in the trainer's process, a guest of its thread unless `pipelined` (then it generates
     on a thread of its own)."""
     settings = engine_settings(rollout, precision, device.type)
+    settings["gpu_memory_utilization"] = engine_share(
+        rollout.gpu_memory_utilization, on_gpu=device.type == "cuda", separate=rollout.placement == "separate",
+        sized=lambda: _sized_on(device, model_dir, settings["dtype"], max_num_seqs, max_model_len))
     transport = weight_transport(rollout, settings["dtype"], device, master_address)
     if rollout.placement == "separate":
         from rlhf_core.rollout.engine_group import EngineGroup  # noqa: PLC0415
@@ -56,6 +60,15 @@ def open_engine(model_dir: str | Path, rollout: RolloutEngineConfig, *, precisio
     return RolloutEngine(model_dir, seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len, transport=transport,
                          sleep_mode=engine_sleeps(rollout, pipelined, device.type), guest=not pipelined,
                          **settings)
+
+
+def _sized_on(device: torch.device, model_dir, dtype: str, sequences: int, tokens: int) -> float:
+    """The share a colocated engine of the model in `model_dir` needs on `device` (`rlhf_core.models.engine_share`)."""
+    from rlhf_core.models.pretrained import inspect_pretrained  # noqa: PLC0415
+
+    dtype_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    return model_share(inspect_pretrained(model_dir), dtype_bytes, sequences, tokens,
+                       torch.cuda.get_device_properties(device).total_memory)
 
 
 def engine_sleeps(rollout: RolloutEngineConfig, pipelined: bool, device_type: str) -> bool:
@@ -94,8 +107,9 @@ def weight_transport(rollout: RolloutEngineConfig, engine_dtype: str, device: to
 
 
 def engine_settings(rollout: RolloutEngineConfig, precision: str, device_type: str) -> dict[str, Any]:
-    """`RolloutEngine`'s dtype, eager mode and memory share from `policy.rollout`, for a trainer
-    computing in `precision` (fp32, bf16) on a `device_type` (cpu, cuda) device."""
+    """`RolloutEngine`'s dtype, eager mode and configured memory share (None: `open_engine` sizes
+    it, `rlhf_core.models.engine_share`) from `policy.rollout`, for a trainer computing in `precision` (fp32,
+    bf16) on a `device_type` (cpu, cuda) device."""
     # auto: bf16 where the trainer computes in bf16 on a GPU; float32 on CPU, where vLLM's bf16 kernels
     # changed 9 of 64 greedy answers of the demo's policy against its fp32 trainer (vllm_engine.py)
     on_gpu_bf16 = device_type == "cuda" and precision == "bf16"

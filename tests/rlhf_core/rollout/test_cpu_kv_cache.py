@@ -60,9 +60,9 @@ def test_the_engine_follows_the_trainers_precision_and_device_unless_told():
 
     auto = RolloutEngineConfig()
     assert engine_settings(auto, "fp32", "cpu") == {"dtype": "float32", "enforce_eager": True,
-                                                    "gpu_memory_utilization": 0.5}
+                                                    "gpu_memory_utilization": None}
     assert engine_settings(auto, "bf16", "cuda") == {"dtype": "bfloat16", "enforce_eager": False,
-                                                     "gpu_memory_utilization": 0.5}
+                                                     "gpu_memory_utilization": None}
     assert engine_settings(auto, "bf16", "cpu")["dtype"] == "float32"  # vLLM's CPU bf16 changes greedy answers
     assert engine_settings(auto, "fp32", "cuda")["dtype"] == "float32"
     told = RolloutEngineConfig(dtype="float16", enforce_eager=True, gpu_memory_utilization=0.3)
