@@ -12,7 +12,7 @@ def tiny_config_dict(tmp: Path) -> dict:
     return {
         "name": "test",
         "output_dir": str(tmp / "runs"),
-        "data": {"demo": {"seed": 0, "n_sft": 240, "n_pairs": 200, "n_eval": 24}},
+        "data": {"demo": {"seed": 0, "n_sft": 240, "n_pairs": 200, "n_eval": 24, "n_eval_reserve": 0}},
         # head size 32: the smallest that vLLM's CPU attention supports
         "model": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2,
                   "initializer_range": 0.02},
@@ -31,6 +31,6 @@ def tiny_config_dict(tmp: Path) -> dict:
                    "kl_coef": 0.02, "shaping": {"aggregate": "mean", "bounded": False, "length_penalty": 0.0},
                    "rounds": {"enabled": False, "every": 10, "prompts": 64, "learning_rate": 1e-4},
                    "grpo": {"group_size": 4, "scale_by_std": True}},
-        "gates": {"regression_suites": []},  # the tests that want one set it
+        "gates": {"regression_suites": [], "max_eval_prompts": None},  # the tests that want them set them
         "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests"},
     }
