@@ -45,7 +45,8 @@ KERNEL_ROWS: Columns = [
     ("kernel_path", "kernel path", ""), ("aten_capability", "ATen", ""), ("threads", "threads", ""),
     ("seed", "seed", ""), ("base_accuracy", "base accuracy", ".3f"), ("reward_accuracy", "reward-model accuracy", ".3f"),
     ("final_accuracy", "final accuracy", ".3f"), ("gain", "gain", "+.3f"), ("no_carry", "no_carry", ".3f"),
-    ("no_carry_looks", "no_carry looks (rows)", ""), ("verdict", "gates", ""), ("wall_s", "wall s", ".0f"),
+    ("no_carry_looks", "no_carry looks (rows)", ""), ("eval_looks", "eval looks (prompts, open calls)", ""),
+    ("verdict", "gates", ""), ("wall_s", "wall s", ".0f"),
     ("met", "met the bars", ""),
 ]
 
@@ -59,7 +60,9 @@ def seed_spread_kernels(results: Path) -> list[str]:
         suite = (row.get("regression") or {}).get("no_carry", {})
         looks = suite.get("looks") or []
         rows.append({**row, "met": "yes" if row["success"] else "**no**", "no_carry": suite.get("accuracy"),
-                     "no_carry_looks": " → ".join(str(look[0]) for look in looks) or None})
+                     "no_carry_looks": " → ".join(str(look[0]) for look in looks) or None,
+                     "eval_looks": " → ".join(f"{n}" + (f" ({', '.join(still)})" if still else "")
+                                              for n, still, _ in row.get("eval_looks") or []) or None})
     gains = [row["gain"] for row in r["rows"] if row.get("gain") is not None]
     paths = sorted({row["kernel_path"] for row in r["rows"]})
     lines = [measured_on(r, "seed_spread_kernels") + f" CPU flags: {', '.join(r.get('cpu_flags', [])) or 'not recorded'}.",
