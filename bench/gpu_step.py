@@ -23,7 +23,7 @@ from rlhf_core.config import CircuitBreakerConfig, PolicyConfig, RolloutEngineCo
 from rlhf_core.models.memory import GpuPolicyShape, gpu_policy_bytes
 from rlhf_core.training.policy_step import (
     BackwardAndStep, PolicyBatch, algorithm_spec, batched_logprobs, build_batch, compute_advantages,
-    old_logprobs_from_update, rollout_metrics, token_rewards, update_minibatches,
+    old_logprobs_from_update, rollout_metrics, teacher_forced, token_rewards, update_minibatches,
 )
 from rlhf_core.rollout.factory import engine_settings
 from rlhf_core.rollout.sync_check import PROBE_ROWS, Probe, probe_of, verdict
@@ -170,7 +170,7 @@ def grpo_step(actor, reference, stepper: BackwardAndStep, prompts, plan: Plan, c
     before = {name: w.detach().clone() for name, w in watched_weights(actor).items()}
     probe = probe_of(rollouts)
     stale = engine_copy(actor, precision)  # the engine as it sampled: what a sync that did nothing leaves
-    said_before = (teacher_forced(stale, probe, None), teacher_forced(actor, probe, precision))
+    said_before = (said(stale, probe, None), said(actor, probe, precision))
     with phase(record, "update", device), computing_in(precision, device):
         update = update_minibatches(actor, batch, spec, cfg, stepper, minibatch_size=cfg.minibatch_size,
                                     kl_coef=cfg.kl_coef, generator=torch.Generator().manual_seed(step))
@@ -192,13 +192,10 @@ def engine_copy(actor, precision: str) -> torch.nn.Module:
     return copy.deepcopy(actor).to(dtype).eval().requires_grad_(False)
 
 
-def teacher_forced(model, probe: Probe, precision: str | None) -> list[torch.Tensor]:
-    """The log-probs (temperature 1) `model` gives the probe's response tokens; in the trainer's
-    `precision` (autocast), or None: in the model's own dtype, as an engine computes."""
-    batch = build_batch(probe.rows, PAD).to(model.device)
-    with computing_in(precision or "fp32", model.device):
-        logprobs = batched_logprobs(model, batch, 1.0, PROBE_ROWS).float().cpu()
-    return [logprobs[i, : len(r.response_token_ids)] for i, r in enumerate(probe.rows)]
+def said(model, probe: Probe, precision: str | None) -> list[torch.Tensor]:
+    """The log-probs `model` gives the probe's response tokens (`policy_step.teacher_forced`): in
+    the trainer's `precision`, or None: in the model's own dtype, as an engine computes."""
+    return teacher_forced(model, probe.rows, PAD, precision or "fp32", model.device, PROBE_ROWS)
 
 
 def sync_checks(actor, stale, probe: Probe, precision: str, said_before) -> dict:
@@ -206,11 +203,11 @@ def sync_checks(actor, stale, probe: Probe, precision: str, said_before) -> dict
     engine: synced after the update it passes; left as it sampled (a sync that did nothing) it
     fails, when the update moved the policy beyond the precision's noise."""
     bound = prob_diff_bound(CircuitBreakerConfig(), precision, max_lag=0)
-    trainer = teacher_forced(actor, probe, precision)
+    trainer = said(actor, probe, precision)
     engine_before, trainer_before = said_before
-    synced = verdict([[t.tolist() for t in teacher_forced(engine_copy(actor, precision), probe, None)]], trainer,
+    synced = verdict([[t.tolist() for t in said(engine_copy(actor, precision), probe, None)]], trainer,
                      [[t.tolist() for t in engine_before]], trainer_before)
-    kept = verdict([[t.tolist() for t in teacher_forced(stale, probe, None)]], trainer,
+    kept = verdict([[t.tolist() for t in said(stale, probe, None)]], trainer,
                    [[t.tolist() for t in engine_before]], trainer_before)
     failed = []
     if (why := synced.failure(bound, probe.tokens)) is not None:

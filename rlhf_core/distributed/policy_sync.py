@@ -32,9 +32,7 @@ from rlhf_core.models.lora import merged_entries, merged_state_dict
 from rlhf_core.rollout.factory import streams
 from rlhf_core.rollout.sync_check import PROBE_ROWS, Probe, probe_of, verdict
 from rlhf_core.training.circuit_breaker import prob_diff_bound
-from rlhf_core.training.policy_batch import build_batch
-from rlhf_core.training.policy_step import batched_logprobs
-from rlhf_core.training.precision import computing_in
+from rlhf_core.training.policy_step import teacher_forced
 
 def shared(check: "SyncCheck | None", src: int = 0) -> "SyncCheck":
     """Every rank: rank `src`'s check (every rank joins the trainer's forward under ZeRO-3)."""
@@ -47,10 +45,7 @@ def shared(check: "SyncCheck | None", src: int = 0) -> "SyncCheck":
 def trainer_logprobs(w: PolicyWorker, probe: Probe) -> list[torch.Tensor]:
     """The trainer's teacher-forced log-probs of the probe's tokens (temperature 1), as it
     computes a step's old log-probs, in its precision. Every rank calls it (ZeRO-3 gathers)."""
-    batch = build_batch(probe.rows, w.tokenizer.pad_token_id).to(w.device)
-    with computing_in(w.precision, w.actor.device):
-        logprobs = batched_logprobs(w.actor.module, batch, 1.0, PROBE_ROWS).float().cpu()
-    return [logprobs[i, : len(r.response_token_ids)] for i, r in enumerate(probe.rows)]
+    return teacher_forced(w.actor.module, probe.rows, w.tokenizer.pad_token_id, w.precision, w.actor.device, PROBE_ROWS)
 
 
 @dataclass

@@ -125,6 +125,19 @@ def batched_logprobs(model, batch: PolicyBatch, temperature: float, chunk: int) 
         model.train(was_training)
 
 
+def teacher_forced(model, rows, pad_id: int, precision: str, device: torch.device, chunk: int) -> list[torch.Tensor]:
+    """Per row (each with `prompt_token_ids` and `response_token_ids`), the log-probs at
+    temperature 1 `model` gives its response tokens, as a step's old log-probs are computed: in
+    `precision` (autocast) on `device`, `chunk` rows a pass; fp32 on the CPU. What the check after
+    a weight sync compares with the engine's (`rlhf_core.rollout.sync_check`)."""
+    from rlhf_core.training.precision import computing_in  # noqa: PLC0415
+
+    batch = build_batch(rows, pad_id).to(device)
+    with computing_in(precision, device):
+        logprobs = batched_logprobs(model, batch, 1.0, chunk).float().cpu()
+    return [logprobs[i, : len(r.response_token_ids)] for i, r in enumerate(rows)]
+
+
 def token_values(critic, batch: PolicyBatch) -> torch.Tensor:
     """V of the state before each response token (same columns as the logprobs). -> (B, T)."""
     values = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask)[:, :-1]  # (B, L-1)
