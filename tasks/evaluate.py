@@ -277,17 +277,23 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
 def undecided_next_steps(evaluation: Evaluation, version: str, config_path: str | None) -> dict[str, str]:
     """What a person can do about an undecided candidate registered as `version`: the command
     that has the gates look at more rows (twice the rows of each suite whose looks ended
-    undecided, twice the eval prompts looked at when a call on them is open: the eval set
-    must have them), and the one that promotes
-    it past the gates with the reason recorded. `config_path`: the run's, named unless None."""
-    figures = evaluation.result.candidate.figures
+    undecided, twice the eval prompts looked at when a call on them is open), what to add when
+    the eval set has no more prompts to look at, and the command that promotes it past the
+    gates with the reason recorded. `config_path`: the run's, named unless None."""
+    result = evaluation.result
     more = [f"gates.regression_suites.{i}.max_rows={2 * suite.looks[-1].rows}"
-            for i, suite in enumerate(figures.regression) if suite.looks and suite.looks[-1].stopped != "decided"]
-    if any(c.undecided and not c.name.startswith("regression_") for c in evaluation.decision.checks):
-        more.append(f"gates.max_eval_prompts={2 * evaluation.result.num_prompts}")
+            for i, suite in enumerate(result.candidate.figures.regression)
+            if suite.looks and suite.looks[-1].stopped != "decided"]
+    spent = bool(result.looks) and result.looks[-1].stopped.startswith("the eval set has no more prompts")
+    eval_open = [c.name for c in evaluation.decision.checks if c.undecided and not c.name.startswith("regression_")]
+    if eval_open and not spent:
+        more.append(f"gates.max_eval_prompts={2 * result.num_prompts}")
     config = [] if config_path is None else [f"--config {config_path}"]
-    return {"look at more rows": " ".join(["rlhf evaluate", version, *config, *(f"--set {m}" for m in more)]),
-            "or promote it anyway": " ".join(["rlhf promote", version, *config, '--force --reason "..."'])}
+    steps = {"look at more rows": " ".join(["rlhf evaluate", version, *config, *(f"--set {m}" for m in more)])}
+    if eval_open and spent:
+        steps["add eval prompts"] = (f"all {result.num_prompts} prompts of the eval set left {', '.join(eval_open)} "
+                                     "open: add held-out rows to it (data.eval_path), then look again")
+    return steps | {"or promote it anyway": " ".join(["rlhf promote", version, *config, '--force --reason "..."'])}
 
 
 LINEAGE_TAGS = ("dataset.fingerprint", "base_model.run_id", "reward_model.version", "policy.run_id", "algorithm",

@@ -35,3 +35,19 @@ def test_more_rows_for_each_suite_whose_looks_ended_open_and_for_the_eval_prompt
     assert only_suite["look at more rows"] == ("rlhf evaluate 4 --config configs/chat.yaml "
                                                "--set gates.regression_suites.1.max_rows=1600")
     assert only_suite["or promote it anyway"].startswith("rlhf promote 4 --config configs/chat.yaml --force")
+
+
+def test_an_eval_set_with_no_more_prompts_asks_for_rows_not_for_a_larger_budget():
+    from rlhf_core.eval.sequential import EvalLook
+
+    spent = evaluation((), ("proxy_audit_gap",))
+    spent.result.looks = (EvalLook(200, 0.99, {}, ("proxy_audit_gap",), None),
+                          EvalLook(300, 0.98, {}, ("proxy_audit_gap",), "the eval set has no more prompts (300)"))
+    spent.result.num_prompts = 300
+    steps = undecided_next_steps(spent, "4", None)
+    assert steps["look at more rows"] == "rlhf evaluate 4"  # nothing left for a budget to draw
+    assert steps["add eval prompts"].startswith("all 300 prompts of the eval set left proxy_audit_gap open")
+    budget = evaluation((), ("proxy_audit_gap",))
+    budget.result.looks = (EvalLook(200, 0.95, {}, ("proxy_audit_gap",), "budget of 200 prompts reached"),)
+    assert undecided_next_steps(budget, "4", None)["look at more rows"] == (
+        "rlhf evaluate 4 --set gates.max_eval_prompts=400")
