@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import math
 import os
 import re
 import socket
@@ -42,8 +41,6 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
