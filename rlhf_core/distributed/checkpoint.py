@@ -23,24 +23,27 @@ from typing import Any
 import ray.train
 import torch
 
-from rlhf_core.distributed.fault_injection import fault_point
+from rlhf_core.distributed.fault_injection import fault_point, worker_point
 from rlhf_core.rng import rng_state, set_rng_state
 
 STATE_FILE = "trainer_state.json"
 
 
 def report_checkpoint(
-    stage: str, engines: Mapping[str, Any], state: Mapping[str, Any] | None, metrics: dict[str, float],
+    stage: str, step: int, engines: Mapping[str, Any], state: Mapping[str, Any] | None, metrics: dict[str, float],
     rank: int, world: int,
 ) -> None:
-    """Save this rank's part (`engines` by tag, None engines skipped; `state` on rank 0) and
-    report it with `metrics`. Returns once the controller has committed it: a reported
-    checkpoint sits in a queue until the controller's next poll, and a worker dying before
-    that would lose it silently."""
+    """Save this rank's part of step `step`'s checkpoint (`engines` by tag, None engines
+    skipped; `state` on rank 0) and report it with `metrics`. Returns once the controller has
+    committed it: a reported checkpoint sits in a queue until the controller's next poll, and a
+    worker dying before that would lose it silently. A checkpoint some rank never reported is
+    never committed, so a worker that dies while writing leaves the last committed one as the
+    one a restart loads."""
     with tempfile.TemporaryDirectory(prefix=f"{stage}-ckpt-") as tmp:
         for tag, engine in engines.items():
             if engine is not None:
                 engine.save_checkpoint(tmp, tag=tag, **_frozen_excluded(engine))
+        fault_point(worker_point(f"{stage}:writing", step, rank))  # a test kills here: shards written, unreported
         torch.save(rng_state(), Path(tmp) / f"rng_rank_{rank}.pt")
         if rank == 0:
             (Path(tmp) / STATE_FILE).write_text(json.dumps({"world_size": world, **state}))

@@ -66,5 +66,5 @@ def run_epochs(
         fault_point(worker_point(runtime.stage, pos.global_step, rank))
         if pos.global_step % checkpoint_every == 0 or pos.global_step == total_steps:
             # the only ray.train.report: see rlhf_core.distributed.stage
-            report_checkpoint(stage, {engine_tag: engine}, asdict(pos), metrics, rank, world)
+            report_checkpoint(stage, pos.global_step, {engine_tag: engine}, asdict(pos), metrics, rank, world)
     return pos

@@ -86,7 +86,8 @@ def fault_point(point: str, wait_s: float = 900) -> None:
     """Where the tests stop or order a run, through $RLHF_FAULT alone. The points: `<stage>:end`
     (a stage's work done, its MLflow run not yet closed), `<stage>:returned` (its task returned,
     the journal not yet written), `<stage>:checkpoint` (a training worker, once the stage's first
-    checkpoint is committed), `worker_point`s, and `register:promote` (a passing candidate
+    checkpoint is committed), `worker_point`s (`<stage>:writing`'s: a rank's part of a checkpoint
+    written, not yet reported), and `register:promote` (a passing candidate
     registered, its promotion not yet tried)."""
     fault = armed()
     if fault is None or fault.point != point or fault.action in ("nan", "skip"):

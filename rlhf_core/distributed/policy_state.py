@@ -76,7 +76,7 @@ def _engines(w: PolicyWorker) -> dict[str, Any]:
 
 def save_checkpoint(w: PolicyWorker, state: PolicyState, metrics: dict[str, float]) -> None:
     """Every rank: report a checkpoint of this step; returns once Ray Train has committed it."""
-    report_checkpoint("policy", _engines(w), asdict(state), metrics, w.rank, w.world)
+    report_checkpoint("policy", state.step, _engines(w), asdict(state), metrics, w.rank, w.world)
 
 
 def resume(w: PolicyWorker) -> PolicyState | None:

@@ -256,19 +256,37 @@ def test_bootstrap_weights_are_one_draw_per_pair_and_member():
     assert not torch.equal(w[:, 0], w[:, 1])  # each member its own resample
 
 
+# The audit model takes the larger share of the prompts here (720 training pairs, 22 steps;
+# the ensemble 480, 15), so that a kill at step 18 lands in the audit model's run alone.
+ENSEMBLE = CFG.model_copy(update={"ensemble_size": 3, "audit_share": 0.6, "epochs": 1, "frozen_layers": 1})
+AUDIT_KILL_STEP = 18
+
+
+def train_with_audit(pairs, base, tmp: Path):
+    from rlhf_core.distributed.reward_trainer import train_reward_models
+
+    train, held = pairs
+    return train_reward_models(train, held, base, ENSEMBLE, StageSite(tmp / "rm", tmp / "ray", "ens"))
+
+
+@pytest.fixture(scope="module")
+def ensemble(ray_cluster, pairs, tiny_base, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ensemble")
+    return train_with_audit(pairs, tiny_base, tmp), tmp
+
+
 @pytest.mark.slow
-def test_an_ensemble_and_its_audit_model_train_together(ray_cluster, pairs, tiny_base, tmp_path):
+def test_an_ensemble_and_its_audit_model_train_together(ensemble, pairs, tiny_base):
     """Three heads on one backbone, each on its own bootstrap, plus an audit model on a
     disjoint share of the prompts, saved inside the ensemble's directory; with the embeddings and
     the first layer frozen (`frozen_layers`), which both models save as the backbone had them."""
     from safetensors.torch import load_file
 
-    from rlhf_core.distributed.reward_trainer import train_reward_models
     from rlhf_core.models.reward import audit_model_dir, load_reward_model, member_stats, read_reward_meta
 
     train, held = pairs
-    cfg = CFG.model_copy(update={"ensemble_size": 3, "audit_share": 0.3, "epochs": 1, "frozen_layers": 1})
-    models = train_reward_models(train, held, tiny_base, cfg, StageSite(tmp_path / "rm", tmp_path / "ray", "ens"))
+    cfg = ENSEMBLE
+    models, tmp_path = ensemble
     assert models.proxy_pairs + models.audit_pairs == len(train) and models.audit_pairs > 0
     assert len(models.proxy.member_eval_accuracy) == 3 and models.audit.member_eval_accuracy
     assert models.proxy.eval_accuracy > 0.6 and models.audit.eval_accuracy > 0.6
@@ -290,3 +308,22 @@ def test_an_ensemble_and_its_audit_model_train_together(ray_cluster, pairs, tiny
             if name.startswith(("model.embed_tokens.", "model.layers.0.")):
                 assert torch.equal(tensor, backbone[name]), name  # frozen: the backbone's, bit for bit
         assert not torch.equal(saved["model.layers.1.mlp.down_proj.weight"], backbone["model.layers.1.mlp.down_proj.weight"])
+
+
+@pytest.mark.slow
+def test_the_audit_models_own_run_resumes_a_killed_worker_with_identical_results(ensemble, pairs, tiny_base,
+                                                                                 tmp_path, monkeypatch):
+    """The audit model is a Ray Train run of its own after the ensemble's: a worker killed in it
+    resumes that run from its checkpoint, and the ensemble's run is not redone."""
+    expected, _ = ensemble
+    monkeypatch.setenv(FAULT_ENV, f"kill:reward:step{AUDIT_KILL_STEP}:rank1={tmp_path / 'killed'}")
+    result = train_with_audit(pairs, tiny_base, tmp_path)
+    assert (tmp_path / "killed").exists()
+    assert expected.proxy.steps < AUDIT_KILL_STEP < expected.audit.steps  # only the audit's run reaches it
+    assert (result.proxy.run.attempts, result.audit.run.attempts) == (1, 2)
+    assert result.audit.run.resumed_from_step == 10
+    for got, want in ((result.proxy, expected.proxy), (result.audit, expected.audit)):
+        assert got.run.consumed == want.run.consumed
+        assert (got.eval_accuracy, got.eval_loss, got.final_loss) == (want.eval_accuracy, want.eval_loss, want.final_loss)
+        a, b = load_file(got.path / "model.safetensors"), load_file(want.path / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
