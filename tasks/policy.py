@@ -22,6 +22,7 @@ from rlhf_core.training.circuit_breaker import CircuitBreakerTripped
 from rlhf_core.training.stage_types import StageStopped
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
+from tasks.pretrained import stage_gpu_need
 from tasks.reward import RewardModel
 from tasks.sft import BasePolicy
 from tasks.tracking import PipelineRun, flatten, stage_run
@@ -121,7 +122,8 @@ def optimise_policy(
                         base.path,
                         reward.path,
                         cfg.policy,
-                        run.site("policy", on_metrics, stage_id),
+                        run.site("policy", on_metrics, stage_id,
+                                 gpu_need=stage_gpu_need("policy", cfg, base.path, reward.path)),
                         answers=prompt_answers(data),
                         replay_pairs=data.pairs,
                         validation=cfg.validation,
@@ -180,4 +182,5 @@ def _train_offline(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, r
     with ProgressSink("policy", total, figures) as progress, \
             exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
         return train_offline(train, held_out, prompts, answers or [], base.path, cfg.policy,
-                             run.site("policy", on_metrics), answer_checker=cfg.data.answer_checker)
+                             run.site("policy", on_metrics, gpu_need=stage_gpu_need("policy", cfg, base.path)),
+                             answer_checker=cfg.data.answer_checker)

@@ -17,8 +17,12 @@ from prefect import get_run_logger, task
 from rlhf_core.chat import read_chat_template
 from rlhf_core.config import PipelineConfig
 from rlhf_core.models.pretrained import (
-    VLLM_CPU_HEAD_SIZES, PretrainedError, PretrainedInfo, engine_gpu_problem, gpu_memory_problem, inspect_pretrained,
+    VLLM_CPU_HEAD_SIZES, PretrainedError, PretrainedInfo, engine_gpu_problem, inspect_pretrained,
     engine_cache, is_hub_id, materialise, preflight,
+)
+from rlhf_core.models.memory import advice
+from rlhf_core.models.gpu_room import (
+    DEFAULT_GPU_BYTES, GpuNeed, gpu_memory_problem, offline_gpu_need, policy_gpu_need, reward_gpu_need,
 )
 
 
@@ -58,16 +62,40 @@ def _gpu_problems(cfg: PipelineConfig, info: PretrainedInfo, reward: Path) -> li
 
     if cfg.policy.use_gpu is False or (cfg.policy.use_gpu is None and not torch.cuda.is_available()):
         return []
-    reward_parameters = info.num_parameters if reward == Path(info.path) else inspect_pretrained(reward).num_parameters
+    reward_info = info if reward == Path(info.path) else inspect_pretrained(reward)
     gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    problem, estimate = gpu_memory_problem(info, cfg, gpu or 80 * 2**30, reward_parameters)
+    problem, estimate = gpu_memory_problem(info, cfg, gpu or DEFAULT_GPU_BYTES, reward_info.num_parameters)
     if gpu is None:
         get_run_logger().info("%s, for an 80 GiB device; this process sees no GPU to check it against (docs/gpu.md)",
                               estimate)
         return []
     get_run_logger().info(estimate)
     engines = engine_gpu_problem(info, cfg.policy, gpu) if cfg.policy.rollout.placement == "separate" else None
-    return [p for p in (problem, engines) if p]
+    rm = reward_gpu_need(reward_info, cfg.reward)
+    rm_problem = None if rm.rank0 <= gpu else (
+        f"reward.base_model: a reward-stage rank's GPU needs about {rm.rank0 / 2**30:.1f} GiB ({rm.parts}), more than "
+        f"the device's {gpu / 2**30:.1f}\n" + advice(rm.ways))
+    return [p for p in (problem, engines, rm_problem) if p]
+
+
+def stage_gpu_need(stage: str, cfg: PipelineConfig, model: Path, reward: Path | None = None) -> GpuNeed | None:
+    """What each rank of `stage` ("reward" | "policy") needs of its GPU, for the check every rank
+    makes against its free memory when the stage starts (`rlhf_core.models.gpu_room`): from the
+    trained model in `model` (and, for the RL policy stage, the reward model in `reward`). None
+    where the stage will not use GPUs: told not to, or left to choose on a local cluster of a
+    machine without one."""
+    import torch  # noqa: PLC0415 - the flow's module loads without it
+
+    use_gpu = getattr(cfg, stage).use_gpu
+    if use_gpu is False or (use_gpu is None and not torch.cuda.is_available() and not os.environ.get("RAY_ADDRESS")):
+        return None
+    info = inspect_pretrained(model, f"{stage} model")
+    if stage == "reward":
+        return reward_gpu_need(info, cfg.reward)
+    if cfg.policy.offline is not None:
+        return offline_gpu_need(info, cfg.policy)
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else DEFAULT_GPU_BYTES
+    return policy_gpu_need(info, cfg, gpu, inspect_pretrained(reward, "reward model").num_parameters)
 
 
 @task(name="prepare-pretrained")

@@ -15,6 +15,7 @@ from rlhf_core.data.pairs import steps_per_epoch
 from rlhf_core.distributed.reward_trainer import RewardModels, RewardTrainResult, train_reward_models
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
+from tasks.pretrained import stage_gpu_need
 from tasks.registry import register_model_version
 from tasks.sft import BasePolicy
 from tasks.tracking import PipelineRun, flatten, stage_run
@@ -98,7 +99,8 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         with ProgressSink("reward", total, figures) as progress, \
                 exported(cfg, stage_id, "reward", sink, progress=progress) as on_metrics:
             models = train_reward_models(
-                train, held_out, backbone, cfg.reward, run.site("reward", on_metrics))
+                train, held_out, backbone, cfg.reward,
+                run.site("reward", on_metrics, gpu_need=stage_gpu_need("reward", cfg, backbone)))
         result = models.proxy
         audit_figures = {} if models.audit is None else {
             "reward_audit/eval_accuracy": models.audit.eval_accuracy, "reward_audit/seconds": models.audit.run.seconds}

@@ -19,6 +19,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.distributed.fault_injection import fault_point
 from rlhf_core.process_owner import this_process
 from monitoring.stop import StopRequests
+from rlhf_core.models.gpu_room import GpuNeed
 from rlhf_core.training.stage_types import MetricsCallback, StageSite
 
 DEFAULT_DB = "mlflow.db"
@@ -143,12 +144,14 @@ class PipelineRun:
     def summary_path(self) -> Path:
         return self.out_dir / "summary.json"
 
-    def site(self, stage: str, on_metrics: MetricsCallback | None, stage_run_id: str | None = None) -> StageSite:
+    def site(self, stage: str, on_metrics: MetricsCallback | None, stage_run_id: str | None = None,
+             gpu_need: GpuNeed | None = None) -> StageSite:
         """Where a training stage of this run writes: `models/<stage>`, its Ray Train run
         `<stage>` under the run's `ray/` (a resumed pipeline run continues it). With the stage's
-        MLflow run, a stop requested on it from now on stops the stage (`monitoring.stop`)."""
+        MLflow run, a stop requested on it from now on stops the stage (`monitoring.stop`); with
+        `gpu_need`, each rank on a GPU first checks its free memory (`models.gpu_room`)."""
         stop = None if stage_run_id is None else StopRequests(self.tracking_uri, stage_run_id)
-        return StageSite(self.out_dir / "models" / stage, self.out_dir / "ray", stage, on_metrics, stop)
+        return StageSite(self.out_dir / "models" / stage, self.out_dir / "ray", stage, on_metrics, stop, gpu_need)
 
 
 def _experiment_id(client: MlflowClient, name: str) -> str:

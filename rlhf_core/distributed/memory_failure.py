@@ -196,6 +196,9 @@ def memory_failure_message(stage: str, kill: MemoryKill, machine: MachineMemory 
 def raise_if_out_of_memory(stage: str, exc: BaseException, machine: MachineMemory | None, cfg: Any = None) -> None:
     """Raise `StageOutOfMemory` (from `exc`, whose traceback goes to the log) when `exc` is a memory
     failure; return otherwise. `cfg` is the stage's config: the settings are named with their values."""
+    refused = next((e for e in exception_chain(exc) if type(e) is StageOutOfMemory), None)
+    if refused is not None:  # a rank refused to start (`stage.check_gpu_room`): its message is the stage's
+        raise StageOutOfMemory(str(refused)) from exc
     kill = memory_kill(exc)
     if kill is not None:
         raise StageOutOfMemory(memory_failure_message(stage, kill, machine, ways_to_use_less(stage, cfg))) from exc

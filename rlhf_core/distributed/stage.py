@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from rlhf_core.distributed.collectives import host_group
 from rlhf_core.distributed.deepspeed_engine import import_deepspeed
 from rlhf_core.distributed.fault_injection import FAULT_ENV
 from rlhf_core.distributed.memory_failure import StageOutOfMemory, raise_if_out_of_memory, refusal
+from rlhf_core.models.gpu_room import GpuNeed, room_problem
 from rlhf_core.models.memory import MachineMemory
 from rlhf_core.rng import seed_everything
 from rlhf_core.training.precision import resolve_precision
@@ -62,6 +64,7 @@ class StageRuntime:
     attempts_file: str  # rank 0 appends one JSON line per attempt
     on_metrics: MetricsCallback | None  # runs on rank 0; must pickle
     stop_requested: StopCheck | None = None  # read on rank 0 between steps; must pickle
+    gpu_need: GpuNeed | None = None  # checked by every rank on a GPU at its start (`start_worker`)
 
     def emit(self, step: int, metrics: dict[str, float]) -> None:
         if self.on_metrics is not None:
@@ -143,7 +146,8 @@ def fit_stage(
         run_dir = Path(site.storage_path).resolve() / site.run_name
         run_dir.mkdir(parents=True, exist_ok=True)
         attempts_file = run_dir / f"{stage}_attempts.jsonl"
-        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), site.on_metrics, site.stop_requested))
+        loop = loop_for(StageRuntime(stage, gpu, str(attempts_file), site.on_metrics, site.stop_requested,
+                                          site.gpu_need))
         rollout = getattr(getattr(loop, "cfg", None), "rollout", None)
         if rollout is not None and rollout.placement == "separate":
             check_engine_room(stage, num_workers, gpu, rollout.num_engines, rollout.tensor_parallel_size)
@@ -215,19 +219,31 @@ def start_worker(runtime: StageRuntime, seed: int, torch_threads: int | None = N
     """DeepSpeed on this worker's accelerator over Ray Train's process group, and the global
     RNGs seeded with `seed`. On CPU torch's intra-op threads are `torch_threads`, by default
     the node's cores shared among its workers (`cpu_threads`)."""
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if runtime.use_gpu:  # this worker's GPU (Ray Train assigns one per worker) is where DeepSpeed and NCCL work
         from ray.train.torch import get_device  # noqa: PLC0415 - an import of `ray` here would shadow the module's
 
         torch.cuda.set_device(get_device())
+        if runtime.gpu_need is not None:
+            check_gpu_room(runtime.gpu_need, rank)
     deepspeed = import_deepspeed(runtime.use_gpu)
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    ctx = ray.train.get_context()
     if not runtime.use_gpu:
         torch.set_num_threads(torch_threads or cpu_threads(ctx.get_local_world_size()))
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     deepspeed.init_distributed(dist_backend="nccl" if runtime.use_gpu else "gloo")  # wraps Ray Train's group
     seed_everything(seed)
     return Worker(deepspeed, rank, world)
+
+
+def check_gpu_room(need: GpuNeed, rank: int) -> None:
+    """Raise `StageOutOfMemory` when this rank's GPU has less free than `need` gives the rank
+    (another process may hold part of it); before anything of the stage is loaded on it."""
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
+    gpu = f"{torch.cuda.get_device_name(device)}, cuda:{device} on {socket.gethostname()}"
+    if (problem := room_problem(need, rank, free, total, gpu)) is not None:
+        raise StageOutOfMemory(problem)
 
 
 def evaluation_device(device: torch.device, model_bytes: int, stage: str) -> torch.device:

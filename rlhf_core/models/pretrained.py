@@ -25,12 +25,8 @@ from typing import TYPE_CHECKING
 from rlhf_core.models.memory import (
     ENGINE_OVERHEAD,
     WORKER_OVERHEAD,
-    GpuPolicyShape,
     MachineMemory,
-    advice,
     gib,
-    gpu_policy_bytes,
-    ipc_buffer_bytes,
     kv_block_bytes,
     kv_cache_blocks,
     memory_refusal,
@@ -262,47 +258,6 @@ def memory_problems(info: PretrainedInfo, policy_need: int, workers: int, machin
             f"{2 * reward.micro_batch_size} sequences of up to {reward.max_length} tokens)",
             need, machine, ways_to_use_less("reward", reward)))
     return [f for f in found if f is not None]
-
-
-def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int, reward_parameters: int,
-                       where: str = "model.pretrained") -> tuple[str | None, str]:
-    """(refusal or None, the estimate in words) for rank 0's GPU in the policy stage: the trainer's
-    parts (`gpu_policy_bytes`) plus the engine's share of the device
-    (`policy.rollout.gpu_memory_utilization`), against the device's `gpu_bytes`. An engine that
-    sleeps during the update (`policy.rollout.sleep`) holds its share while it generates, when
-    the trainer holds no activations or logits, and none during the update."""
-    policy = cfg.policy
-    frozen = reward_parameters * (2 if cfg.reward.audit_share > 0 else 1) + (0 if policy.lora.enabled else info.num_parameters)
-    parts = gpu_policy_bytes(GpuPolicyShape(
-        parameters=info.num_parameters, num_layers=info.num_layers, hidden_size=info.hidden_size,
-        kv_width=info.num_kv_heads * info.head_dim, intermediate_size=info.intermediate_size or 4 * info.hidden_size,
-        vocab_size=info.vocab_size, frozen_parameters=frozen, workers=policy.num_workers,
-        zero_stage=policy.zero_stage, lora=policy.lora.enabled, with_critic=policy.algorithm == "ppo",
-        micro_batch_size=policy.micro_batch_size, sequence_tokens=cfg.reward.max_length,
-        response_tokens=policy.max_new_tokens, gradient_checkpointing=policy.gradient_checkpointing))
-    separate = policy.rollout.placement == "separate"  # engines on GPUs of their own: none on rank 0's
-    parts["engine"] = 0 if separate else int(engine_gpu_share(info, cfg, gpu_bytes) * gpu_bytes)
-    need = sum(parts.values())
-    sleeps = not separate and (policy.rollout.sleep if policy.rollout.sleep is not None else policy.pipeline.max_lag == 0)
-    if sleeps:  # the engine's memory is free during the update, the trainer's passes are done while it generates
-        need = max(need - parts["engine"], need - parts["activations"] - parts["logits"])
-    # a streamed sync to a colocated engine (CUDA IPC) stages the weights in a buffer on this GPU,
-    # the trainer's passes done and the engine awake (a sleeping one has woken its weights only):
-    # the peak only where the buffer outweighs what the update holds
-    buffer = 0 if separate or policy.rollout.weight_sync == "file" else ipc_buffer_bytes(info)
-    engine_at_sync = engine_weight_bytes(info, policy) if sleeps else parts["engine"]
-    need = max(need, sum(parts.values()) - parts["activations"] - parts["logits"] - parts["engine"] + engine_at_sync
-               + buffer)
-    estimate = (f"rank 0's GPU in the policy stage: about {gib(need)} GiB of {gib(gpu_bytes)} ("
-                + ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
-                + (", the engine asleep during the update" if sleeps else "") + ")")
-    if need <= gpu_bytes:
-        return None, estimate
-    ways = [f"policy.rollout.gpu_memory_utilization={engine_gpu_share(info, cfg, gpu_bytes):.2f} (the engine's share)",
-            *ways_to_use_less("policy", policy)]
-    if policy.zero_stage < 3:
-        ways.append(f"policy.zero_stage={policy.zero_stage} (3 shards the actor's weights over the workers)")
-    return f"{where}: {estimate}, more than the device holds\n{advice(ways)}", estimate
 
 
 def engine_gpu_share(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int) -> float:

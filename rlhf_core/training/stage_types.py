@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlhf_core.models.gpu_room import GpuNeed
 
 # on_metrics(step, {name: value}): called on the driver (or in-process) as figures arrive
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -37,10 +41,12 @@ class StageSite:
     steps redone after a restart are reported again. `stop_requested()`, also called on rank 0
     (between steps, so it must pickle and be cheap), asks a stage that honours it (the RL policy
     stage) to stop cleanly with a checkpoint (`StageStopped`); `monitoring.stop` reads it from
-    the stage's MLflow run."""
+    the stage's MLflow run. With `gpu_need` (`rlhf_core.models.gpu_room.GpuNeed`), every rank of
+    a stage on GPUs checks that its GPU has that much free before it loads anything."""
 
     out_dir: Path
     storage_path: Path
     run_name: str
     on_metrics: MetricsCallback | None = None
     stop_requested: StopCheck | None = None
+    gpu_need: GpuNeed | None = None

@@ -59,3 +59,28 @@ def test_this_machines_memory_is_checked_only_when_the_stages_train_in_it(tmp_pa
 
     cfg = parse_config({"output_dir": str(tmp_path / "runs"), **settings})
     assert trains_on_this_machine(cfg, environ) is here
+
+
+def test_each_stage_on_gpus_carries_its_ranks_estimate_and_a_stage_on_a_cpu_machine_none(tmp_path, make_pretrained,
+                                                                                          monkeypatch):
+    """What each rank checks against its GPU's free memory when the stage starts, from the run's
+    models: the reward stage's, the RL policy stage's (rank 0 with the engine), DPO's."""
+    from tasks.pretrained import stage_gpu_need
+
+    src, _ = make_pretrained(tmp_path, "llama")
+    on_gpus = {"policy": {"use_gpu": True}, "reward": {"use_gpu": True}}
+    cfg = parse_config({"output_dir": str(tmp_path / "runs"), **on_gpus})
+    reward = stage_gpu_need("reward", cfg, src)
+    policy = stage_gpu_need("policy", cfg, src, src)
+    assert (reward.stage, policy.stage) == ("reward", "policy") and reward.rank0 == reward.others
+    assert policy.rank0 > policy.others and "engine" in policy.parts  # the colocated engine is rank 0's
+    dpo = parse_config({"output_dir": str(tmp_path / "runs"), **on_gpus, "policy": {"use_gpu": True,
+                                                                                     "algorithm": "dpo"}})
+    offline = stage_gpu_need("policy", dpo, src)
+    assert offline.rank0 == offline.others and "engine" not in offline.parts
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    here = parse_config({"output_dir": str(tmp_path / "runs")})  # use_gpu: null on a machine without one
+    assert stage_gpu_need("reward", here, src) is None and stage_gpu_need("policy", here, src, src) is None

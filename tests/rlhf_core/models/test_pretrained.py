@@ -152,7 +152,7 @@ def qwen_05b_info() -> "PretrainedInfo":
 
 def test_the_one_gpu_config_fits_an_h100_and_a_smaller_gpu_is_refused_with_what_to_change():
     from rlhf_core.config.loading import load_config
-    from rlhf_core.models.pretrained import gpu_memory_problem
+    from rlhf_core.models.gpu_room import gpu_memory_problem
 
     repo = Path(__file__).resolve().parents[3]
     cfg = load_config(repo / "configs" / "gpu-1xh100-0.5b.yaml")
@@ -183,7 +183,7 @@ def test_the_ipc_sync_buffer_is_vllms_and_sets_the_gpu_peak_only_where_it_outwei
 
     from rlhf_core.config.loading import load_config
     from rlhf_core.models.memory import IPC_BUFFER_BYTES, ipc_buffer_bytes
-    from rlhf_core.models.pretrained import gpu_memory_problem
+    from rlhf_core.models.gpu_room import gpu_memory_problem
 
     assert IPC_BUFFER_BYTES == DEFAULT_PACKED_BUFFER_SIZE_BYTES
     info = qwen_05b_info()
