@@ -13,8 +13,13 @@ is installed).
 3. The same steps under DeepSpeed, as the policy stage runs them on GPUs: its own engine
    (`deepspeed_engine.policy_engine`: bf16 weights, fp32 master weights, ZeRO-1) over a process
    group of one. Left out, and said, where DeepSpeed is not installed.
+4. The gates on 16 prompts on the device, through the function the gate stage runs as a Ray task
+   (`rlhf_core.eval.gate_models.evaluate_on`: every model on the GPU, in bf16): a random-weight
+   candidate and reference of the plan's shape, and a reward model built from the reference,
+   saved and loaded as a run saves them. It records the seconds and the peak GPU memory.
 
-Each run prints per step the time in generate, logprobs (old and reference), update and the
+The JSON is written after every phase, so a run cut short still reports what it did. Each
+run prints per step the time in generate, logprobs (old and reference), update and the
 rest, tokens/s and peak GPU memory per phase (step 1 includes CUDA's warm-up), then its peak
 beside the preflight's estimate of the same step.
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import math
 import os
 import re
 import socket
@@ -185,6 +191,56 @@ def measured_run(label: str, plan: Plan, device: torch.device, failed: list[str]
     return run
 
 
+# ----------------------------------------------------------------------------- the gates
+
+
+def run_gates(plan: Plan, device: torch.device, prompts: int = 16) -> dict:
+    """The gate stage's comparison on `device` (`gate_models.evaluate_on`) of two random-weight
+    policies of the plan's shape on a demo-task tokenizer, scored by a reward model built from the
+    reference; -> its seconds, peak GPU memory and figures, and the checks that did not hold."""
+    import tempfile  # noqa: PLC0415
+
+    from rlhf_core.config import ModelConfig, PipelineConfig  # noqa: PLC0415
+    from rlhf_core.data.synthetic import answer_for, prompt_for  # noqa: PLC0415
+    from rlhf_core.eval.gate_models import GateModels, evaluate_on, gate_dtype  # noqa: PLC0415
+    from rlhf_core.models.llama import build_policy, save_pretrained_atomic  # noqa: PLC0415
+    from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score  # noqa: PLC0415
+    from rlhf_core.tokenizer import train_tokenizer  # noqa: PLC0415
+
+    m = plan.model
+    shape = ModelConfig(hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"],
+                        num_layers=m["num_hidden_layers"], num_heads=m["num_attention_heads"],
+                        num_kv_heads=m["num_key_value_heads"])
+    problems = [(a, (a * 37 + 11) % 100) for a in range(prompts)]
+    tok = train_tokenizer([f"{a:02d}+{b:02d}={a + b:03d}" for a in range(100) for b in range(100)], vocab_size=64)
+    cfg = PipelineConfig.model_validate({"policy": {"max_new_tokens": 4},
+                                         "gates": {"eval_prompts": prompts, "bootstrap_samples": 200}})
+    with tempfile.TemporaryDirectory(prefix="gpu-check-gates-") as tmp:
+        reference = save_pretrained_atomic(build_policy(shape, tok, seed=0), tok, Path(tmp) / "reference")
+        candidate = save_pretrained_atomic(build_policy(shape, tok, seed=1), tok, Path(tmp) / "candidate")
+        rm = reward_model_from_base(reference, seed=0).eval()
+        texts = [prompt_for(a, b, 2) for a, b in problems]
+        stats = reward_stats(score(rm, tok, texts, [answer_for(a + b, 2) for a, b in problems], max_length=16))
+        save_reward_model(rm, tok, Path(tmp) / "reward", stats)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        result = evaluate_on(device, GateModels(candidate, reference, Path(tmp) / "reward"), texts,
+                             [answer_for(a + b, 2) for a, b in problems], cfg)
+        seconds = time.perf_counter() - start
+    metrics = result.metrics()
+    failed = [f"{name} is not finite ({value})" for name, value in metrics.items() if not math.isfinite(value)]
+    if result.reference.figures.win_rate_vs_reference != 0.5:
+        failed.append(f"the reference's win rate against itself is {result.reference.figures.win_rate_vs_reference}")
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    memory = "" if peak is None else f", peak GPU memory {peak:.2f} GiB"
+    print(f"gates on {prompts} prompts in {seconds:.1f} s on {device.type} ({gate_dtype(device)}){memory}: candidate "
+          f"KL {result.candidate.figures.kl_to_reference:.4f}, win rate {result.candidate.figures.win_rate_vs_reference:.3f}",
+          flush=True)
+    return {"prompts": prompts, "seconds": seconds, "dtype": str(gate_dtype(device)), "peak_gpu_memory_gib": peak,
+            "metrics": metrics, "failed_checks": failed}
+
+
 # ----------------------------------------------------------------------------- the whole check
 
 
@@ -212,37 +268,55 @@ def main() -> int:
         why = "--dry-run" if args.dry_run else "no CUDA device"
         print(f"gpu_check: DRY RUN on the CPU ({why}). Every figure below is a CPU dry-run figure, not a GPU one.")
         print(f"On a GPU it would run: pytest on {' '.join(DEVICE_TESTS + TORCH_TESTS)} (CUDA cases included), then "
-              f"GRPO on a {GPU_PLAN.describe()}; with plain torch (bf16 autocast, fused AdamW), then under DeepSpeed.")
-        print(f"This dry run: the device tests with their CUDA cases skipped, then GRPO on a {plan.describe()}.",
-              flush=True)
+              f"GRPO on a {GPU_PLAN.describe()}; with plain torch (bf16 autocast, fused AdamW), then under DeepSpeed; "
+              "then the gates on 16 prompts, every model on the GPU in bf16.")
+        print(f"This dry run: the device tests with their CUDA cases skipped, then GRPO on a {plan.describe()}, then "
+              "the gates on the CPU in fp32.", flush=True)
     else:
-        print(f"gpu_check on {torch.cuda.get_device_name(device)}: the device tests, then GRPO on a {plan.describe()}.",
-              flush=True)
+        print(f"gpu_check on {torch.cuda.get_device_name(device)}: the device tests, then GRPO on a {plan.describe()}, "
+              "then the gates.", flush=True)
 
-    print("\n[1/3] device tests", flush=True)
+    failed: list[str] = []
+    payload = {"machine": machine(device), "dry_run": dry_run, "device": device.type,
+               "model": {"shape": plan.name, **plan.model, "parameters": parameter_count(plan)},
+               "batch": {f.name: getattr(plan, f.name) for f in fields(plan) if f.name not in ("name", "model")},
+               "phases_done": [], "failed": failed}
+
+    def done(phase: str, **results) -> None:  # the JSON after every phase: a run cut short still reports
+        payload.update(results)
+        payload["phases_done"].append(phase)
+        write_json(out, payload)
+
+    print("\n[1/4] device tests", flush=True)
     tests = run_tests(DEVICE_TESTS if dry_run else DEVICE_TESTS + TORCH_TESTS, dry_run)
-    failed = [] if tests["returncode"] == 0 else [f"device tests: pytest exited {tests['returncode']} ({tests['summary']})"]
-    print(f"\n[2/3] GRPO on {device.type}, plain torch", flush=True)
+    failed += [] if tests["returncode"] == 0 else [f"device tests: pytest exited {tests['returncode']} ({tests['summary']})"]
+    done("device tests", tests=tests)
+    print(f"\n[2/4] GRPO on {device.type}, plain torch", flush=True)
     grpo = measured_run("GRPO", plan, device, failed)
-    print(f"\n[3/3] GRPO on {device.type} under DeepSpeed, as the policy stage runs it", flush=True)
+    done("GRPO", grpo=grpo)
+    print(f"\n[3/4] GRPO on {device.type} under DeepSpeed, as the policy stage runs it", flush=True)
     deepspeed = start_deepspeed(device)
     grpo_ds = measured_run("GRPO under DeepSpeed", plan, device, failed, deepspeed) if deepspeed else None
     if deepspeed:
         stop_deepspeed()
     peaks = [r["memory"]["peak_gpu_memory_gib"] for r in (grpo, grpo_ds) if r and r["memory"]["peak_gpu_memory_gib"]]
-    payload = {"machine": machine(device), "dry_run": dry_run, "device": device.type,
-               "model": {"shape": plan.name, **plan.model, "parameters": parameter_count(plan)},
-               "batch": {f.name: getattr(plan, f.name) for f in fields(plan) if f.name not in ("name", "model")},
-               "tests": tests, "grpo": grpo, "grpo_deepspeed": grpo_ds, "peak_gpu_memory_gib": max(peaks, default=None),
-               "failed": failed}
-    write_json(out, payload)
+    done("GRPO under DeepSpeed", grpo_deepspeed=grpo_ds, peak_gpu_memory_gib=max(peaks, default=None))
+    print(f"\n[4/4] the gates on {device.type}, as the gate stage runs them", flush=True)
+    try:
+        gates = run_gates(plan, device)
+    except Exception as error:
+        traceback.print_exc()
+        gates = {"error": f"{type(error).__name__}: {error}", "failed_checks": [f"{type(error).__name__}: {error}"]}
+    failed += [f"gates: {f}" for f in gates["failed_checks"]]
+    done("gates", gates=gates)
     kind = "dry run (CPU figures)" if dry_run else "GPU check"
     print(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
     if failed:
         print(f"gpu_check: {kind} FAILED:\n  " + "\n  ".join(failed))
         return 1
     runs = "plain torch" + (" and under DeepSpeed" if grpo_ds else " (DeepSpeed not installed)")
-    print(f"gpu_check: {kind} passed: {tests['summary']}; {len(grpo['steps'])} GRPO step(s) {runs}, every check held")
+    print(f"gpu_check: {kind} passed: {tests['summary']}; {len(grpo['steps'])} GRPO step(s) {runs}; the gates in "
+          f"{gates['seconds']:.1f} s; every check held")
     return 0
 
 

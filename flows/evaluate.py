@@ -13,6 +13,7 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from rlhf_core.config.default import DEFAULT_CONFIG
+from tasks.cluster import training_cluster
 from tasks.data import PreparedData, prepare_data
 from tasks.evaluate import evaluate_candidate, fetch_registered_candidate, record_gate_verdict
 from tasks.pretrained import prepare_pretrained
@@ -39,7 +40,9 @@ def evaluate_flow(
         registered = fetch_registered_candidate(candidate, cfg, run)
         pretrained = prepare_pretrained(cfg, run.out_dir) if cfg.model.pretrained is not None else None
         prompts, answers = PreparedData.of(prepare_data(cfg, run.out_dir, pretrained), cfg).eval_set  # rendered as in training
-        evaluation = record_stage(stages, "evaluate", evaluate_candidate, registered.candidate, prompts, answers, cfg, run)
+        with training_cluster():  # the gates run as Ray work, on a GPU where the cluster has one
+            evaluation = record_stage(stages, "evaluate", evaluate_candidate, registered.candidate, prompts, answers,
+                                      cfg, run)
         record_gate_verdict(registered.version, evaluation, cfg, run)
         summary["candidate_version"] = registered.version
         if not evaluation.passed:

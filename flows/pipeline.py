@@ -70,18 +70,18 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
         else:
             base = record_stage(stages, "sft", use_pretrained_base, pretrained, cfg, run)
         backbone = pretrained.reward if pretrained is not None and cfg.reward.base_model else None
-        # one Ray cluster for both training stages; none when an earlier attempt completed both
-        trained = all(stages.completed(t.name) is not None for t in (train_reward_model_task, optimise_policy))
-        with nullcontext() if trained else training_cluster():
+        # one Ray cluster for the training stages and the gates; none when an earlier attempt completed them
+        on_ray = (train_reward_model_task, optimise_policy, evaluate_candidate)
+        with nullcontext() if all(stages.completed(t.name) is not None for t in on_ray) else training_cluster():
             reward = record_stage(stages, "reward", train_reward_model_task, data, base, cfg, run, backbone)
             policy = record_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
-        candidate = Candidate(policy.path, base.path, reward.path, policy.result.audit_dir or reward.audit_dir, {
-            "dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
-            "reward_model.version": reward.version, "policy.run_id": policy.run_id,
-            "algorithm": policy.result.algorithm, "pipeline.run_id": run.run_id, **data.paths.lineage(),
-        })
-        prompts, answers = data.eval_set  # the reward model's held-out prompts without an eval file
-        evaluation = record_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)
+            candidate = Candidate(policy.path, base.path, reward.path, policy.result.audit_dir or reward.audit_dir, {
+                "dataset.fingerprint": data.fingerprint, "base_model.run_id": base.run_id,
+                "reward_model.version": reward.version, "policy.run_id": policy.run_id,
+                "algorithm": policy.result.algorithm, "pipeline.run_id": run.run_id, **data.paths.lineage(),
+            })
+            prompts, answers = data.eval_set  # the reward model's held-out prompts without an eval file
+            evaluation = record_stage(stages, "evaluate", evaluate_candidate, candidate, prompts, answers, cfg, run)
         d = evaluation.decision
         if d.status == "rejected":
             summary.update(status=d.status, reasons=list(d.reasons))

@@ -28,11 +28,12 @@ from prefect.artifacts import create_table_artifact
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.distributed.fault_injection import fault_point
-from rlhf_core.eval.evaluate import EvalResult, Policy, evaluate, scorers_for
+from rlhf_core.distributed.stage_task import run_stage_task
+from rlhf_core.eval.evaluate import EvalResult
+from rlhf_core.eval.gate_models import GateModels, evaluate_on
 from rlhf_core.eval.gates import Decision, gate
 from rlhf_core.eval.model_card import base_model_of, render_model_card, training_settings
 from rlhf_core.eval.regression import RegressionSuite, load_suites, rendered, suite_report
-from rlhf_core.models.llama import load_policy
 from rlhf_core.models.reward import current_audit_dir
 from rlhf_core.tokenizer import load_tokenizer
 from tasks.registry import (
@@ -106,10 +107,6 @@ def regression_suites(cfg: PipelineConfig, out_dir: Path, eval_prompts: list[str
     return [rendered(s, tokenizer) for s in suites]
 
 
-def _policy(name: str, model_dir: Path) -> Policy:
-    return Policy(name, load_policy(model_dir), load_tokenizer(model_dir))
-
-
 def _report_json(ev_result: EvalResult, decision: Decision, candidate: Candidate, champion: str | None, cfg,
                  suites: list[RegressionSuite]) -> dict:
     def policy(report):
@@ -158,20 +155,16 @@ def evaluate_candidate(
     champion = by_alias(client, CHAMPION, name)
     champion_version = None if champion is None else str(champion.version)
     with stage_run(run, "evaluate", {**candidate.lineage, "champion.version": champion_version or ""}) as stage_id:
-        scorer, audit = scorers_for(candidate.reward_dir, cfg.reward.max_length, candidate.audit_dir)
-        champion_policy = None
+        champion_dir = None
         if champion is not None:
-            champion_policy = _policy("champion", fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion",
-                                                                   name))
+            champion_dir = fetch_version(run.tracking_uri, champion_version, run.out_dir / "champion", name)
         suites = regression_suites(cfg, run.out_dir, prompts, tokenizer_dir=candidate.reference_dir)
-        result = evaluate(
-            _policy("candidate", candidate.model_dir), _policy("reference", candidate.reference_dir), champion_policy,
-            scorer, prompts, answers,
-            max_new_tokens=cfg.policy.max_new_tokens, temperature=cfg.policy.temperature, seed=cfg.policy.seed,
-            audit=audit, confidence=cfg.gates.confidence, bootstrap_samples=cfg.gates.bootstrap_samples,
-            suites=suites, checker=cfg.data.answer_checker, first_look=cfg.gates.eval_prompts,
-            max_prompts=cfg.gates.max_eval_prompts, judge=lambda c, r, ch: gate(c, r, ch, cfg.gates),
-        )
+        models = GateModels(candidate.model_dir, candidate.reference_dir, candidate.reward_dir, champion_dir,
+                            candidate.audit_dir)
+        # where the policy stage trains: on a GPU where there is one, so the gates take minutes, not hours
+        result, where = run_stage_task("evaluate", evaluate_on, models, prompts, answers, cfg, suites,
+                                       use_gpu=cfg.policy.use_gpu, settings="policy")
+        client.set_tag(stage_id, "evaluate.device", where)
         decision = gate(
             result.candidate.figures, result.reference.figures,
             None if result.champion is None else result.champion.figures, cfg.gates,

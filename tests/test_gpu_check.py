@@ -38,7 +38,8 @@ def test_the_dry_run_passes_on_the_cpu_without_the_engines_and_names_the_gpu_sha
     assert ("Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 32000"
             in run.stdout)
     assert "needs a CUDA device" in run.stdout  # the device tests ran, their CUDA cases skipped
-    assert "DeepSpeed is not installed here" in run.stdout and "(DeepSpeed not installed), every check held" in run.stdout
+    assert "DeepSpeed is not installed here" in run.stdout and "(DeepSpeed not installed); the gates in" in run.stdout
+    assert "every check held" in run.stdout
 
     assert result["dry_run"] is True and result["device"] == "cpu" and result["peak_gpu_memory_gib"] is None
     assert result["failed"] == [] and result["tests"]["returncode"] == 0 and " passed" in result["tests"]["summary"]
@@ -46,12 +47,17 @@ def test_the_dry_run_passes_on_the_cpu_without_the_engines_and_names_the_gpu_sha
     assert step["failed_checks"] == [] and step["generated_tokens"] > 0
     assert set(step["seconds"]) >= {"generate", "logprobs", "update", "total"}
     assert result["grpo_deepspeed"] is None
+    # every phase wrote the JSON as it ended; the gates ran through the gate stage's own function, in fp32 on the CPU
+    assert result["phases_done"] == ["device tests", "GRPO", "GRPO under DeepSpeed", "gates"]
+    gates = result["gates"]
+    assert gates["failed_checks"] == [] and gates["dtype"] == "torch.float32" and gates["peak_gpu_memory_gib"] is None
+    assert gates["metrics"]["eval/num_prompts"] == 16 and gates["metrics"]["eval/reference/win_rate_vs_reference"] == 0.5
 
 
 @pytest.mark.slow
 def test_where_deepspeed_is_installed_the_same_step_runs_under_the_policy_stages_engine_with_the_same_result(tmp_path):
     run, result = dry_run(tmp_path, ("vllm", "ray", "prefect", "mlflow"))
-    assert "plain torch and under DeepSpeed, every check held" in run.stdout
+    assert "plain torch and under DeepSpeed; the gates in" in run.stdout
     torch_run, ds_run = result["grpo"], result["grpo_deepspeed"]
     assert ds_run["trainer"].startswith("DeepSpeed ") and "ZeRO-" in ds_run["trainer"]
     [plain], [ds] = torch_run["steps"], ds_run["steps"]

@@ -60,18 +60,20 @@ def exact_kl(model, reference, tokenizer, prompts: Sequence[str], max_new_tokens
     """Mean over `prompts` of sum_t KL(pi_T(.|x,y<t) || ref_T(.|x,y<t)) along one answer y ~ pi_T
     per prompt: the exact per-token KL over the whole vocabulary at the temperature T, summed
     along the answer (an unbiased estimate of the sequence KL with less variance than `sampled_kl`'s
-    log-ratio of the sampled tokens alone). Both models read `tokenizer`'s ids."""
+    log-ratio of the sampled tokens alone). Both models read `tokenizer`'s ids and sit on one
+    device, where the answers are drawn (on a GPU from its own generator, seeded by `seed` too)."""
     tok = tokenizer
+    device = next(model.parameters()).device
     side = tok.padding_side
     tok.padding_side = "left"
     model.eval()
     reference.eval()
     total, count = 0.0, 0
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             for start in range(0, len(prompts), batch_size):
-                enc = tok(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True)
+                enc = tok(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True).to(device)
                 gen = model.generate(
                     **enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=1.0,
                     top_k=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -100,7 +102,8 @@ def _summed_token_kl(policy, reference, prompt_ids, response_ids, temperature: f
 
 
 def _rows_token_kl(policy, reference, prompt_ids, response_ids, temperature: float) -> torch.Tensor:
-    input_ids, mask = right_padded(prompt_ids, response_ids)  # (B, L)
+    device = next(policy.parameters()).device
+    input_ids, mask = (t.to(device) for t in right_padded(prompt_ids, response_ids))  # (B, L)
     first = min(len(p) for p in prompt_ids) - 1  # the first column that predicts a response token
     logits_p, offset_p = logits_from(policy, input_ids, mask, first)
     logits_q, offset_q = logits_from(reference, input_ids, mask, first)

@@ -223,9 +223,10 @@ def test_ppo_loss_at_ratio_one_is_minus_the_mean_advantage_and_the_clip_stops_th
 
 def test_the_held_out_passes_compute_on_the_models_device(tok, model, device, tmp_path):
     """Greedy answers and the sampled KL (the DPO/KTO stage's held-out pass, the gates'
-    accuracy) and the reward model's pair scores take their inputs to the model's device."""
+    accuracy), the gates' exact KL and the reward model's pair scores take their inputs to the
+    model's device."""
     from rlhf_core.data.pairs import tokenize_pairs
-    from rlhf_core.eval.sampled_kl import sampled_kl
+    from rlhf_core.eval.sampled_kl import exact_kl, sampled_kl
     from rlhf_core.eval.accuracy import greedy_completions
     from rlhf_core.models.llama import save_pretrained_atomic
     from rlhf_core.models.reward import reward_model_from_base, score_pairs_members
@@ -234,6 +235,14 @@ def test_the_held_out_passes_compute_on_the_models_device(tok, model, device, tm
     answers = greedy_completions(on_device, tok, PROMPTS, max_new_tokens=4)
     assert answers == greedy_completions(model, tok, PROMPTS, max_new_tokens=4)
     assert sampled_kl(on_device, on_device, tok, PROMPTS, max_new_tokens=4, temperature=1.0, seed=0) == pytest.approx(
+        0.0, abs=1e-5)
+    # the gates' KL: answers drawn on the device, and the same draw for the same seed
+    other = copy.deepcopy(on_device)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.5)
+    kl = exact_kl(other, on_device, tok, PROMPTS, max_new_tokens=4, temperature=1.0, seed=0)
+    assert kl > 0 and kl == exact_kl(other, on_device, tok, PROMPTS, max_new_tokens=4, temperature=1.0, seed=0)
+    assert exact_kl(on_device, on_device, tok, PROMPTS, max_new_tokens=4, temperature=1.0, seed=0) == pytest.approx(
         0.0, abs=1e-5)
     scorer = reward_model_from_base(save_pretrained_atomic(model, tok, tmp_path / "policy")).to(device)
     pairs = tokenize_pairs([{"prompt": p, "chosen": "1", "rejected": "2"} for p in PROMPTS], tok, max_length=16)
