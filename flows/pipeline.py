@@ -60,19 +60,19 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
             pretrained = record_stage(stages, "pretrained", prepare_pretrained, cfg, run.out_dir)
         paths = record_stage(stages, "data", prepare_data, cfg, run.out_dir, pretrained)  # format, rendering, lengths
         data = record_stage(stages, "validate", validate_data, paths, cfg, run)  # the data contract
-        if cfg.sft.enabled:
-            base = record_stage(stages, "sft", train_base_policy, data, cfg, run, pretrained)
-            if not base.path.is_dir():  # cached, but its files are gone: train it again
-                base = record_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg, run,
-                                 pretrained)
-            if base.pipeline_run_id != run.run_id:
-                stages["sft"]["status"] = "cached"
-        else:
-            base = record_stage(stages, "sft", use_pretrained_base, pretrained, cfg, run)
-        backbone = pretrained.reward if pretrained is not None and cfg.reward.base_model else None
-        # one Ray cluster for the training stages and the gates; none when an earlier attempt completed them
+        # one Ray cluster for SFT, the training stages and the gates; none when an earlier attempt completed them
         on_ray = (train_reward_model_task, optimise_policy, evaluate_candidate)
         with nullcontext() if all(stages.completed(t.name) is not None for t in on_ray) else training_cluster():
+            if cfg.sft.enabled:
+                base = record_stage(stages, "sft", train_base_policy, data, cfg, run, pretrained)
+                if not base.path.is_dir():  # cached, but its files are gone: train it again
+                    base = record_stage(stages, "sft", train_base_policy.with_options(refresh_cache=True), data, cfg,
+                                        run, pretrained)
+                if base.pipeline_run_id != run.run_id:
+                    stages["sft"]["status"] = "cached"
+            else:
+                base = record_stage(stages, "sft", use_pretrained_base, pretrained, cfg, run)
+            backbone = pretrained.reward if pretrained is not None and cfg.reward.base_model else None
             reward = record_stage(stages, "reward", train_reward_model_task, data, base, cfg, run, backbone)
             policy = record_stage(stages, "policy", optimise_policy, data, base, reward, cfg, run)
             candidate = Candidate(policy.path, base.path, reward.path, policy.result.audit_dir or reward.audit_dir, {

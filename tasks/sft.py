@@ -24,8 +24,10 @@ from monitoring.prometheus import FanOut
 from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.schema import fingerprint, read_table
-from rlhf_core.training.base_policy import BasePolicyResult, make_base_policy
+from rlhf_core.distributed.stage_task import run_stage_task
+from rlhf_core.training.base_policy import BasePolicyResult, make_base_policy_on
 from tasks.data import ValidatedData
+from tasks.monitoring import exported
 from tasks.pretrained import PretrainedBase
 from tasks.tracking import PipelineRun, flatten, stage_run
 
@@ -54,11 +56,11 @@ class BasePolicy:
                 "seconds": round(r.sft_seconds, 1), "model_path": str(r.path)}
 
 
-def _with_progress(sink, log, every: int = 250):
-    """Send every metric to `sink`; also tell the flow's log how training goes, now and then."""
+def _now_and_then(log, every: int = 250):
+    """Tell the flow's log how training goes, now and then (in this process: the exporter hands
+    it the steps the SFT task reports)."""
 
     def on_metrics(step: int, metrics: dict[str, float]) -> None:
-        sink(step, metrics)
         if step % every == 0:
             log.info("sft step %d: loss %.4f, %.0f tokens/s", step, metrics["sft/loss"], metrics["sft/tokens_per_s"])
 
@@ -120,8 +122,12 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
             params = flatten(getattr(cfg, section).model_dump(mode="json"), f"{section}.")
             client.log_batch(stage_id, params=[Param(k, v) for k, v in params.items()])
         total = math.ceil(len(prompts) / cfg.sft.batch_size) * cfg.sft.epochs  # as the SFT loop counts steps
-        with ProgressSink("sft", total, {"sft/loss": "loss"}) as progress:
-            result = make_base_policy(
+        sink = MlflowMetricsSink(run.tracking_uri, stage_id)
+        # one Ray task with the policy stage's resources: on a GPU where the cluster has one
+        with ProgressSink("sft", total, {"sft/loss": "loss"}) as progress, \
+                exported(cfg, stage_id, "sft", sink, progress=FanOut(progress, _now_and_then(log))) as on_metrics:
+            result, where = run_stage_task(
+                "sft", make_base_policy_on,
                 prompts,
                 completions,
                 texts,
@@ -129,9 +135,11 @@ def train_base_policy(data: ValidatedData, cfg: PipelineConfig, run: PipelineRun
                 list(evals["answer"]) if evals is not None else [],
                 cfg,
                 run.out_dir / "models" / "sft",
-                on_metrics=FanOut(_with_progress(MlflowMetricsSink(run.tracking_uri, stage_id), log), progress),
+                on_metrics=on_metrics,
                 pretrained=pretrained.policy if pretrained is not None else None,
+                use_gpu=cfg.policy.use_gpu, settings="policy",
             )
+        client.set_tag(stage_id, "sft.device", where)
         client.log_metric(stage_id, "sft/num_parameters", result.num_parameters)
         client.log_metric(stage_id, "sft/seconds", result.sft_seconds)
         if result.eval_accuracy is not None:

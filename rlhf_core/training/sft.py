@@ -1,7 +1,7 @@
 """Supervised fine-tuning of the base policy: next-token loss on the completion tokens only.
 
-Single process, plain PyTorch: at demo size the SFT stage takes seconds, and a distributed
-engine would only add start-up time. Metrics come out as flat `sft/<name>` dicts through
+Single process, plain PyTorch, on the model's device: at demo size the SFT stage takes
+seconds, and a distributed engine would only add start-up time. Metrics come out as flat `sft/<name>` dicts through
 the `on_metrics` callback; the caller decides where they go.
 """
 from __future__ import annotations
@@ -27,6 +27,9 @@ class SFTBatch:
     input_ids: torch.Tensor  # (B, L)
     attention_mask: torch.Tensor  # (B, L)
     labels: torch.Tensor  # (B, L), IGNORE_INDEX on prompt and padding
+
+    def to(self, device: torch.device) -> SFTBatch:
+        return SFTBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
 
 
 def encode_sft_batch(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], completions: Sequence[str]) -> SFTBatch:
@@ -88,6 +91,7 @@ def train_sft(
     order = list(range(len(prompts)))
     steps_per_epoch = math.ceil(len(order) / cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, total, cfg.warmup_steps))
     model.train()
@@ -97,7 +101,7 @@ def train_sft(
         rng.shuffle(order)
         for i in range(0, len(order), cfg.batch_size):
             idx = order[i : i + cfg.batch_size]
-            batch = encode_sft_batch(tokenizer, [prompts[j] for j in idx], [completions[j] for j in idx])
+            batch = encode_sft_batch(tokenizer, [prompts[j] for j in idx], [completions[j] for j in idx]).to(device)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             loss = completion_loss(logits, batch.labels)
             opt.zero_grad(set_to_none=True)

@@ -58,13 +58,13 @@ def test_a_run_killed_in_every_stage_resumes_to_one_registered_and_served_policy
         summary = json.loads((run_dir(runs) / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["mlflow_run_id"] == run_id
 
-        # a Ray cluster started only by an attempt that trained or ran the gates (the one killed in
-        # evaluate first finishes the policy stage killed before it, the one killed in register first
-        # redoes the gates killed before it), none once the gates were journalled
+        # a Ray cluster started only by an attempt that trained or ran the gates (SFT is Ray work too;
+        # the one killed in evaluate first finishes the policy stage killed before it, the one killed
+        # in register first redoes the gates killed before it), none once the gates were journalled
         logs = {stage: tmp_path / f"attempt{i}.log" for i, stage in enumerate(KILLED_IN)}
         logs["(completes)"] = tmp_path / "final.log"
         started = {stage: "Started a local Ray instance" in log.read_text() for stage, log in logs.items()}
-        assert started == {stage: stage in ("reward", "policy", "evaluate", "register") for stage in logs}, started
+        assert started == {stage: stage in ("sft", "reward", "policy", "evaluate", "register") for stage in logs}, started
 
         # no completed stage ran again: one FINISHED MLflow run per stage, one KILLED per kill in it
         exp = client.get_experiment_by_name("tests").experiment_id

@@ -11,6 +11,7 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from rlhf_core.data.schema import fingerprint
+from tasks.cluster import training_cluster
 from tasks.data import prepare_data, validate_data
 from tasks.sft import train_base_policy
 from tasks.run_start import start_pipeline_run
@@ -23,10 +24,11 @@ def sft_three_times(config_path: str):
     cfg = load_config(config_path)
     run = start_pipeline_run(cfg, config_source=config_path)
     data = validate_data(prepare_data(cfg, run.out_dir), cfg, run)
-    first = train_base_policy(data, cfg, run)
-    again = train_base_policy(data, cfg, run)
-    changed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"learning_rate": cfg.sft.learning_rate / 2})})
-    retrained = train_base_policy(data, changed, run)
+    with training_cluster():  # SFT is a Ray task: one cluster for the three calls, as in the pipeline
+        first = train_base_policy(data, cfg, run)
+        again = train_base_policy(data, cfg, run)
+        changed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"learning_rate": cfg.sft.learning_rate / 2})})
+        retrained = train_base_policy(data, changed, run)
     return first, again, retrained
 
 

@@ -1,6 +1,6 @@
-"""The gates' evaluation as a Ray task with the policy stage's resources, on the shared local
-cluster: it runs in a worker process of its own, on the CPU here (a GPU where the cluster has
-one), and judges exactly as the same function in this process does."""
+"""SFT and the gates' evaluation as Ray tasks with the policy stage's resources, on the shared
+local cluster: each runs in a worker process of its own, on the CPU here (a GPU where the
+cluster has one), and gives exactly what the same function gives in this process."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,10 @@ import torch
 from rlhf_core.config import PipelineConfig
 from rlhf_core.distributed.stage_task import run_stage_task
 from rlhf_core.eval.gate_models import GateModels, evaluate_on
+from rlhf_core.data.schema import read_table
+from rlhf_core.data.synthetic import generate_demo_data
 from rlhf_core.models.llama import load_policy, save_pretrained_atomic
+from rlhf_core.training.base_policy import make_base_policy, make_base_policy_on
 from rlhf_core.tokenizer import load_tokenizer
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -56,3 +59,29 @@ def test_the_gates_run_as_a_ray_task_on_the_stages_device_and_judge_as_they_do_i
     here = evaluate_on(torch.device("cpu"), models, prompts, answers, CFG)
     assert there.metrics() == here.metrics()
     assert there.candidate.figures.kl_to_reference > 0 and there.reference.figures.win_rate_vs_reference == 0.5
+
+
+@pytest.mark.slow
+def test_sft_as_a_ray_task_trains_the_same_weights_as_in_this_process(ray_cluster, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = PipelineConfig.model_validate({
+        "data": {"demo": {"seed": 0, "n_sft": 256, "n_pairs": 16, "n_eval": 16}},
+        "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2},
+        "sft": {"epochs": 1, "batch_size": 32, "min_eval_accuracy": 0.0},
+    })
+    files = generate_demo_data(cfg.data.demo, tmp_path / "data")
+    sft, evals = read_table(files.sft), read_table(files.eval)
+    args = (list(sft["prompt"]), list(sft["completion"]), list(sft["prompt"] + sft["completion"]), list(evals["prompt"]),
+            list(evals["answer"]), cfg)
+    there, where = run_stage_task("sft", make_base_policy_on, *args, tmp_path / "there", use_gpu=None,
+                                  settings="policy")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # as the task has them
+    try:
+        here = make_base_policy(*args, tmp_path / "here")
+    finally:
+        torch.set_num_threads(threads)
+    assert where.startswith("cpu of ") and (there.sft_steps, there.eval_accuracy) == (here.sft_steps, here.eval_accuracy)
+    a, b = load_file(there.path / "model.safetensors"), load_file(here.path / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
