@@ -87,6 +87,9 @@ def _with_feedback(preferences: str | Path, exports, cfg: PipelineConfig, out_di
     if not exports:
         return preferences, None
     logger = get_run_logger()
+    for export in exports:  # what each export kept and dropped, and how far its raters agree
+        for line in export.report:
+            logger.info("feedback %s: %s", export.version, line)
     base = read_source(preferences).drop(columns=[LINE_COLUMN], errors="ignore").to_dict("records")
     mixed = mix(base, exports, cfg.feedback.weight, seed=cfg.data.demo.seed, where=str(preferences))
     logger.info("training on %d base pairs and %s feedback pairs (%d feedback pairs left out: already in the "

@@ -6,7 +6,8 @@ An export directory `<feedback.export_dir>/<version>/` holds
     preferences.jsonl   pairs (prompt, chosen, rejected; plus source, response_id, model_version)
     ratings.jsonl       unpaired examples (prompt, completion, label, score, response_id, model_version)
     manifest.json       version, fingerprint, the time window, the served versions it came from,
-                        what was dropped and why
+                        what was dropped and why, the capped users, the feedback's measured biases
+                        and agreement (`quality`) and the same in a few lines (`report`)
 
 It is written to a temporary directory and renamed into place: a reader sees all of it or
 none. The store records the export last, so a crash before that re-exports the same window
@@ -131,19 +132,21 @@ def collect_feedback(cfg: PipelineConfig) -> FeedbackExport:
             return FeedbackExport("nothing_new")
         f = cfg.feedback
         ds = build_dataset(ratings, choices, rolled_back=rolled_back_versions(tracking_client(cfg), cfg.tracking.registered_model),
-                           max_user_share=f.max_user_share, min_user_flood=f.min_user_flood)
+                           max_user_share=f.max_user_share, min_user_flood=f.min_user_flood,
+                           max_burst=f.max_burst, burst_window_s=f.burst_window_s)
         ds = _contract(ds, cfg)
         version = "feedback-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
         manifest = {"version": version, "fingerprint": ds.fingerprint(), "created_at": time.time(),
                     "window": {"after": after, "until": until}, "pairs": len(ds.pairs), "ratings": len(ds.ratings),
                     "users": ds.users, "served_versions": ds.versions, "dropped": ds.dropped,
-                    "flood_users": ds.flood_users, "store": store.engine.url.render_as_string(hide_password=True)}
+                    "capped_users": ds.capped_users, "quality": ds.quality, "report": ds.report(),
+                    "store": store.engine.url.render_as_string(hide_password=True)}
         dest = export_root(cfg) / version
         _write(ds, manifest, dest)
         run_id = _log(cfg, ds, manifest, dest)
         store.record_export(covered_until=until, version=version, fingerprint=manifest["fingerprint"], path=str(dest))
-        for reason, n in ds.dropped.items():
-            logger.warning("dropped %d feedback item(s): %s", n, reason)
+        for line in ds.report():
+            logger.info("%s: %s", version, line)
         logger.info("exported %s: %d pairs, %d ratings from versions %s", version, len(ds.pairs), len(ds.ratings),
                     ds.versions)
         return FeedbackExport("exported", version, str(dest), manifest["fingerprint"], len(ds.pairs), len(ds.ratings),

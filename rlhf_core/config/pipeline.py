@@ -282,9 +282,12 @@ class FeedbackConfig(_Strict):
         5.0, ge=0, description="An export covers feedback older than this many seconds, so that a write still "
         "in flight when the export starts falls into the next one.")
     max_user_share: float = Field(
-        0.2, gt=0, le=1, description="A user whose ratings are more than this share of an export's (and more than "
-        "min_user_flood of them) is left out of it as a flood.")
-    min_user_flood: int = Field(20, ge=1, description="Fewest ratings from one user before max_user_share applies.")
+        0.2, gt=0, le=1, description="Most of an export's feedback one user may give: beyond it (and beyond "
+        "min_user_flood items) a user's later items are left out of it.")
+    min_user_flood: int = Field(20, ge=1, description="Items from one user that max_user_share never cuts.")
+    max_burst: int = Field(20, ge=1, description="Most feedback items one user may give in burst_window_s seconds; "
+                           "faster ones are left out of the export as a burst.")
+    burst_window_s: float = Field(60.0, gt=0, description="The window of max_burst, in seconds.")
     use: bool = Field(False, description="Train on the collected feedback datasets beside the base preference data.")
     weight: float = Field(
         1.0, ge=0, le=1, description="Share of the feedback pairs trained on (a seeded sample; 1: all). Pairs are "

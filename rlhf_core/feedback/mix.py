@@ -37,6 +37,7 @@ class FeedbackExportInfo:
     fingerprint: str
     served_versions: tuple[str, ...]
     pairs: int
+    report: tuple[str, ...] = ()  # what the export kept, dropped and why (`FeedbackDataset.report`)
 
 
 def recent_exports(root: Path, recency_days: float | None, now: float | None = None) -> list[FeedbackExportInfo]:
@@ -51,7 +52,7 @@ def recent_exports(root: Path, recency_days: float | None, now: float | None = N
         if recency_days is not None and now - m["created_at"] > recency_days * 86400:
             continue
         found.append(FeedbackExportInfo(m["version"], manifest_path.parent, m["created_at"], m["fingerprint"],
-                                        tuple(sorted(m["served_versions"])), m["pairs"]))
+                                        tuple(sorted(m["served_versions"])), m["pairs"], tuple(m.get("report", ()))))
     return sorted(found, key=lambda e: e.created_at)
 
 

@@ -49,7 +49,7 @@ def test_collect_feedback_exports_once_with_lineage_and_says_what_it_dropped(tin
     served(store, "full", "1", ["022"], prompt="11+11=")
     store.rate("empty", "u5", thumb=1)
     store.rate("full", "u6", thumb=-1)
-    for i in range(12):  # one user rating far more than everyone else
+    for i in range(12):  # one user rating far more than everyone else: capped at min_user_flood (5)
         served(store, f"flood-{i}", "1", [f"{i:03d}"], prompt=f"{i}+0=")
         store.rate(f"flood-{i}", "flood", thumb=1)
     store.close()
@@ -57,19 +57,21 @@ def test_collect_feedback_exports_once_with_lineage_and_says_what_it_dropped(tin
     assert cli_main(["collect-feedback", "--config", str(config)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["status"] == "exported", result
-    assert result["dropped"] == {"rolled_back_version": 1, "flood_user": 12, "data_contract": 1}, result
-    assert result["pairs"] == 2 and result["served_versions"] == {"1": 5}
+    assert result["dropped"] == {"rolled_back_version": 1, "user_cap": 7, "data_contract": 1}, result
+    assert result["pairs"] == 2 and result["served_versions"] == {"1": 10}
     out = Path(result["path"])
     pairs = [json.loads(line) for line in (out / "preferences.jsonl").read_text().splitlines()]
     assert {(p["prompt"], p["chosen"], p["rejected"], p["source"]) for p in pairs} == {
         ("12+34=", "046", "036", "choice"), ("23+34=", "057", "047", "ratings")}
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["fingerprint"] == result["fingerprint"] and manifest["version"] == out.name
-    assert len((out / "ratings.jsonl").read_text().splitlines()) == 4  # the kept thumbs, unpaired
+    assert manifest["capped_users"] == {"flood": 7} and "dropped 7: user_cap" in "\n".join(manifest["report"])
+    assert manifest["quality"]["position"]["choices"] == 1
+    assert len((out / "ratings.jsonl").read_text().splitlines()) == 4 + 5  # the kept thumbs, unpaired
 
     run = MlflowClient(cfg.tracking.tracking_uri).get_run(result["run_id"])
     assert run.data.tags["feedback.version"] == out.name and run.data.tags["feedback.served_versions"] == "1"
-    assert run.data.metrics["feedback/dropped_flood_user"] == 12
+    assert run.data.metrics["feedback/dropped_user_cap"] == 7
     [dataset] = run.inputs.dataset_inputs
     assert dataset.dataset.name == out.name
     assert json.loads(dataset.dataset.source)["uri"] == str(out / "preferences.jsonl")
