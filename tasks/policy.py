@@ -25,7 +25,7 @@ from tasks.monitoring import exported
 from tasks.pretrained import stage_gpu_need
 from tasks.reward import RewardModel
 from tasks.sft import BasePolicy
-from tasks.tracking import PipelineRun, flatten, stage_run
+from tasks.tracking import PipelineRun, flatten, record_stop, stage_run
 
 
 @dataclass(frozen=True)
@@ -136,10 +136,7 @@ def optimise_policy(
             log.error("%s", exc)
             raise
         except StageStopped as exc:
-            for key, value in {"stopped.reason": exc.reason, "stopped.step": exc.step,
-                               "checkpoint.path": exc.checkpoint_path or "none"}.items():
-                client.set_tag(stage_id, key, str(value))
-            log.warning("%s", exc)
+            record_stop(client, stage_id, exc)
             raise
         sink(result.steps, {  # headline figures; None (no reward model) is not logged
             "policy/accuracy_before": result.accuracy_before, "policy/accuracy_after": result.accuracy_after,
@@ -182,5 +179,5 @@ def _train_offline(data: ValidatedData, base: BasePolicy, cfg: PipelineConfig, r
     with ProgressSink("policy", total, figures) as progress, \
             exported(cfg, stage_id, "policy", sink, kl_bound=cfg.policy.kl_bound, progress=progress) as on_metrics:
         return train_offline(train, held_out, prompts, answers or [], base.path, cfg.policy,
-                             run.site("policy", on_metrics, gpu_need=stage_gpu_need("policy", cfg, base.path)),
+                             run.site("policy", on_metrics, stage_id, gpu_need=stage_gpu_need("policy", cfg, base.path)),
                              answer_checker=cfg.data.answer_checker)

@@ -13,12 +13,13 @@ from monitoring.sink import MlflowMetricsSink
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.pairs import steps_per_epoch
 from rlhf_core.distributed.reward_trainer import RewardModels, RewardTrainResult, train_reward_models
+from rlhf_core.training.stage_types import StageStopped
 from tasks.data import ValidatedData
 from tasks.monitoring import exported
 from tasks.pretrained import stage_gpu_need
 from tasks.registry import register_model_version
 from tasks.sft import BasePolicy
-from tasks.tracking import PipelineRun, flatten, stage_run
+from tasks.tracking import PipelineRun, flatten, record_stop, stage_run
 
 
 
@@ -96,11 +97,15 @@ def train_reward_model_task(data: ValidatedData, base: BasePolicy, cfg: Pipeline
         sink = MlflowMetricsSink(run.tracking_uri, stage_id)
         total = steps_per_epoch(len(train), cfg.reward.global_batch_size) * cfg.reward.epochs
         figures = {"reward/loss": "loss", "reward/accuracy": "accuracy"}
-        with ProgressSink("reward", total, figures) as progress, \
-                exported(cfg, stage_id, "reward", sink, progress=progress) as on_metrics:
-            models = train_reward_models(
-                train, held_out, backbone, cfg.reward,
-                run.site("reward", on_metrics, gpu_need=stage_gpu_need("reward", cfg, backbone)))
+        try:
+            with ProgressSink("reward", total, figures) as progress, \
+                    exported(cfg, stage_id, "reward", sink, progress=progress) as on_metrics:
+                models = train_reward_models(
+                    train, held_out, backbone, cfg.reward,
+                    run.site("reward", on_metrics, stage_id, gpu_need=stage_gpu_need("reward", cfg, backbone)))
+        except StageStopped as exc:
+            record_stop(client, stage_id, exc)
+            raise
         result = models.proxy
         audit_figures = {} if models.audit is None else {
             "reward_audit/eval_accuracy": models.audit.eval_accuracy, "reward_audit/seconds": models.audit.run.seconds}

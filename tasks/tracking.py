@@ -20,7 +20,7 @@ from rlhf_core.distributed.fault_injection import fault_point
 from rlhf_core.process_owner import this_process
 from monitoring.stop import StopRequests
 from rlhf_core.models.gpu_room import GpuNeed
-from rlhf_core.training.stage_types import MetricsCallback, StageSite
+from rlhf_core.training.stage_types import MetricsCallback, StageSite, StageStopped
 
 DEFAULT_DB = "mlflow.db"
 
@@ -164,6 +164,17 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
         db = Path(client.tracking_uri.removeprefix("sqlite:///"))
         artifact_location = (db.parent / "mlartifacts").resolve().as_uri()
     return client.create_experiment(name, artifact_location=artifact_location)
+
+
+def record_stop(client: MlflowClient, stage_id: str, stopped: StageStopped) -> None:
+    """A stage stopped on request: why, after which step and the checkpoint to resume from, as
+    tags of its MLflow run, and a warning in the flow's log."""
+    from prefect import get_run_logger  # noqa: PLC0415 - this module loads without a flow
+
+    for key, value in {"stopped.reason": stopped.reason, "stopped.step": stopped.step,
+                       "checkpoint.path": stopped.checkpoint_path or "none"}.items():
+        client.set_tag(stage_id, key, str(value))
+    get_run_logger().warning("%s", stopped)
 
 
 OWNER_TAG = "rlhf.owner"  # host:pid:start of the process that opened the run (rlhf_core.process_owner)

@@ -5,6 +5,7 @@ how a step's figures are gathered into metrics.
     resume (or start) ─► per epoch: this rank's shuffled share of the rows (`rank_step_indices`)
       └► per step: step_fn(indices) ─► all-gather every rank's figures ─► metrics_fn
            ─► advance the data position ─► emit (rank 0) ─► injected kill ─► checkpoint
+           (also of a step after which the stage is asked to stop: it then ends there)
 
 A checkpoint holds the engine and the data position (epoch, step in epoch, rows seen), so a
 restarted worker resumes at the next step with the same shuffles.
@@ -42,9 +43,11 @@ def run_epochs(
     engine, *, stage: str, engine_tag: str, runtime: StageRuntime, rank: int, world: int, seed: int,
     num_rows: int, per_rank_batch: int, steps_epoch: int, total_steps: int, checkpoint_every: int,
     step_fn: StepFn, metrics_fn: MetricsFn,
-) -> DataPosition:
-    """Train `engine` from its last checkpoint of `stage` (or from the start) to `total_steps`;
-    -> the data position at the end. Every rank calls it (collectives)."""
+) -> tuple[DataPosition, str | None]:
+    """Train `engine` from its last checkpoint of `stage` (or from the start) to `total_steps`,
+    or until the stage is asked to stop (`StageRuntime.agreed_stop`, between steps, after a
+    checkpoint of the step) -> (the data position at the end, why it stopped early or None).
+    Every rank calls it (collectives)."""
     saved = resume_latest(stage, {engine_tag: engine}, rank, world)
     pos = DataPosition(**saved) if saved is not None else DataPosition()
     record_attempt(runtime, rank, pos.global_step if saved is not None else None)
@@ -64,7 +67,10 @@ def run_epochs(
         if rank == 0:
             runtime.emit(pos.global_step, metrics | flatten_workers([g.worker for g in gathered]))
         fault_point(worker_point(runtime.stage, pos.global_step, rank))
-        if pos.global_step % checkpoint_every == 0 or pos.global_step == total_steps:
+        stop = runtime.agreed_stop(rank) if pos.global_step < total_steps else None
+        if stop is not None or pos.global_step % checkpoint_every == 0 or pos.global_step == total_steps:
             # the only ray.train.report: see rlhf_core.distributed.stage
             report_checkpoint(stage, pos.global_step, {engine_tag: engine}, asdict(pos), metrics, rank, world)
-    return pos
+        if stop is not None:
+            return pos, stop
+    return pos, None

@@ -52,7 +52,7 @@ from rlhf_core.models.llama import load_policy, save_pretrained_atomic
 from rlhf_core.models.lora import frozen_reference, load_policy_for_training, merged_policy
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.preference_step import FIGURES, Rows, offline_loss
-from rlhf_core.training.stage_types import StageFailed, StageSite
+from rlhf_core.training.stage_types import StageFailed, StageSite, StageStopped
 
 ENGINE_TAG = "actor"
 
@@ -91,7 +91,8 @@ def train_offline(
     Rows are preference pairs (`prompt`, `chosen`, `rejected`, optional `id`); for KTO they may
     instead be labelled answers (`prompt`, `completion`, `desirable`), and pairs are unpaired
     first. Raises `StageFailed` (after saving) when the held-out accuracy gains less than
-    `cfg.min_accuracy_gain`.
+    `cfg.min_accuracy_gain`, and `StageStopped` when asked to stop (`site.stop_requested`), after
+    a checkpoint of its last step.
     """
     if cfg.offline is None:
         raise ValueError(f"train_offline runs policy.algorithm dpo or kto, not {cfg.algorithm!r}")
@@ -115,6 +116,8 @@ def train_offline(
 
     run = fit_stage("policy", loop_for, _train_loop, cfg, site)
     s = run.summary
+    if s.get("stopped") is not None:
+        raise StageStopped("policy", s["stopped"]["step"], s["stopped"]["reason"], run.checkpoint_path)
     result = PolicyTrainResult(
         path=Path(site.out_dir), algorithm=method_name(cfg),
         accuracy_before=s["accuracy_before"], accuracy_after=s["accuracy_after"],
@@ -175,7 +178,7 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
     reference = frozen_reference(loop.sft_dir, cfg.lora, engine.device)  # where the actor's log-probs are
     peaks = {"loaded": peak_rss_gib()}  # what the preflight's estimate of the stage is checked against
     figures = FIGURES[cfg.algorithm]
-    pos = run_epochs(
+    pos, stopped = run_epochs(
         engine, stage="policy", engine_tag=ENGINE_TAG, runtime=runtime, rank=rank, world=world, seed=cfg.seed,
         num_rows=len(train), per_rank_batch=per_rank_batch, steps_epoch=steps_epoch, total_steps=total_steps,
         checkpoint_every=cfg.checkpoint_every,
@@ -183,6 +186,8 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
         metrics_fn=lambda gathered: _step_metrics(gathered, engine, figures, d.batch_size, train.pairs.truncated),
     )
 
+    if stopped is not None:  # asked to stop: the step's checkpoint is saved, the policy is not
+        return {"stopped": {"step": pos.global_step, "reason": stopped}} if rank == 0 else None
     peaks["trained"] = peak_rss_gib()
     state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:

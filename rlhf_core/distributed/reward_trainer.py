@@ -58,7 +58,7 @@ from rlhf_core.models.reward import (
 )
 from rlhf_core.tokenizer import load_tokenizer
 from rlhf_core.training.precision import Precision, computing_in
-from rlhf_core.training.stage_types import MetricsCallback, StageFailed, StageSite
+from rlhf_core.training.stage_types import MetricsCallback, StageFailed, StageSite, StageStopped
 
 Pairs = Sequence[Mapping[str, Any]]  # preference pairs: prompt, chosen, rejected, optional id
 
@@ -88,7 +88,8 @@ def train_reward_model(train_pairs: Pairs, eval_pairs: Pairs, base_dir: Path, cf
     `prompt`, `chosen`, `rejected`, optional `id`), evaluate it on `eval_pairs` and save it
     to `site.out_dir`, reporting `reward/...` metrics (`StageSite`: where it runs and reports).
     Raises `StageFailed` (after saving) when the held-out accuracy is below
-    `cfg.min_eval_accuracy`.
+    `cfg.min_eval_accuracy`, and `StageStopped` when asked to stop (`site.stop_requested`), after
+    a checkpoint of its last step.
     """
     if len(train_pairs) == 0:
         raise ValueError("reward: the training set is empty (0 preference pairs)")
@@ -108,6 +109,8 @@ def train_reward_model(train_pairs: Pairs, eval_pairs: Pairs, base_dir: Path, cf
     run = fit_stage("reward", partial(_loop, cfg=cfg, base_dir=base_dir, out_dir=site.out_dir, train=train,
                                       evals=evals, weights=weights), _train_loop, cfg, site)
     summary = run.summary
+    if summary.get("stopped") is not None:
+        raise StageStopped("reward", summary["stopped"]["step"], summary["stopped"]["reason"], run.checkpoint_path)
     out = RewardTrainResult(
         path=Path(site.out_dir),
         eval_accuracy=summary["eval_accuracy"],
@@ -227,7 +230,7 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
         lr_scheduler=partial(warmup_cosine_lr, total=total_steps, warmup=cfg.warmup_steps),
     )
 
-    pos = run_epochs(
+    pos, stopped = run_epochs(
         engine, stage="reward", engine_tag=ENGINE_TAG, runtime=runtime, rank=rank, world=world, seed=cfg.seed,
         num_rows=len(train), per_rank_batch=per_rank_batch, steps_epoch=steps_epoch, total_steps=total_steps,
         checkpoint_every=cfg.checkpoint_every,
@@ -235,6 +238,8 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
         metrics_fn=lambda gathered: _step_metrics(gathered, engine, cfg, train.truncated),
     )
 
+    if stopped is not None:  # asked to stop: the step's checkpoint is saved, the model is not
+        return {"stopped": {"step": pos.global_step, "reason": stopped}} if rank == 0 else None
     state_dict = full_fp32_parameters(engine, rank)
     if rank != 0:
         return None

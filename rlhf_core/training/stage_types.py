@@ -39,8 +39,8 @@ class StageSite:
     holds a run is resumed, so give each pipeline run its own. `on_metrics(step, {...})` is
     called on the rank-0 worker, so it must pickle (e.g. `monitoring.sink.MlflowMetricsSink`);
     steps redone after a restart are reported again. `stop_requested()`, also called on rank 0
-    (between steps, so it must pickle and be cheap), asks a stage that honours it (the RL policy
-    stage) to stop cleanly with a checkpoint (`StageStopped`); `monitoring.stop` reads it from
+    (between steps, so it must pickle and be cheap), asks a training stage (reward, policy,
+    DPO/KTO) to stop cleanly with a checkpoint (`StageStopped`); `monitoring.stop` reads it from
     the stage's MLflow run. With `gpu_need` (`rlhf_core.models.gpu_room.GpuNeed`), every rank of
     a stage on GPUs checks that its GPU has that much free before it loads anything."""
 

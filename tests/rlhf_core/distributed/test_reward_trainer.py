@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -327,3 +328,38 @@ def test_the_audit_models_own_run_resumes_a_killed_worker_with_identical_results
         assert (got.eval_accuracy, got.eval_loss, got.final_loss) == (want.eval_accuracy, want.eval_loss, want.final_loss)
         a, b = load_file(got.path / "model.safetensors"), load_file(want.path / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@dataclass(frozen=True)
+class StopAfter:
+    """A stop request (`StageSite.stop_requested`) once the stage's metrics file holds `step` steps
+    (both are rank 0's, the file written just before the stage asks)."""
+
+    metrics: Path
+    step: int
+
+    def __call__(self) -> str | None:
+        seen = len(self.metrics.read_text().splitlines()) if self.metrics.exists() else 0
+        return f"test: stop after step {self.step}" if seen >= self.step else None
+
+
+@pytest.mark.slow
+def test_a_stop_request_ends_the_stage_after_a_step_with_its_checkpoint_and_the_resumed_run_ends_the_same(
+        baseline, pairs, tiny_base, tmp_path):
+    """Asked to stop after step 12 (checkpoints every 10): the stage saves step 12's checkpoint,
+    saves no model and raises `StageStopped`; run again, it resumes at step 12 and ends as an
+    uninterrupted run does, bit for bit."""
+    from rlhf_core.training.stage_types import StageStopped
+
+    expected, _ = baseline
+    train, held = pairs
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    site = StageSite(tmp_path / "model", tmp_path / "ray", "reward", sink, StopAfter(sink.path, 12))
+    with pytest.raises(StageStopped) as stopped:
+        train_reward_model(train, held, tiny_base, CFG, site)
+    assert (stopped.value.step, stopped.value.reason) == (12, "test: stop after step 12")
+    assert stopped.value.checkpoint_path and not (tmp_path / "model" / "model.safetensors").exists()
+    result = run(pairs, tiny_base, tmp_path)  # the same run name: resumed, no stop asked
+    assert result.run.resumed_from_step == 12 and result.run.consumed == expected.run.consumed
+    got, want = load_file(result.path / "model.safetensors"), load_file(expected.path / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
