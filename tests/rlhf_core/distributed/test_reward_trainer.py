@@ -263,31 +263,34 @@ ENSEMBLE = CFG.model_copy(update={"ensemble_size": 3, "audit_share": 0.6, "epoch
 AUDIT_KILL_STEP = 18
 
 
-def train_with_audit(pairs, base, tmp: Path):
-    from rlhf_core.distributed.reward_trainer import train_reward_models
-
-    train, held = pairs
-    return train_reward_models(train, held, base, ENSEMBLE, StageSite(tmp / "rm", tmp / "ray", "ens"))
-
-
-@pytest.fixture(scope="module")
-def ensemble(ray_cluster, pairs, tiny_base, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ensemble")
-    return train_with_audit(pairs, tiny_base, tmp), tmp
-
-
 @pytest.mark.slow
-def test_an_ensemble_and_its_audit_model_train_together(ensemble, pairs, tiny_base):
+def test_an_ensemble_and_its_audit_model_train_together_and_the_audits_own_run_resumes_a_killed_worker(
+        ray_cluster, pairs, tiny_base, tmp_path, monkeypatch):
     """Three heads on one backbone, each on its own bootstrap, plus an audit model on a
     disjoint share of the prompts, saved inside the ensemble's directory; with the embeddings and
-    the first layer frozen (`frozen_layers`), which both models save as the backbone had them."""
-    from safetensors.torch import load_file
-
+    the first layer frozen (`frozen_layers`), which both models save as the backbone had them.
+    The audit model is a Ray Train run of its own after the ensemble's: a worker killed in it at
+    step 18 resumes that run from step 10's checkpoint, redoing steps 11-18 as the killed attempt
+    did them, and the ensemble's finished run is not redone."""
+    from rlhf_core.distributed.reward_trainer import train_reward_models
     from rlhf_core.models.reward import audit_model_dir, load_reward_model, member_stats, read_reward_meta
 
     train, held = pairs
     cfg = ENSEMBLE
-    models, tmp_path = ensemble
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    monkeypatch.setenv(FAULT_ENV, f"kill:reward:step{AUDIT_KILL_STEP}:rank1={tmp_path / 'killed'}")
+    models = train_reward_models(train, held, tiny_base, cfg, StageSite(tmp_path / "rm", tmp_path / "ray", "ens", sink))
+    assert (tmp_path / "killed").exists() and models.proxy.steps < AUDIT_KILL_STEP < models.audit.steps
+    assert (models.proxy.run.attempts, models.audit.run.attempts) == (1, 2) and models.audit.run.resumed_from_step == 10
+    first: dict[int, dict] = {}
+    redone: dict[int, dict] = {}
+    for m in map(json.loads, sink.path.read_text().splitlines()):
+        if "reward_audit/loss" in m:
+            (redone if m["step"] in first else first)[m["step"]] = m
+    assert sorted(redone) == list(range(11, AUDIT_KILL_STEP + 1))
+    figures = ("reward_audit/loss", "reward_audit/accuracy", "reward_audit/margin", "reward_audit/grad_norm")
+    assert all([redone[s][k] for k in figures] == [first[s][k] for k in figures] for s in redone)  # bit for bit
+
     assert models.proxy_pairs + models.audit_pairs == len(train) and models.audit_pairs > 0
     assert len(models.proxy.member_eval_accuracy) == 3 and models.audit.member_eval_accuracy
     assert models.proxy.eval_accuracy > 0.6 and models.audit.eval_accuracy > 0.6
@@ -310,24 +313,6 @@ def test_an_ensemble_and_its_audit_model_train_together(ensemble, pairs, tiny_ba
                 assert torch.equal(tensor, backbone[name]), name  # frozen: the backbone's, bit for bit
         assert not torch.equal(saved["model.layers.1.mlp.down_proj.weight"], backbone["model.layers.1.mlp.down_proj.weight"])
 
-
-@pytest.mark.slow
-def test_the_audit_models_own_run_resumes_a_killed_worker_with_identical_results(ensemble, pairs, tiny_base,
-                                                                                 tmp_path, monkeypatch):
-    """The audit model is a Ray Train run of its own after the ensemble's: a worker killed in it
-    resumes that run from its checkpoint, and the ensemble's run is not redone."""
-    expected, _ = ensemble
-    monkeypatch.setenv(FAULT_ENV, f"kill:reward:step{AUDIT_KILL_STEP}:rank1={tmp_path / 'killed'}")
-    result = train_with_audit(pairs, tiny_base, tmp_path)
-    assert (tmp_path / "killed").exists()
-    assert expected.proxy.steps < AUDIT_KILL_STEP < expected.audit.steps  # only the audit's run reaches it
-    assert (result.proxy.run.attempts, result.audit.run.attempts) == (1, 2)
-    assert result.audit.run.resumed_from_step == 10
-    for got, want in ((result.proxy, expected.proxy), (result.audit, expected.audit)):
-        assert got.run.consumed == want.run.consumed
-        assert (got.eval_accuracy, got.eval_loss, got.final_loss) == (want.eval_accuracy, want.eval_loss, want.final_loss)
-        a, b = load_file(got.path / "model.safetensors"), load_file(want.path / "model.safetensors")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @dataclass(frozen=True)
