@@ -202,7 +202,8 @@ def run_gates(plan: Plan, device: torch.device, prompts: int = 16) -> dict:
 
     from rlhf_core.config import ModelConfig, PipelineConfig  # noqa: PLC0415
     from rlhf_core.data.synthetic import answer_for, prompt_for  # noqa: PLC0415
-    from rlhf_core.eval.gate_models import GateModels, evaluate_on, gate_dtype  # noqa: PLC0415
+    from rlhf_core.eval.gate_models import GateModels, evaluate_on  # noqa: PLC0415
+    from rlhf_core.models.placement import frozen_dtype  # noqa: PLC0415
     from rlhf_core.models.llama import build_policy, save_pretrained_atomic  # noqa: PLC0415
     from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score  # noqa: PLC0415
     from rlhf_core.tokenizer import train_tokenizer  # noqa: PLC0415
@@ -234,10 +235,11 @@ def run_gates(plan: Plan, device: torch.device, prompts: int = 16) -> dict:
         failed.append(f"the reference's win rate against itself is {result.reference.figures.win_rate_vs_reference}")
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     memory = "" if peak is None else f", peak GPU memory {peak:.2f} GiB"
-    print(f"gates on {prompts} prompts in {seconds:.1f} s on {device.type} ({gate_dtype(device)}){memory}: candidate "
+    dtype = frozen_dtype(device) or torch.float32  # the gates' models as `evaluate_on` froze them
+    print(f"gates on {prompts} prompts in {seconds:.1f} s on {device.type} ({dtype}){memory}: candidate "
           f"KL {result.candidate.figures.kl_to_reference:.4f}, win rate {result.candidate.figures.win_rate_vs_reference:.3f}",
           flush=True)
-    return {"prompts": prompts, "seconds": seconds, "dtype": str(gate_dtype(device)), "peak_gpu_memory_gib": peak,
+    return {"prompts": prompts, "seconds": seconds, "dtype": str(dtype), "peak_gpu_memory_gib": peak,
             "metrics": metrics, "failed_checks": failed}
 
 

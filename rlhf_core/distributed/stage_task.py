@@ -1,4 +1,4 @@
-"""Work of a stage that is not a training loop (the gates' evaluation) as one Ray task with the
+"""Work of a stage that runs in one process (SFT, the gates' evaluation) as one Ray task with the
 stage's resources: a GPU where the cluster has them (or the stage is told to use them), else
 a CPU of a node with every core of it, as the driver had. One code path for both: the task
 calls `fn(device, *args)` with the device it got.
@@ -39,9 +39,8 @@ def run_stage_task(stage: str, fn: Callable[..., T], *args: Any, use_gpu: bool |
     """`fn(device, *args, **kwargs)` as one Ray task of `stage` on the cluster this process uses
     (else $RAY_ADDRESS's, else a local one it starts and stops) -> (its value, where it ran).
     `use_gpu` is the config section `settings`'s (named in its messages): None takes a GPU where
-    the cluster has one. The task's own
-    exception is raised here as it was raised there (its remote traceback chained); a task Ray's
-    memory monitor killed raises `StageOutOfMemory`."""
+    the cluster has one. The task's own exception is raised here as it was raised there (its
+    remote traceback chained); a task Ray's memory monitor killed raises `StageOutOfMemory`."""
     started = connect_ray()
     try:
         gpu = check_cluster(settings, 1, use_gpu)
@@ -49,11 +48,10 @@ def run_stage_task(stage: str, fn: Callable[..., T], *args: Any, use_gpu: bool |
         remote = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_retries=0)(_on_device)
         try:
             return ray.get(remote.remote(fn, gpu, args, kwargs))
-        except ray.exceptions.RayTaskError as exc:
+        except (ray.exceptions.RayTaskError, ray.exceptions.OutOfMemoryError) as exc:
             raise_if_out_of_memory(stage, exc, MachineMemory(vm.total, vm.available))
-            raise exc.cause from exc
-        except ray.exceptions.OutOfMemoryError as exc:
-            raise_if_out_of_memory(stage, exc, MachineMemory(vm.total, vm.available))
+            if isinstance(exc, ray.exceptions.RayTaskError):
+                raise exc.cause from exc
             raise
     finally:
         if started:

@@ -1,7 +1,8 @@
 """The gates' models, loaded on one device and compared there: what the gate stage runs as a Ray
 task with the policy stage's resources (`rlhf_core.distributed.stage_task`): on a GPU where
-the cluster has one, else on the CPU. On a GPU the models compute in bf16, as served on one
-(a 7B candidate, reference and champion fit one H100 so); on the CPU in fp32."""
+the cluster has one, else on the CPU. Every model is frozen there as the trainers freeze theirs
+(`placement.frozen_on`): bf16 on a GPU, as served on one (a 7B candidate, reference and
+champion fit one H100 so); as saved, fp32, on the CPU."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from rlhf_core.eval.evaluate import EvalResult, Policy, Scorer, evaluate, scorer
 from rlhf_core.eval.gates import gate
 from rlhf_core.eval.regression import RegressionSuite
 from rlhf_core.models.llama import load_policy
+from rlhf_core.models.placement import frozen_on
 from rlhf_core.tokenizer import load_tokenizer
 
 
@@ -30,22 +32,16 @@ class GateModels:
     audit: Path | None = None
 
 
-def gate_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-
-
 def evaluate_on(device: torch.device, models: GateModels, prompts: Sequence[str], answers: Sequence[str] | None,
                 cfg: PipelineConfig, suites: Sequence[RegressionSuite] = ()) -> EvalResult:
     """`evaluate` of the candidate against the reference and the champion, every model on
     `device`, with the run's gate settings (`cfg.gates`) judging the looks at the eval prompts."""
-    dtype = gate_dtype(device)
-
     def policy(name: str, model_dir: Path) -> Policy:
-        return Policy(name, load_policy(model_dir).to(device, dtype), load_tokenizer(model_dir))
+        return Policy(name, frozen_on(load_policy(model_dir), device), load_tokenizer(model_dir))
 
     def moved(scorer: Scorer | None) -> Scorer | None:
         if scorer is not None:
-            scorer.model.to(device, dtype)
+            frozen_on(scorer.model, device)
         return scorer
 
     scorer, audit = scorers_for(models.reward, cfg.reward.max_length, models.audit)
