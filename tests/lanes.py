@@ -39,7 +39,8 @@ LANES: tuple[tuple[str, ...], ...] = (
     ("tests/flows/test_resume.py", "tests/rlhf_core/distributed/test_policy_trainer.py",
      "tests/rlhf_core/distributed/test_offline_trainer.py", "tests/monitoring/test_alerting_e2e.py",
      "tests/rlhf_core/serving/test_server.py", "tests/tasks/test_tracking_server_errors.py",
-     "tests/rlhf_core/distributed/test_multinode.py", "tests/rlhf_core/distributed/test_cluster.py"),
+     "tests/rlhf_core/distributed/test_multinode.py", "tests/rlhf_core/distributed/test_cluster.py",
+     "tests/rlhf_core/eval/test_behaviour_on_smollm2.py"),
 )
 
 

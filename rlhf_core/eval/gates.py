@@ -297,17 +297,17 @@ def _regression_checks(candidate: EvalFigures, reference: EvalFigures, champion:
     checks = []
     for i, suite in enumerate(t.regression_suites):
         mine = candidate.regression[i]
-        checks.append(_no_regression(mine, reference.regression[i], mine.diff_vs_reference, "reference",
+        checks.append(no_regression(mine, reference.regression[i], mine.diff_vs_reference, "reference",
                                      suite.margin))
         if champion is None:
             checks.append(skip(f"regression_vs_champion:{suite.name}", ">=", _NO_CHAMPION))
         else:
-            checks.append(_no_regression(mine, champion.regression[i], mine.diff_vs_champion, "champion",
+            checks.append(no_regression(mine, champion.regression[i], mine.diff_vs_champion, "champion",
                                          suite.margin))
     return checks
 
 
-def _no_regression(suite: SuiteFigures, baseline: SuiteFigures, diff: Interval | None, vs: str,
+def no_regression(suite: SuiteFigures, baseline: SuiteFigures, diff: Interval | None, vs: str,
                    margin: float) -> Check:
     """Non-inferiority on one suite, as `accuracy_vs_champion`: the accuracy difference (its
     interval's low end, with intervals) must be at least -margin; rejected as `regression:<suite>`."""

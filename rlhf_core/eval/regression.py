@@ -6,7 +6,8 @@ A suite (`gates.regression_suites`) is a JSONL file of `{"prompt": ..., "answer"
 anything trains: a missing file, or a row that is not JSON, not an object, or lacks a
 non-blank text `prompt` or `answer`, fails with every problem named by file and line in one
 message. An `answer` may also be a list of the answers accepted ("small", "little"): a
-response right for any of them is right. `correct` scores a policy's answers row by row (0/1) with the suite's checker, a
+response right for any of them is right, and a row may have no `answer` where the suite's
+checker reads none (`not_refused`, `rlhf_core.eval.behaviour`). `correct` scores a policy's answers row by row (0/1) with the suite's checker, a
 verifiable reward of `rlhf_core.training.verifiable` (`answer_exact_match` compares with the
 row's answer, white space stripped).
 
@@ -29,7 +30,7 @@ from rlhf_core.eval.gates import EvalFigures
 from rlhf_core.eval.checks import not_worse_than
 from rlhf_core.eval.confidence import Interval
 from rlhf_core.eval.sequential import DEMO_FIRST_ROWS, DEMO_PREFIX, Look, look_levels, look_sizes
-from rlhf_core.training.verifiable import check_answers
+from rlhf_core.training.verifiable import check_answers, resolve_verifiable_reward, takes_answers
 
 SHOWN_PROBLEMS = 5  # bad rows named per suite; the message counts the rest
 
@@ -47,7 +48,7 @@ class RegressionSuite:
     checker: str
     margin: float
     prompts: list[str]  # conversational ones (lists of messages) until `rendered`
-    answers: list[str | list[str]]  # a list: the answers accepted, any one is right
+    answers: list[str | list[str] | None]  # a list: the answers accepted, any one is right; None: none
     first_rows: int | None = None  # rows of the first look; None: every row
     max_rows: int | None = None  # the budget asked for; more than len(prompts) when the suite has fewer rows
 
@@ -56,10 +57,11 @@ class RegressionSuite:
         return min(self.first_rows or len(self.prompts), len(self.prompts))
 
 
-def read_suite(path: str | Path) -> tuple[list[str], list[str | list[str]]]:
+def read_suite(path: str | Path, answers_needed: bool = True) -> tuple[list[str], list[str | list[str] | None]]:
     """(prompts, answers) of a suite file. Blank lines are skipped, as in every JSONL the
     pipeline reads; any other bad row raises `SuiteFormatError` naming `path:line` (up to
-    `SHOWN_PROBLEMS` of them, and how many more)."""
+    `SHOWN_PROBLEMS` of them, and how many more). Without `answers_needed` a row may leave out
+    its answer (None)."""
     path = Path(path)
     if not path.is_file():
         raise SuiteFormatError(f"{path}: regression suite file not found")
@@ -70,7 +72,7 @@ def read_suite(path: str | Path) -> tuple[list[str], list[str | list[str]]]:
                 raw = raw[len(codecs.BOM_UTF8):]
             if not raw.strip():
                 continue
-            row, problem = _parse_row(raw)
+            row, problem = _parse_row(raw, answers_needed)
             if problem is not None:
                 problems.append(f"{path}:{lineno}: {problem}")
             else:
@@ -85,7 +87,7 @@ def read_suite(path: str | Path) -> tuple[list[str], list[str | list[str]]]:
     return prompts, answers
 
 
-def _parse_row(raw: bytes) -> tuple[dict | None, str | None]:
+def _parse_row(raw: bytes, answers_needed: bool) -> tuple[dict | None, str | None]:
     """(the row, None), or (None, what is wrong with it)."""
     try:
         row = json.loads(raw.decode("utf-8"))
@@ -95,9 +97,13 @@ def _parse_row(raw: bytes) -> tuple[dict | None, str | None]:
         return None, f"not valid JSON ({exc.msg})"
     if not isinstance(row, dict):
         return None, f"expected a JSON object with prompt and answer, got {type(row).__name__}"
+    if not answers_needed:
+        row.setdefault("answer", None)
     for key in ("prompt", "answer"):
         if key not in row:
             return None, f"{key} is missing"
+        if key == "answer" and row[key] is None and not answers_needed:
+            continue
         if key == "prompt" and isinstance(row[key], list):
             problem = _messages_problem(row[key])
             if problem is not None:
@@ -124,6 +130,11 @@ def _messages_problem(messages: list) -> str | None:
     if messages[-1]["role"] != "user":
         return f"prompt's last message is from {messages[-1]['role']!r}, not the user"
     return None
+
+
+def needs_answers(checker: str | None) -> bool:
+    """Whether a suite checked by `checker` needs an answer in every row (the exact text does)."""
+    return checker is None or takes_answers(resolve_verifiable_reward(checker))
 
 
 def rendered(suite: RegressionSuite, tokenizer) -> RegressionSuite:
@@ -156,7 +167,7 @@ def load_suites(suites: Sequence[RegressionSuiteConfig], data_dir: Path, demo: D
         budget = suite.max_rows or first
         try:
             path = suite_file(suite.path, data_dir, demo, exclude, budget or DEMO_FIRST_ROWS)
-            prompts, answers = read_suite(path)
+            prompts, answers = read_suite(path, answers_needed=needs_answers(suite.checker))
         except SuiteFormatError as exc:
             problems.append(f"regression suite {suite.name} (gates.regression_suites): {exc}")
             continue

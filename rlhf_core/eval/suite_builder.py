@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rlhf_core.chat import render_prompt
 from rlhf_core.data.schema import write_jsonl
-from rlhf_core.eval.regression import read_suite
+from rlhf_core.eval.regression import needs_answers, read_suite
 from rlhf_core.training.verifiable import check_answers
 
 MAX_NUM_SEQS = 256  # sequences the engine decodes together; more questions x samples run in waves
@@ -65,7 +65,7 @@ def build_suite(questions: Path, model_dir: Path, out: Path, checker: str = "ans
 
     if not 1 <= min_right <= samples:
         raise ValueError(f"--min-right must be between 1 and --samples ({samples}), got {min_right}")
-    prompts, answers = read_suite(questions)
+    prompts, answers = read_suite(questions, answers_needed=needs_answers(checker))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     texts = [render_prompt(tokenizer, p) for p in prompts]
     longest = max(len(ids) for ids in tokenizer(texts)["input_ids"])  # the KV cache for these lengths only
@@ -79,7 +79,8 @@ def build_suite(questions: Path, model_dir: Path, out: Path, checker: str = "ans
                          [a for a in answers for _ in range(samples)], checker, where=f"--checker {checker}")
     sampled_right = [flat[i * samples:(i + 1) * samples] for i in range(len(texts))]
     keep = robust(greedy_right, sampled_right, min_right)
-    write_jsonl([{"prompt": p, "answer": a} for p, a, k in zip(prompts, answers, keep) if k], out)
+    write_jsonl([{"prompt": p} | ({} if a is None else {"answer": a}) for p, a, k in zip(prompts, answers, keep) if k],
+                out)
     return SuiteBuild(len(prompts), sum(keep), greedy_right.count(False), sum(g and not k for g, k in
                                                                            zip(greedy_right, keep)))
 

@@ -25,6 +25,8 @@ VERIFIABLE_REWARDS: dict[str, str] = {
     "answer_exact_match": "rlhf_core.training.verifiable:answer_exact_match",
     "last_number_match": "rlhf_core.training.verifiable:last_number_match",
     "answer_in_response": "rlhf_core.training.verifiable:answer_in_response",
+    "holds_answer": "rlhf_core.eval.behaviour:holds_answer",
+    "not_refused": "rlhf_core.eval.behaviour:not_refused",
 }
 
 
@@ -78,12 +80,13 @@ def answer_in_response(prompts: Sequence[str], responses: Sequence[str], answers
     missing = [p for p, a in zip(prompts, answers) if a is None or not a.strip()]
     if missing:
         raise ValueError(f"answer_in_response: {len(missing)} prompts have no answer, e.g. {missing[0]!r}")
+    return torch.tensor([float(named_in(r, a)) for r, a in zip(responses, answers)], dtype=torch.float32)
 
-    def said(response: str, answer: str) -> bool:
-        words = r"\s+".join(re.escape(w) for w in answer.split())
-        return re.search(rf"(?<!\w){words}(?!\w)", response, flags=re.IGNORECASE) is not None
 
-    return torch.tensor([float(said(r, a)) for r, a in zip(responses, answers)], dtype=torch.float32)
+def named_in(response: str, answer: str) -> bool:
+    """Whether `answer` appears in `response` as whole words, case and white space aside."""
+    words = r"\s+".join(re.escape(w) for w in answer.split())
+    return re.search(rf"(?<!\w){words}(?!\w)", response, flags=re.IGNORECASE) is not None
 
 
 def _same_number(a: str | None, b: str | None) -> bool:
