@@ -46,7 +46,7 @@ from flows.config_view import print_config
 from flows.console import print_failure, print_validated, unroute_logs
 from flows.launch import flow_module, run_flow, run_plain_flow
 from flows.prefect_setup import quiet_telemetry
-from flows.serving_commands import promote_command, serving_command
+from flows.serving_commands import canary_command, promote_command, serving_command
 from flows.show import print_environment, print_rows
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.config.default import DEFAULT_CONFIG, OWN_DATA_CONFIG
@@ -121,6 +121,16 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("action", nargs="?", choices=["status", "stop", "ensure"], default="status",
                      help="ensure: go on if a server answers, else deploy the champion, else run the demo")
     _config_args(srv)
+
+    can = sub.add_parser("canary", help="serve a version to a share of the users beside the champion; read and act "
+                         "on the call its users' thumbs make")
+    can.add_argument("action", choices=["start", "status", "decide", "promote", "roll-back"],
+                     help="decide: act on the test's call once it is promote or roll-back; promote | roll-back: "
+                     "end it so (against the call only with --reason)")
+    can.add_argument("version", nargs="?", help="with start: the version to serve as the canary")
+    can.add_argument("--by", default=os.environ.get("USER", "unknown"), help="who decides (default $USER)")
+    can.add_argument("--reason", help="a person's decision against the test's call, recorded on the version")
+    _config_args(can)
 
     gw = sub.add_parser("gateway", help="run the feedback gateway (OpenAI-compatible, records answers and ratings)")
     _config_args(gw)
@@ -253,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             return promote_command(args, cfg)
         if args.command == "serving":
             return serving_command(args, cfg)
+        if args.command == "canary":
+            return canary_command(args, cfg)
         if args.command == "gateway":
             from rlhf_core.serving.gateway import run_gateway
 

@@ -6,7 +6,8 @@ figures) into its output directory, so that schedulers and scripts can read the 
 without parsing logs. Its `status` is one of:
 
 - `completed`: the candidate passed the gates and is registered as `policy` (alias
-  `challenger`; with `gates.auto_promote` also `champion`, and then it serves);
+  `challenger`; with `gates.auto_promote` also `champion`, and then it serves, or with
+  `serving.canary.enabled` and a champion serving, it serves a share of the users as a canary);
 - `rejected`: the candidate failed a gate; it is not registered, `reasons` say why, and
   what serves is unchanged. The MLflow run is FINISHED with tag `gate.passed=false`;
 - `undecided`: no gate failed, but the evaluation cannot tell the candidate from a bar (a
@@ -27,8 +28,9 @@ from rlhf_core.config import load_config
 from rlhf_core.config.default import DEFAULT_CONFIG
 from tasks.cluster import training_cluster
 from tasks.data import prepare_data, validate_data
+from tasks.canary import start_canary_task
 from tasks.deploy import deploy_champion
-from tasks.evaluate import Candidate, evaluate_candidate, register_candidate, undecided_next_steps
+from tasks.evaluate import Candidate, canary_first, evaluate_candidate, register_candidate, undecided_next_steps
 from tasks.policy import optimise_policy
 from tasks.pretrained import prepare_pretrained
 from tasks.reward import train_reward_model_task
@@ -94,4 +96,6 @@ def rlhf_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None
             return summary
         if registration.promoted and cfg.serving.enabled:
             record_stage(stages, "deploy", deploy_champion, cfg)
+        elif canary_first(cfg, evaluation.champion_version):
+            record_stage(stages, "canary", start_canary_task, cfg, registration.version)
     return summary

@@ -5,8 +5,8 @@ starts in seconds. The `evaluate` flow, which loads models, is in `flows.evaluat
 
 - `deploy-champion` serves `models:/<tracking.registered_model>@champion` (blue/green; see
   `tasks.deploy`).
-- `rollback` moves `champion` back for an incident and redeploys; asking again for the same
-  incident does nothing.
+- `rollback` moves `champion` back for an incident and redeploys, or rolls back the canary
+  while one runs (`tasks.canary`); asking again for the same incident does nothing.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from prefect import flow
 
 from rlhf_core.config import load_config
 from rlhf_core.config.default import DEFAULT_CONFIG
+from tasks.canary import canary_incident, canary_running, end_canary, incident_handled
 from tasks.deploy import deploy_champion, move_champion_back, record_rollback
 
 
@@ -41,7 +42,9 @@ def rollback_flow(
     config_path: str = DEFAULT_CONFIG,
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Move `champion` back to the previous version (or `to_version`) and serve it.
+    """Move `champion` back to the previous version (or `to_version`) and serve it. A canary
+    that runs is rolled back first (every user back to the champion); for the canary's own
+    alert (`CanaryWorse`) that is all, and the champion stays.
 
     Args:
         incident: incident id (alert fingerprint, ticket); a second request for the same
@@ -53,6 +56,13 @@ def rollback_flow(
         overrides: `key.path=value` items applied on top of the file.
     """
     cfg = load_config(config_path, overrides)
+    if canary_running(cfg) and not incident_handled(cfg, incident):
+        own = canary_incident(incident)
+        ended = end_canary(cfg, "roll_back", requested_by, f"incident {incident}: {reason}",
+                           incident=incident if own else None)
+        if own:
+            return {"incident": incident, "action": "canary_rolled_back", "from_version": ended.version,
+                    "to_version": ended.serving, "serving": ended.summary(), "record": None}
     plan = move_champion_back(cfg, incident, reason, requested_by, to_version)
     deployment = None
     if plan.action != "none" and cfg.serving.enabled:  # serving.enabled false: something else serves the alias

@@ -1,4 +1,4 @@
-"""`rlhf promote` and `rlhf serving status|stop|ensure`: the registry's champion and what serves."""
+"""`rlhf promote`, `rlhf serving status|stop|ensure` and `rlhf canary`: the registry's champion and what serves."""
 from __future__ import annotations
 
 import json
@@ -93,3 +93,36 @@ def _registry_champion(cfg) -> tuple[str | None, str]:
     except Exception as e:  # noqa: BLE001 - the status of what serves must not depend on the registry
         return None, f"{type(e).__name__}: {e}"
     return (str(version.version), "") if version is not None else (None, f"no version of {cfg.tracking.registered_model} is champion")
+
+
+def canary_command(args, cfg) -> int:
+    """`rlhf canary start VERSION | status | decide | promote | roll-back`."""
+    from rlhf_core.serving.errors import ServingError
+    from tasks.canary import canary_call, end_canary, start_canary
+    from tasks.registry import RegistryError
+
+    try:
+        if args.action == "start":
+            if not args.version:
+                print("error: rlhf canary start VERSION: name the version", file=sys.stderr)
+                return 2
+            canary = start_canary(cfg, args.version)
+            print(f"v{canary.endpoint.version} serves {canary.share:g} of the users as a canary beside "
+                  f"v{canary.champion_version} at {canary.endpoint.url}")
+            return 0
+        canary, decision = canary_call(cfg)
+        if args.action == "status":
+            print(json.dumps({"canary": canary.endpoint.version, "champion": canary.champion_version,
+                              "share": canary.share, "call": decision.action, "ratings": decision.ratings,
+                              "reason": decision.reason}, indent=2))
+            return 0
+        action = {"decide": decision.action, "promote": "promote", "roll-back": "roll_back"}[args.action]
+        if action == "continue":
+            print(f"the canary goes on: {decision.reason}")
+            return 0
+        ended = end_canary(cfg, action, args.by, args.reason)
+    except (RegistryError, ServingError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"canary v{ended.version}: {ended.action}; v{ended.serving} serves every user ({ended.reason})")
+    return 0

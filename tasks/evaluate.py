@@ -256,7 +256,10 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     client.set_registered_model_alias(name, CHALLENGER, version)
     previous = None
     promoted = False
-    if cfg.gates.auto_promote:
+    if canary_first(cfg, evaluation.champion_version):
+        log.info("%s v%s is the %s and starts as a canary beside champion v%s (serving.canary.enabled)", name,
+                 version, CHALLENGER, evaluation.champion_version)
+    elif cfg.gates.auto_promote:
         fault_point("register:promote")
         promotion = promote(client, version, requested_by=f"pipeline:{run.run_id}", reason="gates.auto_promote",
                             name=name, expected_champion=evaluation.champion_version)  # the one it was judged against
@@ -265,6 +268,12 @@ def register_candidate(evaluation: Evaluation, cfg: PipelineConfig, run: Pipelin
     else:
         log.info("%s v%s is the %s; promote it with `rlhf promote %s` or in the MLflow UI", name, version, CHALLENGER, version)
     return Registration(version, promoted, previous)
+
+
+def canary_first(cfg: PipelineConfig, champion_version: str | None) -> bool:
+    """Whether a candidate that passed starts as a canary instead of being promoted: with
+    `serving.canary.enabled`, served here, and a champion to serve beside."""
+    return cfg.serving.canary.enabled and cfg.serving.enabled and champion_version is not None
 
 
 def undecided_next_steps(evaluation: Evaluation, version: str, config_path: str | None) -> dict[str, str]:

@@ -18,7 +18,7 @@ from rlhf_core.config.inputs import (
 from rlhf_core.config.loading import ConfigError, apply_overrides, config_origins, load_config, parse_config
 from rlhf_core.config.offline import DPOConfig, KTOConfig, LoRAConfig, OfflineTrainingConfig
 from rlhf_core.config.pipeline import (
-    FeedbackConfig, GateConfig, MonitoringConfig, PipelineConfig, RegressionSuiteConfig, RewardConfig, ServingConfig,
+    CanaryConfig, FeedbackConfig, GateConfig, MonitoringConfig, PipelineConfig, RegressionSuiteConfig, RewardConfig, ServingConfig,
     SFTConfig, TrackingConfig,
 )
 from rlhf_core.config.policy import (
@@ -28,7 +28,7 @@ from rlhf_core.config.policy import (
 
 __all__ = [
     "CircuitBreakerConfig", "ConfigError", "DPOConfig", "DataConfig", "DemoDataConfig", "FeedbackConfig", "GRPOConfig",
-    "GateConfig", "JudgeConfig", "KTOConfig", "LoRAConfig", "ModelConfig", "MonitoringConfig", "OfflineTrainingConfig",
+    "CanaryConfig", "GateConfig", "JudgeConfig", "KTOConfig", "LoRAConfig", "ModelConfig", "MonitoringConfig", "OfflineTrainingConfig",
     "PPOConfig", "PipelineConfig", "PolicyConfig", "RegressionSuiteConfig", "RewardConfig", "RewardShapingConfig",
     "RolloutEngineConfig", "RolloutPipelineConfig", "RoundsConfig", "SFTConfig", "ServingConfig", "TokenizerConfig", "TrackingConfig",
     "ValidationConfig", "_Strict", "apply_overrides", "config_origins", "load_config", "parse_config",

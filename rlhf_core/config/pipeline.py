@@ -190,6 +190,22 @@ class GateConfig(_Strict):
         return suites
 
 
+class CanaryConfig(_Strict):
+    """A candidate served to a share of the users beside the champion until their thumbs decide
+    (`rlhf_core.serving.canary`, docs/operations.md "Canary")."""
+
+    enabled: bool = Field(False, description="A version the pipeline promotes starts as a canary instead of "
+        "replacing the champion at once (also `rlhf canary start VERSION`).")
+    share: float = Field(0.1, gt=0, lt=1, description="Share of the users the canary serves, sticky per user.")
+    margin: float = Field(0.05, gt=0, lt=1, description="The canary is promoted once its thumbs-up rate is "
+        "surely no more than this below the champion's, rolled back once it is surely more.")
+    alpha: float = Field(0.05, gt=0, lt=0.5, description="Error rate of the always-valid test (rlhf_core.eval."
+        "always_valid): a wrong promotion, or a wrong roll-back, each at most about alpha/2 of the time.")
+    min_ratings: int = Field(100, ge=1, description="Thumbs of each version before any call.")
+    max_ratings: int = Field(20_000, ge=2, description="Thumbs of both together at which a call still open rolls back.")
+    max_hours: float = Field(168.0, gt=0, description="Hours after which a call still open rolls back.")
+
+
 class ServingConfig(_Strict):
     """Serving the champion with vLLM's OpenAI-compatible server (`rlhf_core.serving`).
 
@@ -224,6 +240,7 @@ class ServingConfig(_Strict):
         "connection) and is stopped once it has answered every request it accepted, or after this many seconds "
         "(what it has not answered by then is aborted).")
     extra_args: list[str] = Field([], description='Passed on to vllm.entrypoints.openai.api_server.')
+    canary: CanaryConfig = CanaryConfig()
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> "ServingConfig":

@@ -301,10 +301,12 @@ class FeedbackStore:
             row["answers"] = [texts[row["response_id"]][i] for i in sorted(texts.get(row["response_id"], {}))]
         return rating_rows, choice_rows
 
-    def thumbs_by_version(self) -> dict[str, tuple[int, int]]:
-        """(thumbs up, thumbs down) per served version, over all time."""
+    def thumbs_by_version(self, since: float | None = None) -> dict[str, tuple[int, int]]:
+        """(thumbs up, thumbs down) per served version, on answers given since `since` (None: all time)."""
         query = (select(responses.c.model_version, ratings.c.thumb)
                  .join(responses, responses.c.id == ratings.c.response_id).where(ratings.c.thumb.is_not(None)))
+        if since is not None:
+            query = query.where(responses.c.created_at >= since)
         counts: dict[str, list[int]] = {}
         with self.engine.connect() as conn:
             for version, thumb in conn.execute(query):

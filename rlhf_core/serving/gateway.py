@@ -7,7 +7,8 @@ served and takes ratings on it.
 
 - `POST /v1/completions` and `POST /v1/chat/completions`, streaming included, pass through to
   whichever server `current.json` names now: a blue/green deploy moves the gateway's traffic
-  with it, and clients keep one address. The gateway asks for the served name itself, so a
+  with it, and clients keep one address. While a canary runs (`canary.json`), the share of
+  users it draws is sent to it instead, each user always to the same version. The gateway asks for the served name itself, so a
   client may name any model (`"policy"`). The answer's `id` is replaced by the gateway's
   response id (also in the `x-response-id` header), under which its answers were recorded
   before the client got the last byte: a client that has the answer can always rate it.
@@ -51,11 +52,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from rlhf_core.config import CanaryConfig
 from rlhf_core.feedback.store import Answer, FeedbackError, FeedbackStore, hash_user
 from rlhf_core.serving.auth import RequireApiKey
 from rlhf_core.serving.gateway_feedback import BadRequest, FeedbackRequest, parse_feedback  # noqa: F401 - public here too
 from rlhf_core.serving.gateway_limits import BodyTooLarge, RateLimiter, read_body
-from rlhf_core.serving.gateway_metrics import Metrics, ThumbsCollector, served_versions  # noqa: F401 - public here too
+from rlhf_core.serving.gateway_metrics import CanaryCollector, Metrics, ThumbsCollector, served_versions  # noqa: F401 - public here too
 from rlhf_core.serving.gateway_upstream import Upstream
 from rlhf_core.serving.gateway_writer import BatchWriter
 from rlhf_core.serving.user_auth import SIGNATURE_HEADER, USER_SECRET_FILE, Unauthenticated, UserAuth
@@ -79,7 +81,8 @@ def unavailable(reason: str) -> JSONResponse:
 class Gateway:
     def __init__(self, store: FeedbackStore, state_dir: Path, api_key: str, salt: str, *, users: UserAuth,
                  ratings_per_minute: int = 60, max_samples: int = 4, upstream_timeout_s: float = 120.0,
-                 max_feedback_bytes: int = 64 * 1024, max_completion_bytes: int = 1024 * 1024):
+                 max_feedback_bytes: int = 64 * 1024, max_completion_bytes: int = 1024 * 1024,
+                 canary: CanaryConfig = CanaryConfig()):
         self.store, self.api_key, self.salt, self.users = store, api_key, salt, users
         self.state_dir, self.upstream = Path(state_dir), Upstream(state_dir)
         self.limiter = RateLimiter(ratings_per_minute)
@@ -89,6 +92,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.metrics = Metrics()
         self.metrics.registry.register(ThumbsCollector(store, Path(state_dir)))
+        self.metrics.registry.register(CanaryCollector(store, self.upstream, canary))
         self._limited_logged: dict[str, float] = {}
         self.writer = BatchWriter(store)
 
@@ -138,7 +142,8 @@ class Gateway:
         n = payload.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_samples:
             return self._count(path, error(400, f"must be an integer from 1 to {self.max_samples}, got {n!r}", "n"))
-        endpoint = self.upstream.get()
+        user_hash = hash_user(asker, self.salt)
+        endpoint = self.upstream.get(user_hash)
         if endpoint is None:
             return self._count(path, error(503, "no model is being served (no current deployment)"))
         prompt = payload.get("messages") if kind == "chat" else payload.get("prompt")
@@ -153,7 +158,7 @@ class Gateway:
             return self._count(path, error(502, "the served model did not answer"))
         response_id = f"resp-{uuid.uuid4().hex}"
         record = dict(response_id=response_id, model_version=endpoint.version, served_model=endpoint.served_model_name,
-                      kind=kind, prompt=prompt, user_hash=hash_user(asker, self.salt))
+                      kind=kind, prompt=prompt, user_hash=user_hash)
         if upstream.status != 200:
             return self._count(path, await _upstream_refusal(upstream, endpoint.url + path))
         if payload.get("stream"):
@@ -370,7 +375,8 @@ def build_gateway(cfg) -> Gateway:
     return Gateway(FeedbackStore(store_url(cfg)), state_dir, resolve_api_key(cfg.serving, state_dir), salt,
                    users=user_auth_for(f, state_dir), ratings_per_minute=f.ratings_per_minute,
                    max_samples=f.max_samples, upstream_timeout_s=f.upstream_timeout_s,
-                   max_feedback_bytes=f.max_feedback_bytes, max_completion_bytes=f.max_completion_bytes)
+                   max_feedback_bytes=f.max_feedback_bytes, max_completion_bytes=f.max_completion_bytes,
+                   canary=cfg.serving.canary)
 
 
 def run_gateway(cfg) -> None:

@@ -95,3 +95,44 @@ class ThumbsCollector:
             roles.add_metric([role, version, "down"], down)
         yield family
         yield roles
+
+
+class CanaryCollector:
+    """The running canary's call, made at scrape time from the store (`canary.decide_canary`),
+    nothing while no canary runs:
+
+    - `rlhf_canary_thumbs{arm, version, thumb}`: each arm's thumbs on answers since it started;
+    - `rlhf_canary_difference{bound}`: canary minus champion thumbs-up rate (`estimate`) and its
+      always-valid interval (`low`, `high`); NaN before `min_ratings`;
+    - `rlhf_canary_decision{action, version}`: 1 for the call now (promote | roll_back |
+      continue), which the `CanaryWorse` alert and `rlhf canary decide` act on.
+    """
+
+    def __init__(self, store: FeedbackStore, upstream, cfg):
+        self.store, self.upstream, self.cfg = store, upstream, cfg
+
+    def collect(self):
+        from rlhf_core.serving.canary import canary_arms, decide_canary  # noqa: PLC0415 - imports the config
+
+        if (canary := self.upstream.canary()) is None:
+            return
+        try:
+            champion, mine = canary_arms(self.store, canary)
+            decision = decide_canary(self.store, canary, self.cfg)
+        except Exception:  # noqa: BLE001 - a store outage must not break /metrics
+            log.exception("deciding the canary for /metrics failed")
+            return
+        thumbs = GaugeMetricFamily("rlhf_canary_thumbs", "Thumbs of the canary and of the champion since the canary "
+                                   "started", labels=["arm", "version", "thumb"])
+        for arm, version, counts in (("champion", canary.champion_version, champion),
+                                     ("canary", canary.endpoint.version, mine)):
+            thumbs.add_metric([arm, version, "up"], counts.up)
+            thumbs.add_metric([arm, version, "down"], counts.n - counts.up)
+        difference = GaugeMetricFamily("rlhf_canary_difference", "Canary minus champion thumbs-up rate, with its "
+                                       "always-valid interval", labels=["bound"])
+        for bound, value in (("estimate", decision.difference), ("low", decision.low), ("high", decision.high)):
+            difference.add_metric([bound], value)
+        calls = GaugeMetricFamily("rlhf_canary_decision", "1 for the canary's call now", labels=["action", "version"])
+        for action in ("promote", "roll_back", "continue"):
+            calls.add_metric([action, canary.endpoint.version], float(decision.action == action))
+        yield from (thumbs, difference, calls)

@@ -52,8 +52,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+import psutil
+
 from rlhf_core.config import ServingConfig
+from rlhf_core.models.memory import MachineMemory
 from rlhf_core.models.weights import unreadable_weights
+from rlhf_core.serving import canary
 from rlhf_core.serving.auth import OPEN_PATHS, RequireApiKey, resolve_api_key
 from rlhf_core.serving.client import complete, has_chat_template, health, list_models
 from rlhf_core.serving.drain import Drained, drain
@@ -109,10 +113,13 @@ class DeployResult:
 
 
 def deploy(
-    model_dir: Path, version: str, cfg: ServingConfig, state_dir: Path, *, served_model_name: str | None = None
+    model_dir: Path, version: str, cfg: ServingConfig, state_dir: Path, *, served_model_name: str | None = None,
+    canary_share: float | None = None,
 ) -> DeployResult:
     """Start `model_dir` on the free port of `cfg.ports`, check it, make it current, stop the
-    old server. Raises ServingError (the old server untouched) if the new one fails."""
+    old server. Raises ServingError (the old server untouched) if the new one fails. With
+    `canary_share` it becomes the canary of the serving champion instead (`.canary`), which
+    keeps serving the other users."""
     model_dir, state_dir = Path(model_dir).resolve(), Path(state_dir)
     name = served_model_name or f"policy-v{version}"
     if (problem := unreadable_weights(model_dir)) is not None:  # not worth a server's 30 s start
@@ -120,9 +127,12 @@ def deploy(
     ensure_dir(state_dir)
     with deploy_lock(state_dir):
         _stop_abandoned(state_dir)
+        canary.refuse_if_running(state_dir, f"deploy of {name}")
         previous = current_endpoint(state_dir)
         if previous is None:  # it may have died and left vLLM's engine running
             _end_orphans(state_dir, recorded_endpoint(state_dir))
+        if canary_share is not None:
+            _check_canary_room(model_dir, name, cfg, previous)
         port = next_port(cfg.ports, previous)
         if port_in_use(cfg.host, port):
             raise ServingError(f"port {port} on {cfg.host} is already in use; not starting {name} there")
@@ -154,6 +164,12 @@ def deploy(
                 raise ServingError(f"deploy of {name} failed: {e}{cleanup}\n{log_summary(log_path)}") from e
             raise
         seconds = time.monotonic() - start
+        if canary_share is not None:
+            canary.start_record(state_dir, endpoint, previous, canary_share)
+            (state_dir / STARTING).unlink()
+            log.info("%s serves %g of the users as a canary on %s after %.0f s", name, canary_share, endpoint.url,
+                     seconds)
+            return DeployResult(endpoint=endpoint, previous=None, smoke_completion=text, seconds=seconds)
 
         write_json_atomic(state_dir / "current.json", endpoint.to_dict())
         (state_dir / STARTING).unlink()
@@ -161,6 +177,19 @@ def deploy(
         log.info("%s serves on %s after %.0f s", name, endpoint.url, seconds)
         drained = None if previous is None else _retire(previous, api_key, cfg.drain_timeout_s)
     return DeployResult(endpoint=endpoint, previous=previous, smoke_completion=text, seconds=seconds, drained=drained)
+
+
+def _check_canary_room(model_dir: Path, name: str, cfg: ServingConfig, champion: Endpoint | None) -> None:
+    if champion is None:
+        raise ServingError(f"{name} cannot start as a canary: no champion is serving beside it; deploy it plainly")
+    vm = psutil.virtual_memory()
+    if (problem := canary.memory_problem(model_dir, cfg, MachineMemory(vm.total, vm.available))) is not None:
+        raise ServingError(f"deploy of {name} refused, no server started: {problem}")
+
+
+def end_canary(state_dir: Path, action: str, cfg: ServingConfig) -> Endpoint:
+    """Promote the canary or roll it back (`canary.finish_canary`); the endpoint serving after."""
+    return canary.finish_canary(state_dir, action, cfg.drain_timeout_s, resolve_api_key(cfg, state_dir), _retire)
 
 
 @dataclass(frozen=True)
@@ -198,6 +227,9 @@ def stop_serving(state_dir: Path) -> Stopped:
         # current.json goes first: from then on nobody is sent to the server being stopped.
         with contextlib.suppress(FileNotFoundError):
             (state_dir / "current.json").unlink()
+        if (running := canary.drop_record(state_dir)) is not None:
+            end_server(running.endpoint)
+            append_history(state_dir, "stopped", running.endpoint, None, canary="stopped")
         if endpoint is not None:
             end_server(endpoint)
             append_history(state_dir, "stopped", endpoint, None)

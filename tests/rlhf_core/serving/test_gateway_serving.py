@@ -2,7 +2,8 @@
 answers through the `openai` client (plain, chat through the demo's template, streamed, n=2) are
 recorded and rateable by signed users, bodies over the limit are refused by the real HTTP server
 too, and a gateway killed with SIGKILL in the middle of a stream of ratings has lost none it
-acknowledged.
+acknowledged. Last, a canary beside the champion: rolled back when its users rate it worse,
+promoted when they rate it better, with no request dropped across either switch.
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ from rlhf_core.testing.gateway_process import running_gateway, start_gateway
 from rlhf_core.testing.models import tiny_policy_dir
 
 pytestmark = pytest.mark.slow
+
+
+# a canary's test on fewer ratings than the default's 100 each, and rates far apart: a call in seconds
+CANARY_SETTINGS = ("serving.canary.share=0.5", "serving.canary.min_ratings=20", "serving.canary.margin=0.1")
 
 
 @dataclass
@@ -49,7 +54,8 @@ def served(tmp_path_factory, free_ports):
 def gateway_args(served: Served, port: int, *extra: str) -> list[str]:
     sets = [f"output_dir={served.output_dir}", f"serving.state_dir={served.state_dir}",
             f"serving.api_key_env={served.cfg.api_key_env}", f"serving.ports=[{served.cfg.ports[0]},{served.cfg.ports[1]}]",
-            "feedback.user_secret_env=RLHF_TEST_GATEWAY_USER_SECRET_UNSET", f"feedback.port={port}", *extra]
+            "feedback.user_secret_env=RLHF_TEST_GATEWAY_USER_SECRET_UNSET", f"feedback.port={port}", *CANARY_SETTINGS,
+            *extra]
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -204,3 +210,131 @@ def test_a_gateway_killed_mid_stream_of_ratings_loses_none_it_acknowledged(serve
     s.close()
     lost = [(rid, user) for rid, user in acknowledged if (rid, hash_user(user, salt)) not in stored]
     assert lost == [], f"{len(lost)} of {len(acknowledged)} acknowledged ratings are not in the store"
+
+
+class Users:
+    """Simulated users of the gateway: each asks, and rates what it got by which version answered."""
+
+    def __init__(self, gateway: str, served: Served):
+        self.gateway, self.served, self.secret = gateway, served, user_secret(served)
+        self.client = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {served.key}"})
+
+    def ask(self, user: str, i: int) -> httpx.Response:
+        return self.client.post(f"{self.gateway}/v1/completions", headers=sign_user(self.secret, user),
+                                json={"model": "policy", "prompt": f"{10 + i % 80}+11=", "max_tokens": 3, "temperature": 0})
+
+    def round(self, users: list[str], likes: dict[str, float]) -> dict[str, list[str]]:
+        """Every user asks twice and rates both answers: up for a share `likes[served name]` of the
+        users (the same users each time). -> the served names each user got."""
+        got: dict[str, list[str]] = {}
+        for i, user in enumerate(users * 2):
+            r = self.ask(user, i)
+            assert r.status_code == 200, r.text
+            model = r.json()["model"]
+            got.setdefault(user, []).append(model)
+            up = (users.index(user) % 20) < 20 * likes[model]
+            rated = self.client.post(f"{self.gateway}/v1/feedback", headers=sign_user(self.secret, user),
+                                     json={"response_id": r.json()["id"], "rating": "up" if up else "down"})
+            assert rated.status_code == 200, rated.text
+        return got
+
+
+class Traffic:
+    """Requests sent without pause while a switch happens: every one must be answered."""
+
+    def __init__(self, users: Users):
+        self.users, self.statuses, self.stop = users, [], threading.Event()
+        self.thread = threading.Thread(target=self._send)
+
+    def _send(self):
+        i = 0
+        while not self.stop.is_set():
+            try:
+                self.statuses.append(self.users.ask(f"busy-{i % 7}", i).status_code)
+            except httpx.HTTPError as e:
+                self.statuses.append(repr(e))
+            i += 1
+
+    def __enter__(self):
+        self.thread.start()
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.5)
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+def _canary_metrics(gateway: str) -> dict[str, float]:
+    text = httpx.get(f"{gateway}/metrics", timeout=10).text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line.startswith("rlhf_canary_decision")}
+
+
+def test_a_canary_users_rate_worse_is_rolled_back_and_one_they_rate_better_is_promoted(served, gateway, mlflow_store,
+                                                                                       tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from flows.cli import main as rlhf
+    from rlhf_core.serving.canary import read_canary
+    from rlhf_core.serving.process import port_in_use
+    from tasks.registry import CHALLENGER, CHAMPION, POLICY, by_alias, promote, register_model_version
+
+    client = MlflowClient(mlflow_store)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    for _ in range(3):
+        run = client.create_run(exp)
+        client.log_artifacts(run.info.run_id, str(served.output_dir / "policy"), "model")
+        register_model_version(client, POLICY, run.info.run_id, "model", {"gate.passed": "true"})
+    promote(client, "1", "test", "serves already")
+    cli = ["--set", f"tracking.tracking_uri={mlflow_store}"] + [a for s in (
+        f"output_dir={served.output_dir}", f"serving.state_dir={served.state_dir}",
+        f"serving.api_key_env={served.cfg.api_key_env}", f"serving.ports=[{served.cfg.ports[0]},{served.cfg.ports[1]}]",
+        f"serving.kv_cache_gib={served.cfg.kv_cache_gib}", f"serving.smoke_prompt={served.cfg.smoke_prompt}",
+        *CANARY_SETTINGS) for a in ("--set", s)]
+    users = Users(gateway, served)
+    people = [f"user-{i}" for i in range(60)]
+
+    # v2 as a canary for half the users, who like it far less than v1
+    assert rlhf(["canary", "start", "2", *cli]) == 0
+    canary = read_canary(served.state_dir)
+    assert canary.share == 0.5 and canary.champion_version == "1" and str(by_alias(client, CHALLENGER).version) == "2"
+    got = users.round(people, {"policy-v1": 0.8, "policy-v2": 0.2})
+    assert all(len(set(names)) == 1 for names in got.values()), "a user was sent to both versions"
+    on_canary = sum(names[0] == "policy-v2" for names in got.values())
+    assert 15 <= on_canary <= 45, on_canary  # half of 60, within 4 standard deviations
+    assert _canary_metrics(gateway)['rlhf_canary_decision{action="roll_back",version="2"}'] == 1.0
+    with Traffic(users) as traffic:
+        assert rlhf(["canary", "decide", *cli]) == 0
+    assert traffic.statuses and set(traffic.statuses) == {200}, traffic.statuses
+    assert read_canary(served.state_dir) is None and not port_in_use("127.0.0.1", canary.endpoint.port)
+    tags = client.get_model_version(POLICY, "2").tags
+    print(f"\nv2: {on_canary} of 60 users; {tags['canary.reason']}; thumbs {tags['canary.thumbs']}; "
+          f"{len(traffic.statuses)} requests across the roll-back")
+    assert tags["canary.decision"] == "roll_back" and "worse than the margin" in tags["canary.reason"]
+    assert str(by_alias(client, CHAMPION).version) == "1" and by_alias(client, CHALLENGER) is None
+    assert {users.ask(p, 0).json()["model"] for p in people[:10]} == {"policy-v1"}
+    assert _canary_metrics(gateway) == {}
+
+    # v3 as a canary, liked more than v1: promoted, and v1's server drained and stopped
+    champion_port = server_port(served)
+    assert rlhf(["canary", "start", "3", *cli]) == 0
+    users.round(people, {"policy-v1": 0.5, "policy-v3": 0.95})
+    with Traffic(users) as traffic:
+        assert rlhf(["canary", "decide", *cli]) == 0
+    assert traffic.statuses and set(traffic.statuses) == {200}, traffic.statuses
+    assert str(by_alias(client, CHAMPION).version) == "3" and by_alias(client, CHALLENGER) is None
+    tags = client.get_model_version(POLICY, "3").tags
+    print(f"v3: {tags['canary.reason']}; thumbs {tags['canary.thumbs']}; {len(traffic.statuses)} requests across "
+          "the promotion")
+    assert tags["canary.decision"] == "promote" and tags["previous_champion"] == "1"
+    assert tags["promotion_reason"].startswith("canary: canary minus champion thumbs-up rate +")
+    assert read_canary(served.state_dir) is None and not port_in_use("127.0.0.1", champion_port)
+    assert {users.ask(p, 0).json()["model"] for p in people[:10]} == {"policy-v3"}
+
+
+def server_port(served: Served) -> int:
+    from rlhf_core.serving.state import current_endpoint
+
+    return current_endpoint(served.state_dir).port
