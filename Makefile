@@ -83,17 +83,29 @@ demo-chat: chat-model
 	    --set data.eval_path="$(CHAT_DATA)/eval.jsonl"
 
 # The feedback loop on the demo: serve (make demo) -> the gateway -> simulated users chat and
-# rate -> collect-feedback -> the next run trains on base data plus feedback -> gates.
+# rate -> collect-feedback -> the next run trains on base data plus feedback -> gates -> the
+# candidate serves half of the users as a canary -> the users rate both versions -> the
+# always-valid test on their thumbs decides (docs/operations.md, "Canary"). The loop's canary:
+# half of the users, a call after 50 thumbs of each, a margin of 0.1 (1,500 thumbs decide a
+# difference of 0 against it).
 GATEWAY_PORT ?= 8200
+CANARY_SETS := --set serving.canary.enabled=true --set serving.canary.share=0.5 \
+    --set serving.canary.min_ratings=50 --set serving.canary.margin=0.1
+USERS = $(PY) -m rlhf_core.feedback.simulated_users --base-url http://127.0.0.1:$(GATEWAY_PORT)/v1 \
+    --api-key-file runs/serving/api_key --user-secret-file runs/serving/user_signing_secret \
+    --exclude $$(ls -t runs/*/data/eval.jsonl | head -1)
+GATEWAY_UP = $(VENV)/bin/rlhf gateway --set feedback.port=$(GATEWAY_PORT) $(CANARY_SETS) > runs/gateway.log 2>&1 \
+    & echo $$! > runs/gateway.pid; for i in $$(seq 60); do curl -sf http://127.0.0.1:$(GATEWAY_PORT)/health >/dev/null && break; sleep 1; done
+GATEWAY_DOWN = status=$$?; kill $$(cat runs/gateway.pid); rm -f runs/gateway.pid; exit $$status
 demo-loop: setup
 	@$(VENV)/bin/rlhf serving ensure  # what serves goes on; else the champion is deployed; else the demo trains one
-	@$(VENV)/bin/rlhf gateway --set feedback.port=$(GATEWAY_PORT) > runs/gateway.log 2>&1 & echo $$! > runs/gateway.pid
-	@for i in $$(seq 60); do curl -sf http://127.0.0.1:$(GATEWAY_PORT)/health >/dev/null && break; sleep 1; done
-	$(PY) -m rlhf_core.feedback.simulated_users --base-url http://127.0.0.1:$(GATEWAY_PORT)/v1 \
-	    --api-key-file runs/serving/api_key --user-secret-file runs/serving/user_signing_secret --exclude $$(ls -t runs/*/data/eval.jsonl | head -1) --users 16 --requests-per-user 16; \
-	    status=$$?; kill $$(cat runs/gateway.pid); rm -f runs/gateway.pid; exit $$status
+	@$(GATEWAY_UP)
+	$(USERS) --users 16 --requests-per-user 16; $(GATEWAY_DOWN)
 	$(VENV)/bin/rlhf collect-feedback --set feedback.settle_s=0
-	$(VENV)/bin/rlhf run --set feedback.use=true || [ $$? -eq 3 ]  # 3: the gates kept the champion, a verdict
+	$(VENV)/bin/rlhf run --set feedback.use=true $(CANARY_SETS) || [ $$? -eq 3 ]  # 3: the gates kept the champion, a verdict
+	@$(VENV)/bin/rlhf canary status $(CANARY_SETS) >/dev/null 2>&1 || { echo "no canary: the champion serves on"; exit 0; }; \
+	  $(GATEWAY_UP); $(USERS) --users 48 --requests-per-user 32 --choice-share 0 --seed 1; $(GATEWAY_DOWN)
+	@if $(VENV)/bin/rlhf canary status $(CANARY_SETS) >/dev/null 2>&1; then $(VENV)/bin/rlhf canary decide $(CANARY_SETS); fi
 
 # The system programs the tests start for real (Prometheus, Alertmanager, PostgreSQL's server),
 # each checked by its own binary and installed with apt-get when missing, before pytest starts.
