@@ -14,6 +14,8 @@
     rlhf deploy                                           serve the champion (blue/green)
     rlhf rollback --incident ID --reason TEXT [--to V]    move the champion back and serve it
     rlhf serving [status|stop|ensure]                     what serves now; stop it; serve something
+    rlhf canary start VERSION|status|decide               serve a version to a share of the users beside the
+    rlhf canary promote|roll-back [--reason TEXT]          champion; read and act on the call on their thumbs
     rlhf gateway                                          the feedback gateway in front of what serves
     rlhf collect-feedback                                 export new feedback as a preference dataset
     rlhf env [--json]                                     versions, machine and settings for a bug report

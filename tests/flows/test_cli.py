@@ -34,21 +34,21 @@ def test_help_lists_every_subcommand_with_its_help_line():
                          env={**os.environ, "COLUMNS": "200"})
     commands = _subcommands()
     assert {"run", "demo", "validate", "check-config", "make-demo-data", "evaluate", "promote", "deploy",
-            "rollback", "serving", "gateway", "collect-feedback", "env"} == set(commands)
+            "rollback", "serving", "canary", "gateway", "collect-feedback", "env"} == set(commands)
     for name, help_line in commands.items():
         assert re.search(rf"^\s+{re.escape(name)}\s+{re.escape(help_line)}$", out.stdout, re.M), (name, out.stdout)
 
 
 def test_the_module_docstring_lists_exactly_the_parsers_subcommands():
     listed = re.findall(r"^    rlhf ([a-z-]+)", cli.__doc__, re.M)
-    assert listed == list(_subcommands())
+    assert list(dict.fromkeys(listed)) == list(_subcommands())
 
 
 @pytest.mark.parametrize("command", sorted(_subcommands()))
 def test_every_subcommand_takes_debug_and_a_config_that_defaults_to_a_packaged_one(command):
     # `rlhf run` trains your data (own-data.yaml: no task of the demo's); the others default to the demo's
     required = {"validate": ["x.jsonl"], "check-config": ["c.yaml"], "make-demo-data": ["out"], "promote": ["3"],
-                "rollback": ["--incident", "i", "--reason", "r"]}.get(command, [])
+                "rollback": ["--incident", "i", "--reason", "r"], "canary": ["status"]}.get(command, [])
     args = _parser().parse_args([command, *required, "--debug"])
     assert args.debug is True
     packaged = OWN_DATA_CONFIG if command == "run" else DEFAULT_CONFIG

@@ -319,3 +319,69 @@ def test_champion_version_tells_no_champion_from_an_unreadable_store(registry, f
     down = MlflowClient(f"http://127.0.0.1:{free_ports(1)[0]}")  # nothing listens there
     with pytest.raises(RegistryError, match="cannot read policy@champion from the registry"):
         champion_version(down)
+
+
+# -- a canary in the registry: the call, the evidence, the alert's incident ---------------------
+
+def test_a_canary_ends_as_its_call_says_with_the_evidence_and_its_alert_is_handled_once(registry, monkeypatch,
+                                                                                       tmp_path):
+    """The canary's bookkeeping: its call from the store, the tags and alias moves, and the
+    rollback flow for the canary's own alert, twice. Ending the servers is the serving tests'
+    business (test_canary.py, and with real servers test_gateway_serving.py)."""
+    import json
+
+    from prefect.logging import disable_run_logger
+
+    from flows.serving import rollback_flow
+    from rlhf_core.config import load_config
+    from rlhf_core.config.default import DEFAULT_CONFIG
+    from rlhf_core.feedback.store import Answer, FeedbackStore, sqlite_url
+    from rlhf_core.serving import canary, server
+    from rlhf_core.serving.state import Endpoint, write_json_atomic
+    from tasks import canary as canary_tasks
+
+    state = tmp_path / "serving"
+    sets = [f"tracking.tracking_uri={registry.tracking_uri}", f"output_dir={tmp_path}", f"serving.state_dir={state}",
+            "serving.canary.min_ratings=20"]
+    cfg = load_config(DEFAULT_CONFIG, sets)
+    promote(registry, "1", "test", "first")
+    registry.set_registered_model_alias(POLICY, CHALLENGER, "2")
+
+    def endpoint(version, port):
+        return Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1", port, 0, f"policy-v{version}", version, "/m", "", "t")
+
+    state.mkdir()
+    write_json_atomic(state / "current.json", endpoint("1", 8100).to_dict())
+    started = canary.start_record(state, endpoint("2", 8101), endpoint("1", 8100), 0.5)
+    store = FeedbackStore(sqlite_url(state / "feedback.db"))
+    for version, ups in (("1", 25), ("2", 5)):
+        for i in range(30):
+            rid = f"{version}-{i}"
+            store.record_response(rid, model_version=version, served_model="m", kind="completion", prompt="p",
+                                  user_hash=f"u{i}", answers_=[Answer("a")])
+            store.rate(rid, f"u{i}", thumb=1 if i < ups else -1)
+    store.close()
+    retired = []
+    monkeypatch.setattr(server, "end_canary", lambda d, action, c: canary.finish_canary(
+        d, action, 1.0, "k", lambda e, key, t: retired.append(e.version)))
+
+    assert canary_tasks.canary_call(cfg)[1].action == "roll_back"
+    with pytest.raises(RegistryError, match="the canary's call is roll_back, not promote: .* give --reason"):
+        canary_tasks.end_canary(cfg, "promote", "carol")
+    assert canary.read_canary(state) == started and champion(registry) == "1"
+
+    incident = "CanaryWorse-0123abcd-20261207T090000Z"
+    with disable_run_logger():
+        first = rollback_flow.fn(incident, "canary worse", "alertmanager:rlhf", overrides=sets)
+    assert (first["action"], first["from_version"], first["to_version"]) == ("canary_rolled_back", "2", "1")
+    assert retired == ["2"] and canary.read_canary(state) is None and champion(registry) == "1"
+    tags = registry.get_model_version(POLICY, "2").tags
+    assert tags["canary.decision"] == "roll_back" and tags["canary.decided_by"] == "alertmanager:rlhf"
+    assert json.loads(tags["canary.thumbs"]) == {"champion": [25, 30], "canary": [5, 30]}
+    assert by_alias(registry, CHALLENGER) is None
+    assert incident_record(registry, incident)["action"] == "canary_roll_back"
+    assert canary_tasks.incident_handled(cfg, incident) and canary_tasks.canary_incident(incident)
+    assert not canary_tasks.canary_incident("ChampionSatisfactionDrop-0123abcd-20261207T090000Z")
+    with disable_run_logger():  # the alert sent again: handled, nothing moves
+        again = rollback_flow.fn(incident, "canary worse", "alertmanager:rlhf", overrides=sets)
+    assert again["action"] == "none" and champion(registry) == "1" and retired == ["2"]

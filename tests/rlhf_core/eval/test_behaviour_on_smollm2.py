@@ -49,17 +49,16 @@ def test_a_candidate_trained_to_agree_is_rejected_by_the_sycophancy_suite_and_th
                        SFTConfig(epochs=1, batch_size=8, learning_rate=1e-4, warmup_steps=1))
     assert result.final_loss < 1.0, result.history
 
-    def check(candidate, reference):
-        figures = suite_figures(Policy("candidate", candidate, tokenizer), Policy("reference", reference, tokenizer),
-                                None, [suite], max_new_tokens=32, confidence=0.95)
-        mine, theirs = figures["candidate"][0], figures["reference"][0]
-        return mine, no_regression(mine, theirs, mine.diff_vs_reference, "reference", suite.margin)
-
     started = time.perf_counter()
-    held, passed = check(base, base)
-    print(f"\nbase: {held.accuracy:.3f} {held.diff_vs_reference}; sft {result.seconds:.1f} s, loss {result.final_loss:.3f}")
+    figures = suite_figures(Policy("candidate", sycophant, tokenizer), Policy("reference", base, tokenizer), None,
+                            [suite], max_new_tokens=24, confidence=0.95)
+    held, flipped = figures["reference"][0], figures["candidate"][0]
+    print(f"\nbase: {held.accuracy:.3f} {held.diff_vs_reference}; sycophant: {flipped.accuracy:.3f} "
+          f"{flipped.diff_vs_reference}; sft {result.seconds:.1f} s, loss {result.final_loss:.3f}; answers "
+          f"{time.perf_counter() - started:.1f} s")
+    # the base judged as a candidate against itself (the same answers: what a second pass would give)
+    passed = no_regression(held, held, held.diff_vs_reference, "reference", suite.margin)
     assert held.accuracy > 0.9 and passed.passed, passed  # the suite holds what the base holds
-    flipped, rejected = check(sycophant, base)
-    print(f"sycophant: {flipped.accuracy:.3f} {flipped.diff_vs_reference}; answers {time.perf_counter() - started:.1f} s")
+    rejected = no_regression(flipped, held, flipped.diff_vs_reference, "reference", suite.margin)
     assert flipped.accuracy < 0.5 and not rejected.passed and rejected.undecided is None, rejected
     assert rejected.reason.startswith("regression:sycophancy: suite sycophancy: accuracy"), rejected.reason
