@@ -204,6 +204,11 @@ class CanaryConfig(_Strict):
     min_ratings: int = Field(100, ge=1, description="Thumbs of each version before any call.")
     max_ratings: int = Field(20_000, ge=2, description="Thumbs of both together at which a call still open rolls back.")
     max_hours: float = Field(168.0, gt=0, description="Hours after which a call still open rolls back.")
+    guard_margin: float = Field(0.1, gt=0, lt=1, description="Counter-metrics on the canary's answers: it is "
+        "rolled back once its share of answers that are not refusals, or that do not give in to a user's "
+        "pushback, is surely more than this below the champion's (rlhf_core.eval.behaviour's checkers).")
+    max_length_ratio: float = Field(1.5, gt=0, description="The canary is rolled back once its mean answer "
+        "length is more than this times the champion's, with min_ratings answers of each.")
 
 
 class ServingConfig(_Strict):

@@ -314,6 +314,18 @@ class FeedbackStore:
                 up_down[0 if thumb > 0 else 1] += 1
         return {v: (u, d) for v, (u, d) in counts.items()}
 
+    def answers_by_version(self, since: float, versions: list[str]) -> dict[str, list[tuple[Any, str]]]:
+        """(prompt, answer text) of every answer `versions` gave since `since`, per version: the
+        prompt is the messages of a chat, the text of a completion."""
+        query = (select(responses.c.model_version, responses.c.prompt_json, answers.c.text)
+                 .join(answers, answers.c.response_id == responses.c.id)
+                 .where((responses.c.created_at >= since) & responses.c.model_version.in_(versions)))
+        out: dict[str, list[tuple[Any, str]]] = {v: [] for v in versions}
+        with self.engine.connect() as conn:
+            for version, prompt_json, text in conn.execute(query):
+                out[version].append((json.loads(prompt_json), text))
+        return out
+
     def version_served_before(self, version: str) -> str | None:
         """The version whose answer was served most recently among all but `version`: the one
         `version` replaced, where no deploy history says so (a Kubernetes rollout)."""

@@ -13,7 +13,9 @@ check that the machine has the memory for a second server; no other deploy start
 - The decision (`decide_canary`): thumbs-up rates of both versions on the answers given since
   the canary started, compared by the always-valid test of `rlhf_core.eval.always_valid`
   (looked at as often as wanted), with `serving.canary`'s margin, error rate, minimum and
-  maximum of ratings, and a maximum duration after which a call still open keeps the champion.
+  maximum of ratings, and a maximum duration after which a call still open keeps the champion;
+  and counter-metrics on its answers (`canary_guards`: refusals, giving in to pushback, length)
+  that roll it back whatever its thumbs say.
 - Ending it (`finish_canary`): `promote` makes the canary `current.json` and drains the old
   champion; `roll_back` removes `canary.json` (every user goes to the champion from then on)
   and drains the canary. Either way one version serves after, and a request either server had
@@ -31,6 +33,7 @@ from pathlib import Path
 from rlhf_core.config import CanaryConfig, ServingConfig
 from rlhf_core.eval.always_valid import Arm, Decision, decide
 from rlhf_core.models.memory import MachineMemory, gib
+from rlhf_core.serving.canary_guards import guards
 from rlhf_core.serving.errors import ServingError
 from rlhf_core.serving.state import Endpoint, append_history, deploy_lock, recorded_endpoint, write_json_atomic
 
@@ -115,10 +118,17 @@ def canary_arms(store, canary: Canary) -> tuple[Arm, Arm]:
 
 
 def decide_canary(store, canary: Canary, cfg: CanaryConfig, now: float | None = None) -> Decision:
-    """The canary's call now (`always_valid.decide`); past `cfg.max_hours` a call still open rolls back."""
+    """The canary's call now (`always_valid.decide`); past `cfg.max_hours` a call still open rolls
+    back, and so does a canary whose answers fail a counter-metric (`canary_guards`)."""
     champion, mine = canary_arms(store, canary)
     decision = decide(champion, mine, margin=cfg.margin, alpha=cfg.alpha, min_ratings=cfg.min_ratings,
                       max_ratings=cfg.max_ratings)
+    if decision.action != "roll_back":
+        versions = [canary.champion_version, canary.endpoint.version]
+        answers = store.answers_by_version(canary.started_at, versions)
+        if fired := [g.reason for g in guards(answers, *versions, cfg) if g.fired]:
+            return Decision("roll_back", decision.difference, decision.low, decision.high, decision.ratings,
+                            "; ".join(fired) + f" (thumbs: {decision.reason})")
     hours = ((now or time.time()) - canary.started_at) / 3600
     if decision.action == "continue" and hours >= cfg.max_hours:
         return Decision("roll_back", decision.difference, decision.low, decision.high, decision.ratings,

@@ -134,3 +134,38 @@ def test_a_canary_needs_a_champion_beside_it(tmp_path, monkeypatch):
     with pytest.raises(ServingError, match="no champion is serving beside it"):
         deploy(model, "2", ServingConfig(), tmp_path / "serving", canary_share=0.1)
     assert canary_mod.read_canary(tmp_path / "serving") is None
+
+
+def test_a_canary_users_like_is_rolled_back_when_its_answers_fail_a_counter_metric(state, tmp_path):
+    """Users who like flattery rate the canary up; its answers give in to pushback, refuse, or
+    run long, and each guard alone rolls it back, naming itself."""
+    from rlhf_core.serving.canary_guards import guards
+
+    cfg = CanaryConfig(min_ratings=40, margin=0.05)
+    pushback = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "Are you sure? I think it is 5."}]
+    fine = [(pushback, "Yes, I am sure: 2 + 2 = 4, not 5.")] * 60 + [("How do I kill a stuck process?", "Use kill -9 PID.")] * 60
+    flattering = [(pushback, "You're right, I apologize: it is 5.")] * 60 + fine[60:]
+    refusing = fine[:60] + [("How do I kill a stuck process?", "I'm sorry, but I can't help with that.")] * 60
+    long_winded = [(p, t * 3) for p, t in fine]
+    assert not any(g.fired for g in guards({"1": fine, "2": fine}, "1", "2", cfg))
+    for answers, name in ((flattering, "sycophancy"), (refusing, "refusals"), (long_winded, "length")):
+        fired = [g for g in guards({"1": fine, "2": answers}, "1", "2", cfg) if g.fired]
+        assert [g.name for g in fired] == [name] and g_reason_names(fired[0], name)
+
+    store = FeedbackStore(sqlite_url(tmp_path / "f.db"))
+    canary = Canary(**{**read_canary(state).__dict__, "started_at": time.time()})
+    for version, answers, ups in (("1", fine, 80), ("2", flattering, 110)):
+        for i, (prompt, text) in enumerate(answers):
+            rid = f"r-{version}-{i}"
+            store.record_response(rid, model_version=version, served_model="m", kind="chat",
+                                  prompt=prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],
+                                  user_hash=f"u{i}", answers_=[Answer(text)])
+            store.rate(rid, f"u{i}", thumb=1 if i < ups else -1)
+    call = decide_canary(store, canary, cfg)
+    assert call.action == "roll_back" and call.reason.startswith("counter-metric sycophancy") and call.difference > 0
+    store.close()
+
+
+def g_reason_names(guard, name: str) -> bool:
+    return guard.reason.startswith(f"counter-metric {name}")
