@@ -62,10 +62,8 @@ def _policy_parts(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int,
     trainer holds no activations or logits, and none during the update."""
     policy = cfg.policy
     frozen = reward_parameters * (2 if cfg.reward.audit_share > 0 else 1) + (0 if policy.lora.enabled else info.num_parameters)
-    parts = gpu_policy_bytes(GpuPolicyShape(
-        parameters=info.num_parameters, num_layers=info.num_layers, hidden_size=info.hidden_size,
-        kv_width=info.num_kv_heads * info.head_dim, intermediate_size=info.intermediate_size or 4 * info.hidden_size,
-        vocab_size=info.vocab_size, frozen_parameters=frozen, workers=policy.num_workers,
+    parts = gpu_policy_bytes(_shape(
+        info, frozen_parameters=frozen, workers=policy.num_workers,
         zero_stage=policy.zero_stage, lora=policy.lora.enabled, with_critic=policy.algorithm == "ppo",
         micro_batch_size=policy.micro_batch_size, sequence_tokens=cfg.reward.max_length,
         response_tokens=policy.max_new_tokens, gradient_checkpointing=policy.gradient_checkpointing))
