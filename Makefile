@@ -102,7 +102,7 @@ demo-loop: setup
 	@$(GATEWAY_UP)
 	$(USERS) --users 16 --requests-per-user 16; $(GATEWAY_DOWN)
 	$(VENV)/bin/rlhf collect-feedback --set feedback.settle_s=0
-	$(VENV)/bin/rlhf run --set feedback.use=true $(CANARY_SETS) || [ $$? -eq 3 ]  # 3: the gates kept the champion, a verdict
+	$(VENV)/bin/rlhf demo --set feedback.use=true $(CANARY_SETS) || [ $$? -eq 3 ]  # 3: the gates kept the champion, a verdict
 	@$(VENV)/bin/rlhf canary status $(CANARY_SETS) >/dev/null 2>&1 || { echo "no canary: the champion serves on"; exit 0; }; \
 	  $(GATEWAY_UP); $(USERS) --users 48 --requests-per-user 32 --choice-share 0 --seed 1; $(GATEWAY_DOWN)
 	@if $(VENV)/bin/rlhf canary status $(CANARY_SETS) >/dev/null 2>&1; then $(VENV)/bin/rlhf canary decide $(CANARY_SETS); fi
