@@ -124,21 +124,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="ensure: go on if a server answers, else deploy the champion, else run the demo")
     _config_args(srv)
 
-    can = sub.add_parser("canary", help="serve a version to a share of the users beside the champion; read and act "
-                         "on the call its users' thumbs make")
-    can.add_argument("action", choices=["start", "status", "decide", "promote", "roll-back"],
-                     help="decide: act on the test's call once it is promote or roll-back; promote | roll-back: "
-                     "end it so (against the call only with --reason)")
-    can.add_argument("version", nargs="?", help="with start: the version to serve as the canary")
-    can.add_argument("--by", default=os.environ.get("USER", "unknown"), help="who decides (default $USER)")
-    can.add_argument("--reason", help="a person's decision against the test's call, recorded on the version")
-    _config_args(can)
+    _feedback_parsers(sub)
 
-    gw = sub.add_parser("gateway", help="run the feedback gateway (OpenAI-compatible, records answers and ratings)")
-    _config_args(gw)
-
-    col = sub.add_parser("collect-feedback", help="export the feedback since the last export (collect-feedback flow)")
-    _config_args(col)
     env = sub.add_parser("env", help="print versions, machine and settings to paste into a bug report")
     env.add_argument("--json", action="store_true", help="the same as JSON")
     _config_args(env)
@@ -223,6 +210,23 @@ def _check_inputs(args) -> None:
     for p in filter(None, (args.path, args.eval_path)):
         if not could_exist(p):
             raise ConfigError([f"no such file or directory: {p}"], "rlhf validate")
+
+
+def _feedback_parsers(sub) -> None:
+    """`rlhf canary`, `rlhf gateway` and `rlhf collect-feedback`: what users' ratings decide and feed."""
+    can = sub.add_parser("canary", help="serve a version to a share of the users beside the champion; read and act "
+                         "on the call its users' thumbs make")
+    can.add_argument("action", choices=["start", "status", "decide", "promote", "roll-back"],
+                     help="decide: act on the test's call once it is promote or roll-back; promote | roll-back: "
+                     "end it so (against the call only with --reason)")
+    can.add_argument("version", nargs="?", help="with start: the version to serve as the canary")
+    can.add_argument("--by", default=os.environ.get("USER", "unknown"), help="who decides (default $USER)")
+    can.add_argument("--reason", help="a person's decision against the test's call, recorded on the version")
+    _config_args(can)
+    gw = sub.add_parser("gateway", help="run the feedback gateway (OpenAI-compatible, records answers and ratings)")
+    _config_args(gw)
+    col = sub.add_parser("collect-feedback", help="export the feedback since the last export (collect-feedback flow)")
+    _config_args(col)
 
 
 def main(argv: list[str] | None = None) -> int:
