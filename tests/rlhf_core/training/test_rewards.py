@@ -35,7 +35,7 @@ def test_unknown_verifiable_reward_names_the_known_ones():
 
 def test_verifiable_reward_resolves_a_registered_name_a_module_function_and_none():
     assert set(VERIFIABLE_REWARDS) == {"addition_exact_match", "answer_exact_match", "last_number_match",
-                                       "answer_in_response"}
+                                       "answer_in_response", "holds_answer", "not_refused"}
     for name in VERIFIABLE_REWARDS:  # every registered path imports
         assert callable(resolve_verifiable_reward(name))
     assert resolve_verifiable_reward("rlhf_core.data.demo_task:addition_exact_match") is addition_exact_match
