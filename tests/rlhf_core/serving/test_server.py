@@ -453,12 +453,13 @@ def uvicorn_serving(app):
 
 def refuses_new_connections(url: str, within_s: float) -> bool:
     """Does the server at `url` refuse a new connection within `within_s`? Asks /metrics, which
-    the gate neither counts nor refuses on an open connection."""
+    the gate neither counts nor refuses on an open connection. A connection accepted as the
+    listener closes and then reset, unanswered, is refused too."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
             httpx.get(f"{url}/metrics", timeout=1, trust_env=False)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
             return True
         time.sleep(0.05)
     return False
