@@ -1,6 +1,6 @@
-"""A training stage's checkpoint on Ray Train: DeepSpeed engines, every rank's RNG state and
+"""A training stage's checkpoint: DeepSpeed engines, every rank's RNG state and
 rank 0's trainer state, saved by every rank into its own directory and merged by Ray Train
-into one:
+(or committed by `train_context.one_process`) into one:
 
     <tag>/               DeepSpeed `save_checkpoint(tag=...)` per engine: module + ZeRO
                          optimizer shards of every rank (zero_pp_rank_<r>_...), lr scheduler;
@@ -10,7 +10,7 @@ into one:
     rng_rank_<r>.pt      python / numpy / torch RNG state of rank r
     trainer_state.json   (rank 0) the stage's own state and the world size that wrote it
 
-Only checkpoint steps call `ray.train.report` (see `rlhf_core.distributed.stage`).
+Only checkpoint steps report to Ray Train (`train_context.report`; see `rlhf_core.distributed.stage`).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import ray.train
 import torch
 
+from rlhf_core.distributed import train_context
 from rlhf_core.distributed.fault_injection import fault_point, worker_point
 from rlhf_core.rng import rng_state, set_rng_state
 
@@ -47,11 +47,7 @@ def report_checkpoint(
         torch.save(rng_state(), Path(tmp) / f"rng_rank_{rank}.pt")
         if rank == 0:
             (Path(tmp) / STATE_FILE).write_text(json.dumps({"world_size": world, **state}))
-        ray.train.report(
-            metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), delete_local_checkpoint_after_upload=False
-        )
-    if rank == 0:
-        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        train_context.report(metrics, Path(tmp), step, rank)
     fault_point(f"{stage}:checkpoint")
 
 
@@ -66,13 +62,10 @@ def _frozen_excluded(engine: Any) -> dict[str, bool]:
 
 
 def resume_latest(stage: str, engines: Mapping[str, Any], rank: int, world: int) -> dict[str, Any] | None:
-    """Load Ray Train's latest committed checkpoint, if the run has one, into `engines` and
-    this rank's RNGs; -> the stage's state as saved (None: a fresh start)."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as ckpt_dir:
-        return _load(stage, engines, Path(ckpt_dir), rank, world)
+    """Load the run's latest committed checkpoint, if it has one, into `engines` and this rank's
+    RNGs; -> the stage's state as saved (None: a fresh start)."""
+    with train_context.latest_checkpoint() as ckpt_dir:
+        return None if ckpt_dir is None else _load(stage, engines, ckpt_dir, rank, world)
 
 
 def _load(stage: str, engines: Mapping[str, Any], ckpt_dir: Path, rank: int, world: int) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray.exceptions
 import torch
 
 from rlhf_core.config import RewardConfig
@@ -126,8 +125,10 @@ def _processes(report: str, ranks: dict[int, int]) -> tuple[tuple[ProcessMemory,
 def memory_kill(exc: BaseException) -> MemoryKill | None:
     """The memory failure in `exc`'s chain, with the figures Ray's report gives; None when the
     failure is not one of memory."""
+    from ray.exceptions import OutOfMemoryError  # noqa: PLC0415 - the driver's alone: a worker needs no Ray
+
     chain = list(exception_chain(exc))
-    reports = ([str(e) for e in chain if isinstance(e, ray.exceptions.OutOfMemoryError)]
+    reports = ([str(e) for e in chain if isinstance(e, OutOfMemoryError)]
                or [str(e) for e in chain if any(m in str(e) for m in RAY_KILL_MARKERS)])
     if reports:
         report = "\n".join(dict.fromkeys(reports))  # one per failed rank, often the same

@@ -33,14 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 
 from rlhf_core.config import PolicyConfig
 from rlhf_core.data.pairs import (
     DataPosition, steps_per_epoch, tokenize_policy_pairs, unpaired_examples, with_mismatched,
 )
-from rlhf_core.distributed import deepspeed_engine
+from rlhf_core.distributed import deepspeed_engine, train_context
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.epochs import RankStep, run_epochs
 from rlhf_core.distributed.policy_trainer import PolicyTrainResult
@@ -65,8 +64,8 @@ class OfflineWorkerInputs:
     cfg: PolicyConfig
     sft_dir: str
     out_dir: str
-    train: ray.ObjectRef  # Rows, in the object store
-    evals: ray.ObjectRef  # the held-out Rows, or None
+    train: Any  # Rows, in the object store
+    evals: Any  # the held-out Rows, or None
     eval_prompts: tuple[str, ...]
     eval_answers: tuple[str, ...]
     answer_checker: str | None = None  # data.answer_checker: how accuracy judges an answer (None: exact text)
@@ -111,7 +110,7 @@ def train_offline(
 
     def loop_for(runtime: StageRuntime) -> OfflineWorkerInputs:
         return OfflineWorkerInputs(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(site.out_dir).resolve()),
-                                   ray.put(train), ray.put(evals), tuple(eval_prompts), tuple(eval_answers),
+                                   train_context.share(train), train_context.share(evals), tuple(eval_prompts), tuple(eval_answers),
                                    answer_checker)
 
     run = fit_stage("policy", loop_for, _train_loop, cfg, site)
@@ -160,7 +159,7 @@ def _train_loop(loop: OfflineWorkerInputs) -> dict[str, Any] | None:
     cfg, d, runtime = loop.cfg, loop.cfg.offline, loop.runtime
     worker = start_worker(runtime, cfg.seed)
     rank, world = worker.rank, worker.world
-    train: Rows = ray.get(loop.train)
+    train: Rows = train_context.fetch(loop.train)
 
     accum = cfg.offline_grad_accum_steps
     per_rank_batch = d.micro_batch_size * accum
@@ -266,7 +265,7 @@ def _evaluate_and_save(state_dict: dict[str, torch.Tensor], reference, loop: Off
         before, after = (answer_accuracy(prompts, greedy_completions(m, tokenizer, prompts, cfg.max_new_tokens, EVAL_BATCH),
                                          answers, loop.answer_checker) for m in (reference, model))
     held_out: dict[str, float] = {}
-    evals: Rows | None = ray.get(loop.evals)
+    evals: Rows | None = train_context.fetch(loop.evals)
     if evals is not None:  # a micro-batch of rows a pass: all at once held every row's logits (GiBs at a 49k vocabulary)
         _, m = offline_loss(model, reference, evals, list(range(len(evals))), cfg, chunk=cfg.offline.micro_batch_size)
         held_out = {f"eval/{k}": v for k, v in m.items()}

@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from rlhf_core.algos import AdaptiveKLController, FixedKLController, truncated_is_weights
 from rlhf_core.distributed import collectives
-from rlhf_core.config import PolicyConfig
 from rlhf_core.distributed import deepspeed_engine
 from rlhf_core.distributed import policy_rollouts as rollouts
 from rlhf_core.distributed import policy_rounds, policy_sync

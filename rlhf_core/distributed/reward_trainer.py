@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 from transformers import AutoModelForSequenceClassification
 
@@ -41,7 +40,7 @@ from rlhf_core.config import RewardConfig
 from rlhf_core.data.pairs import (
     DataPosition, TokenizedPairs, collate_pairs, split_by_prompt, steps_per_epoch, tokenize_pairs,
 )
-from rlhf_core.distributed import deepspeed_engine
+from rlhf_core.distributed import deepspeed_engine, train_context
 from rlhf_core.distributed.deepspeed_engine import full_fp32_parameters, module_grad_norm, warmup_cosine_lr
 from rlhf_core.distributed.epochs import RankStep, run_epochs
 from rlhf_core.distributed.stage import (
@@ -185,15 +184,15 @@ class RewardWorkerInputs:
     cfg: RewardConfig
     base_dir: str  # the SFT policy the reward model starts from
     out_dir: str
-    train: ray.ObjectRef  # TokenizedPairs, in the object store
-    evals: ray.ObjectRef  # TokenizedPairs, in the object store
+    train: Any  # TokenizedPairs, in the object store
+    evals: Any  # TokenizedPairs, in the object store
     weights: torch.Tensor | None = None  # (N, K) bootstrap weights of the ensemble's members; None: one model
 
 
 def _loop(runtime: StageRuntime, *, cfg, base_dir, out_dir, train, evals, weights) -> RewardWorkerInputs:
     """Called once the cluster is joined: the pairs go to its object store."""
     return RewardWorkerInputs(runtime, cfg, str(Path(base_dir).resolve()), str(Path(out_dir).resolve()),
-                      ray.put(train), ray.put(evals), weights)
+                      train_context.share(train), train_context.share(evals), weights)
 
 
 def bootstrap_weights(num_pairs: int, members: int, seed: int) -> torch.Tensor | None:
@@ -213,7 +212,7 @@ def _train_loop(loop: RewardWorkerInputs) -> dict[str, Any] | None:
     worker = start_worker(runtime, cfg.seed)
     rank, world = worker.rank, worker.world
     precision = agreed_precision("reward", cfg.precision, runtime.use_gpu, worker)
-    train: TokenizedPairs = ray.get(loop.train)
+    train: TokenizedPairs = train_context.fetch(loop.train)
 
     per_rank_batch = cfg.micro_batch_size * cfg.grad_accum_steps
     steps_epoch = steps_per_epoch(len(train), cfg.global_batch_size)
@@ -312,7 +311,7 @@ def _evaluate_and_save(
     model.load_state_dict(state_dict, strict=True)
     model.to(device)
     cfg = loop.cfg
-    evals: TokenizedPairs = ray.get(loop.evals)
+    evals: TokenizedPairs = train_context.fetch(loop.evals)
     members_chosen, members_rejected = score_pairs_members(model, evals)  # (K, N) each
     r_chosen, r_rejected = member_mean(members_chosen), member_mean(members_rejected)
     eval_loss, eval_metrics = bradley_terry_loss(r_chosen, r_rejected)

@@ -40,11 +40,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
-import ray
-import ray.train
 import torch
 
-from rlhf_core.distributed.cluster import check_cluster, check_engine_room, connect_ray, shutdown_ray, torch_trainer
+from rlhf_core.distributed import train_context
 from rlhf_core.distributed.collectives import host_group
 from rlhf_core.distributed.deepspeed_engine import import_deepspeed
 from rlhf_core.distributed.fault_injection import FAULT_ENV
@@ -138,7 +136,15 @@ def fit_stage(
 
     Raises `StageOutOfMemory` when Ray's memory monitor killed the stage, or, for a loop whose
     `cfg` is a `RewardConfig` (its model in `base_dir`) on a cluster that is this machine, before
-    training when the estimate is more than the machine has available."""
+    training when the estimate is more than the machine has available.
+
+    Inside `train_context.one_process` the loop runs in this process instead, without Ray."""
+    if (here := train_context.in_one_process()) is not None:
+        return _fit_here(here, stage, loop_for, train_loop, site)
+    from rlhf_core.distributed.cluster import (  # noqa: PLC0415 - the driver's alone: a worker loop needs no Ray
+        check_cluster, check_engine_room, connect_ray, shutdown_ray, torch_trainer,
+    )
+
     started_ray = connect_ray()
     try:
         num_workers = workers.num_workers
@@ -179,18 +185,34 @@ def fit_stage(
     summary = getattr(result, "return_value", None)
     if summary is None:
         raise RuntimeError(f"{stage}: rank 0 returned no summary (Ray Train V2 is required: RAY_TRAIN_V2_ENABLED=1)")
+    return _stage_run(summary, attempts_file, seconds, result.checkpoint.path if result.checkpoint is not None else None)
+
+
+def _stage_run(summary: dict[str, Any], attempts_file: Path, seconds: float, checkpoint: str | None) -> StageRun:
     attempts = [json.loads(line) for line in attempts_file.read_text().splitlines() if line.strip()]
-    return StageRun(
-        summary=summary,
-        attempts=len(attempts),
-        resumed_from_step=attempts[-1]["resumed_from_step"] if attempts else None,
-        seconds=seconds,
-        checkpoint_path=result.checkpoint.path if result.checkpoint is not None else None,
-    )
+    return StageRun(summary=summary, attempts=len(attempts), seconds=seconds, checkpoint_path=checkpoint,
+                    resumed_from_step=attempts[-1]["resumed_from_step"] if attempts else None)
+
+
+def _fit_here(here: train_context.OneProcess, stage: str, loop_for: Callable[[StageRuntime], Any],
+              train_loop: Callable[[Any], dict[str, Any] | None], site: StageSite) -> StageRun:
+    """`fit_stage` in this process: the loop as rank 0 of a world of one (`train_context.one_process`);
+    its checkpoints and attempts in the world's storage, under `site.run_name`: a run of that name
+    that holds a checkpoint is resumed."""
+    with here.running(site.run_name) as run_dir:
+        attempts_file = run_dir / f"{stage}_attempts.jsonl"
+        loop = loop_for(StageRuntime(stage, here.use_gpu, str(attempts_file), site.on_metrics, site.stop_requested,
+                                     site.gpu_need))
+        start = time.perf_counter()
+        summary = train_loop(loop)
+        committed = here.committed()
+    return _stage_run(summary, attempts_file, time.perf_counter() - start, str(committed[-1]) if committed else None)
 
 
 def _cluster_is_this_machine() -> bool:
     """Whether the Ray cluster is one node on this machine: then this machine's memory is the workers'."""
+    import ray  # noqa: PLC0415
+
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
@@ -219,18 +241,15 @@ def start_worker(runtime: StageRuntime, seed: int, torch_threads: int | None = N
     """DeepSpeed on this worker's accelerator over Ray Train's process group, and the global
     RNGs seeded with `seed`. On CPU torch's intra-op threads are `torch_threads`, by default
     the node's cores shared among its workers (`cpu_threads`)."""
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank, world, local_world = train_context.place()
     if runtime.use_gpu:  # this worker's GPU (Ray Train assigns one per worker) is where DeepSpeed and NCCL work
-        from ray.train.torch import get_device  # noqa: PLC0415 - an import of `ray` here would shadow the module's
-
-        torch.cuda.set_device(get_device())
+        torch.cuda.set_device(train_context.gpu())
         if runtime.gpu_need is not None:
             check_gpu_room(runtime.gpu_need, rank)
     deepspeed = import_deepspeed(runtime.use_gpu)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if not runtime.use_gpu:
-        torch.set_num_threads(torch_threads or cpu_threads(ctx.get_local_world_size()))
+        torch.set_num_threads(torch_threads or cpu_threads(local_world))
     deepspeed.init_distributed(dist_backend="nccl" if runtime.use_gpu else "gloo")  # wraps Ray Train's group
     seed_everything(seed)
     return Worker(deepspeed, rank, world)

@@ -182,6 +182,8 @@ def _ray_node_id() -> str:
     try:
         import ray  # noqa: PLC0415
 
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 - outside a Ray worker
-        return "local"
+        if ray.is_initialized():  # asking an uninitialised Ray starts a cluster
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside a Ray worker, or no Ray
+        pass
+    return "local"
