@@ -1,6 +1,6 @@
 """Check the GPU path of the project on one GPU in a few minutes, with torch, transformers and
 peft (no Ray, vLLM, Prefect or MLflow: a GPU machine may have none of them; DeepSpeed where it
-is installed).
+is installed or carried).
 
 1. The device tests (`tests/rlhf_core/test_on_devices.py`: the step's phases, logits, losses
    and advantages, frozen-model placement, bf16 autocast, each on the CPU and on CUDA), and on
@@ -12,16 +12,30 @@ is installed).
    stand-in engine in the engine's dtype: synced it must pass, left as it sampled it must fail.
 3. The same steps under DeepSpeed, as the policy stage runs them on GPUs: its own engine
    (`deepspeed_engine.policy_engine`: bf16 weights, fp32 master weights, ZeRO-1) over a process
-   group of one. Left out, and said, where DeepSpeed is not installed.
-4. The gates on 16 prompts on the device, through the function the gate stage runs as a Ray task
+   group of one.
+4. The training stages' real worker loops (`bench/gpu_loops.py`), through each stage's driver
+   function, in a world of one standing in for Ray Train's (`train_context.one_process`: a real
+   NCCL group), on a model of the plan's shape, the rollout engine a stand-in in a second process
+   that takes the weights by CUDA IPC (`bench/stand_in_engine.py`), every sync checked:
+   - the reward model and its audit model, each scored on its held-out pairs on the device, then
+     GRPO rewarded by them: each process killed after step 2 (`RLHF_FAULT`) and run again, which
+     must resume from step 1 and redo step 2 with the same loss;
+   - one step each of PPO with its critic, GRPO under ZeRO-3, GRPO with LoRA and gradient
+     checkpointing, and DPO with every weight trained, with LoRA and under ZeRO-3.
+5. The gates on 16 prompts on the device, through the function the gate stage runs as a Ray task
    (`rlhf_core.eval.gate_models.evaluate_on`: every model on the GPU, in bf16): a random-weight
    candidate and reference of the plan's shape, and a reward model built from the reference,
    saved and loaded as a run saves them. It records the seconds and the peak GPU memory.
 
+Phases 3 and 4 are left out, and said, where DeepSpeed is not installed. Not in it: vLLM itself
+(its kernels, sleep mode and packed IPC buffer), and the memory hand-off between a sleeping engine
+and the trainer.
+
 The JSON is written after every phase, so a run cut short still reports what it did. Each
 run prints per step the time in generate, logprobs (old and reference), update and the
 rest, tokens/s and peak GPU memory per phase (step 1 includes CUDA's warm-up), then its peak
-beside the preflight's estimate of the same step.
+beside the preflight's estimate of the same step; each worker loop its seconds, peak allocated and
+reserved GPU memory, its syncs' seconds and `rollout/prob_diff`.
 
 Without a CUDA device, or with --dry-run, it is a dry run: everything on the CPU, the device
 tests' CUDA cases skipped, and one step on a tiny Llama so that the code path runs; it prints
@@ -29,7 +43,7 @@ what it would run on a GPU. Its figures are CPU figures and go to gpu_check_dryr
 to gpu_check.json.
 
     make gpu-check                           # python bench/gpu_check.py from the repository root
-    python bench/gpu_check.py --dry-run      # on the CPU, in well under a minute
+    python bench/gpu_check.py --dry-run      # on the CPU, in about a minute
 
 Needs pytest, pyyaml and pydantic (the configs) beside torch and transformers. Exit status 0 when
 the tests pass and every step's checks hold, 1 otherwise, 2 when a package is missing.
@@ -45,6 +59,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import fields, replace
@@ -61,6 +76,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 from bench.common import machine as common_machine, write_json  # noqa: E402 - torch and psutil only
 
 try:
+    from bench.gpu_loops import policy_dir, run_loops
     from bench.gpu_step import (
         DRY_PLAN, GPU_PLAN, Plan, grpo_step, llama_config, memory_summary, parameter_count, policy_config, print_step,
         random_prompts, step_checks,
@@ -198,27 +214,20 @@ def run_gates(plan: Plan, device: torch.device, prompts: int = 16) -> dict:
     """The gate stage's comparison on `device` (`gate_models.evaluate_on`) of two random-weight
     policies of the plan's shape on a demo-task tokenizer, scored by a reward model built from the
     reference; -> its seconds, peak GPU memory and figures, and the checks that did not hold."""
-    import tempfile  # noqa: PLC0415
-
-    from rlhf_core.config import ModelConfig, PipelineConfig  # noqa: PLC0415
+    from rlhf_core.config import PipelineConfig  # noqa: PLC0415
     from rlhf_core.data.synthetic import answer_for, prompt_for  # noqa: PLC0415
     from rlhf_core.eval.gate_models import GateModels, evaluate_on  # noqa: PLC0415
     from rlhf_core.models.placement import frozen_dtype  # noqa: PLC0415
-    from rlhf_core.models.llama import build_policy, save_pretrained_atomic  # noqa: PLC0415
     from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score  # noqa: PLC0415
-    from rlhf_core.tokenizer import train_tokenizer  # noqa: PLC0415
+    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
 
-    m = plan.model
-    shape = ModelConfig(hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"],
-                        num_layers=m["num_hidden_layers"], num_heads=m["num_attention_heads"],
-                        num_kv_heads=m["num_key_value_heads"])
     problems = [(a, (a * 37 + 11) % 100) for a in range(prompts)]
-    tok = train_tokenizer([f"{a:02d}+{b:02d}={a + b:03d}" for a in range(100) for b in range(100)], vocab_size=64)
     cfg = PipelineConfig.model_validate({"policy": {"max_new_tokens": 4},
                                          "gates": {"eval_prompts": prompts, "bootstrap_samples": 200}})
     with tempfile.TemporaryDirectory(prefix="gpu-check-gates-") as tmp:
-        reference = save_pretrained_atomic(build_policy(shape, tok, seed=0), tok, Path(tmp) / "reference")
-        candidate = save_pretrained_atomic(build_policy(shape, tok, seed=1), tok, Path(tmp) / "candidate")
+        reference = policy_dir(plan, Path(tmp) / "reference", seed=0)
+        candidate = policy_dir(plan, Path(tmp) / "candidate", seed=1)
+        tok = load_tokenizer(reference)
         rm = reward_model_from_base(reference, seed=0).eval()
         texts = [prompt_for(a, b, 2) for a, b in problems]
         stats = reward_stats(score(rm, tok, texts, [answer_for(a + b, 2) for a, b in problems], max_length=16))
@@ -271,12 +280,13 @@ def main() -> int:
         print(f"gpu_check: DRY RUN on the CPU ({why}). Every figure below is a CPU dry-run figure, not a GPU one.")
         print(f"On a GPU it would run: pytest on {' '.join(DEVICE_TESTS + TORCH_TESTS)} (CUDA cases included), then "
               f"GRPO on a {GPU_PLAN.describe()}; with plain torch (bf16 autocast, fused AdamW), then under DeepSpeed; "
-              "then the gates on 16 prompts, every model on the GPU in bf16.")
+              "then the reward, GRPO, PPO and DPO stages' worker loops on that shape in bf16; then the gates on 16 prompts, "
+              "every model on the GPU in bf16.")
         print(f"This dry run: the device tests with their CUDA cases skipped, then GRPO on a {plan.describe()}, then "
-              "the gates on the CPU in fp32.", flush=True)
+              "the worker loops on that shape and the gates, on the CPU in fp32.", flush=True)
     else:
         print(f"gpu_check on {torch.cuda.get_device_name(device)}: the device tests, then GRPO on a {plan.describe()}, "
-              "then the gates.", flush=True)
+              "then the worker loops, then the gates.", flush=True)
 
     failed: list[str] = []
     payload = {"machine": machine(device), "dry_run": dry_run, "device": device.type,
@@ -289,21 +299,29 @@ def main() -> int:
         payload["phases_done"].append(phase)
         write_json(out, payload)
 
-    print("\n[1/4] device tests", flush=True)
+    print("\n[1/5] device tests", flush=True)
     tests = run_tests(DEVICE_TESTS if dry_run else DEVICE_TESTS + TORCH_TESTS, dry_run)
     failed += [] if tests["returncode"] == 0 else [f"device tests: pytest exited {tests['returncode']} ({tests['summary']})"]
     done("device tests", tests=tests)
-    print(f"\n[2/4] GRPO on {device.type}, plain torch", flush=True)
+    print(f"\n[2/5] GRPO on {device.type}, plain torch", flush=True)
     grpo = measured_run("GRPO", plan, device, failed)
     done("GRPO", grpo=grpo)
-    print(f"\n[3/4] GRPO on {device.type} under DeepSpeed, as the policy stage runs it", flush=True)
+    print(f"\n[3/5] GRPO on {device.type} under DeepSpeed, as the policy stage runs it", flush=True)
     deepspeed = start_deepspeed(device)
     grpo_ds = measured_run("GRPO under DeepSpeed", plan, device, failed, deepspeed) if deepspeed else None
     if deepspeed:
         stop_deepspeed()
     peaks = [r["memory"]["peak_gpu_memory_gib"] for r in (grpo, grpo_ds) if r and r["memory"]["peak_gpu_memory_gib"]]
     done("GRPO under DeepSpeed", grpo_deepspeed=grpo_ds, peak_gpu_memory_gib=max(peaks, default=None))
-    print(f"\n[4/4] the gates on {device.type}, as the gate stage runs them", flush=True)
+    print(f"\n[4/5] the training stages' worker loops on {device.type} (bench/gpu_loops.py)", flush=True)
+    if deepspeed:
+        loops, loop_failures = run_loops(dry_run, done)
+        failed += loop_failures
+    else:
+        loops = None
+        print("the worker loops are left out: they train under DeepSpeed, which is not installed here", flush=True)
+        done("worker loops left out", loops=None)
+    print(f"\n[5/5] the gates on {device.type}, as the gate stage runs them", flush=True)
     try:
         gates = run_gates(plan, device)
     except Exception as error:
@@ -317,7 +335,9 @@ def main() -> int:
         print(f"gpu_check: {kind} FAILED:\n  " + "\n  ".join(failed))
         return 1
     runs = "plain torch" + (" and under DeepSpeed" if grpo_ds else " (DeepSpeed not installed)")
-    print(f"gpu_check: {kind} passed: {tests['summary']}; {len(grpo['steps'])} GRPO step(s) {runs}; the gates in "
+    loop_runs = f"the worker loops of {', '.join(loops)}; " if loops else ""
+    print(f"gpu_check: {kind} passed: {tests['summary']}; {len(grpo['steps'])} GRPO step(s) {runs}; {loop_runs}"
+          "the gates in "
           f"{gates['seconds']:.1f} s; every check held")
     return 0
 

@@ -39,6 +39,7 @@ def test_the_dry_run_passes_on_the_cpu_without_the_engines_and_names_the_gpu_sha
             in run.stdout)
     assert "needs a CUDA device" in run.stdout  # the device tests ran, their CUDA cases skipped
     assert "DeepSpeed is not installed here" in run.stdout and "(DeepSpeed not installed); the gates in" in run.stdout
+    assert "the worker loops are left out: they train under DeepSpeed, which is not installed here" in run.stdout
     assert "every check held" in run.stdout
 
     assert result["dry_run"] is True and result["device"] == "cpu" and result["peak_gpu_memory_gib"] is None
@@ -48,16 +49,19 @@ def test_the_dry_run_passes_on_the_cpu_without_the_engines_and_names_the_gpu_sha
     assert set(step["seconds"]) >= {"generate", "logprobs", "update", "total"}
     assert result["grpo_deepspeed"] is None
     # every phase wrote the JSON as it ended; the gates ran through the gate stage's own function, in fp32 on the CPU
-    assert result["phases_done"] == ["device tests", "GRPO", "GRPO under DeepSpeed", "gates"]
+    assert result["phases_done"] == ["device tests", "GRPO", "GRPO under DeepSpeed", "worker loops left out", "gates"]
     gates = result["gates"]
     assert gates["failed_checks"] == [] and gates["dtype"] == "torch.float32" and gates["peak_gpu_memory_gib"] is None
     assert gates["metrics"]["eval/num_prompts"] == 16 and gates["metrics"]["eval/reference/win_rate_vs_reference"] == 0.5
 
 
 @pytest.mark.slow
-def test_where_deepspeed_is_installed_the_same_step_runs_under_the_policy_stages_engine_with_the_same_result(tmp_path):
+def test_where_deepspeed_is_installed_the_same_step_and_the_stages_worker_loops_run_without_ray(tmp_path):
     run, result = dry_run(tmp_path, ("vllm", "ray", "prefect", "mlflow"))
-    assert "plain torch and under DeepSpeed; the gates in" in run.stdout
+    runs = "reward, grpo, ppo, grpo-zero3, grpo-lora, dpo, dpo-lora, dpo-zero3"
+    assert f"plain torch and under DeepSpeed; the worker loops of {runs}; the gates in" in run.stdout
+    assert result["phases_done"] == ["device tests", "GRPO", "GRPO under DeepSpeed", "reward loop", "grpo loop",
+                                     "one-step loops", "gates"]
     torch_run, ds_run = result["grpo"], result["grpo_deepspeed"]
     assert ds_run["trainer"].startswith("DeepSpeed ") and "ZeRO-" in ds_run["trainer"]
     [plain], [ds] = torch_run["steps"], ds_run["steps"]
@@ -65,3 +69,32 @@ def test_where_deepspeed_is_installed_the_same_step_runs_under_the_policy_stages
     # one seed, one batch, fp32 weights on the CPU either way: the engine changes who steps, not the step
     for key in ("pg_loss", "grad_norm", "kl_loss", "entropy"):
         assert ds["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-4, abs=1e-6), key
+
+    # The stages' own worker loops, Ray and vLLM unimportable, in a world of one. The reward stage, then GRPO
+    # rewarded by it, were each killed after step 2 (SIGKILL, before step 2's checkpoint) and run again: each
+    # resumed from step 1 and redid step 2 exactly (fp32 on the CPU: the same data, weights, RNG and samples).
+    loops = result["loops"]
+    for name, steps in (("reward", [1, 2, 2, 3, 4]), ("grpo", [1, 2, 2, 3, 4])):
+        killed_and_resumed = loops[name]
+        assert all(killed_and_resumed["checks"].values()), (name, killed_and_resumed["checks"])
+        assert killed_and_resumed["killed"]["returncode"] == -9 and killed_and_resumed["killed"]["results"] == {}
+        assert [step for step, _ in killed_and_resumed["step_losses"]] == steps, name
+        redone = [loss for step, loss in killed_and_resumed["step_losses"] if step == 2]
+        assert redone[0] == redone[1], name
+    reward = loops["reward"]["resumed"]["results"]["reward"]
+    assert reward["proxy"]["steps"] == 4 and (reward["proxy"]["attempts"], reward["proxy"]["resumed_from_step"]) == (2, 1)
+    assert reward["audit"]["steps"] == 1 and reward["audit"]["attempts"] == 1
+    grpo = loops["grpo"]["resumed"]["results"]["grpo"]
+    assert grpo["policy"]["steps"] == 4 and grpo["policy"]["audit_score_after"] is not None  # the audit model scored
+    for name in ("grpo", "ppo", "grpo-zero3", "grpo-lora"):
+        figures = loops["grpo"]["resumed"]["results"]["grpo"] if name == "grpo" else loops[name]
+        synced = [m for m in figures["steps_logged"] if "rollout/sync_s" in m]
+        # the stand-in engine in its second process took every update and the stage checked it: the engine's
+        # log-probs of the step's tokens are the trainer's (fp32 on both sides here)
+        assert synced and all(m["rollout/prob_diff"] < 1e-6 and m["rollout/verify_gap"] < 1e-6 for m in synced), name
+        assert figures["policy"]["steps"] >= 1, name
+    assert any("policy/value_loss" in m for m in loops["ppo"]["steps_logged"])  # the critic trained
+    for name in ("dpo", "dpo-lora", "dpo-zero3"):
+        policy = loops[name]["policy"]
+        assert policy["steps"] == 2 and policy["attempts"] == 1, name
+        assert 0 <= policy["held_out"]["eval/reward_accuracy"] <= 1 and policy["kl"] >= 0, name
