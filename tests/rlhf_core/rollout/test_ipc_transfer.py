@@ -12,8 +12,10 @@ vLLM's worker side (`IPCWeightTransferEngine.receive_weights`, which maps the ha
 loads into a vLLM model) is not run here."""
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -309,3 +311,44 @@ def test_a_handle_naming_any_other_class_is_refused_not_imported():
     wire[GPU][0], wire[GPU][5] = "torch.Tensor", "Tensor"
     with pytest.raises(ValueError, match="'Tensor' is not a torch dtype"):
         handles_from_wire(wire)
+
+
+@pytest.mark.slow  # a vLLM engine whose engine core and worker are processes of their own: about 30 s
+def test_a_sync_crosses_into_an_engine_core_of_its_own_process_and_reaches_vllms_receiver(
+        host_ipc, monkeypatch, tmp_path):
+    """As on a GPU, the engine core runs in a process of its own (here with its worker in a third):
+    every call crosses as msgpack. The raw handles are refused by vLLM's client before they leave;
+    the transport's sync crosses, the worker rebuilds the handles of the packed buffer to exactly what
+    `rebuild_cuda_tensor` takes, and vLLM's own receiver runs on them until it opens the CUDA handle,
+    which only a GPU can."""
+    from vllm import LLM
+
+    from rlhf_core.models.llama import load_policy
+    from rlhf_core.testing.models import tiny_policy_dir
+
+    here = str(Path(__file__).parent)  # where vLLM's worker process finds the extension
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    policy = tiny_policy_dir(tmp_path / "policy")
+    transport = IpcTransport(dtype=torch.bfloat16, device="cpu", timeout_s=120, packed_buffer_size_bytes=1 << 20)
+    llm = LLM(model=str(policy), dtype="float32", enforce_eager=True, max_model_len=32, max_num_seqs=4,
+              worker_extension_cls="engine_core_probe.RecordingExtension", kv_cache_memory_bytes=1 << 24,
+              **transport.engine_args())
+    try:
+        handles = {GPU: cuda_handle()}
+        with pytest.raises(TypeError, match="is not serializable"):
+            llm.collective_rpc("update_weights", args=({"ipc_handles": handles},))
+        model = load_policy(policy)
+        with pytest.raises(Exception, match="failed"):  # vLLM's receiver stopped at the CUDA handle
+            transport.push(llm, model)
+        [received] = llm.collective_rpc("rlhf_received")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    [chunk, ended] = received
+    assert {k: chunk[k] for k in ("gpu", "tensor", "size", "storage", "dtype", "handle")} == {
+        "gpu": GPU, "tensor": "Tensor", "size": "Size", "storage": "UntypedStorage", "dtype": "torch.uint8",
+        "handle": "bytes"}  # the packed buffer's handle, rebuilt in the worker's process
+    assert chunk["names"] == list(expected_on_the_wire(model))  # every tensor in one chunk of 1 MiB
+    assert ended == {"raised": "AssertionError: Torch not compiled with CUDA enabled"}
