@@ -234,6 +234,8 @@ def _print_run(label: str, r: dict | None, checks: dict) -> None:
     syncs = [m["rollout/sync_s"] for m in r["steps_logged"] if "rollout/sync_s" in m]
     diffs = [m["rollout/prob_diff"] for m in r["steps_logged"] if "rollout/prob_diff" in m]
     sync = f", syncs {max(syncs):.2f} s at most, rollout/prob_diff {max(diffs):.2e} at most" if syncs and diffs else ""
+    free = [m["rollout/free_at_wake_gib"] for m in r["steps_logged"] if "rollout/free_at_wake_gib" in m]
+    sync += f", {min(free):.1f} GiB free at the engine's wake at least" if free else ""
     print(f"{label}: {r['seconds']:.1f} s on {r['device']} in {r['precision']}{memory}{sync}{held}", flush=True)
 
 

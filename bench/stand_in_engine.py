@@ -9,8 +9,12 @@ on a GPU the weights cross as CUDA IPC handles in the wire form the real sync se
 (`rlhf_core.rollout.ipc_wire.handles_to_wire`), rebuilt in the engine's process from that form
 (`handles_from_wire`) and opened by torch's `rebuild_cuda_tensor`, which is what vLLM's IPC
 receiver calls, then loaded into the model. On the CPU they cross as bytes in the same messages.
-What it does not keep: vLLM's kernels, scheduler, packed staging buffer and sleep mode. Sampling
-is `generate`, its log-probs those of the distribution sampled from (vLLM's processed log-probs).
+It sleeps during the update as a colocated engine on a GPU does (weights and a KV cache of the
+size the engine's share is sized for handed back to the device; before it wakes the trainer hands
+its cached blocks back, `rollout.factory.release_cached_memory`), and says how much of the device
+was free when it woke. What it does not keep: vLLM's kernels, scheduler and packed staging buffer.
+Sampling is `generate`, its log-probs those of the distribution sampled from (vLLM's processed
+log-probs).
 
 `bench/gpu_loops.py` puts it behind the policy stage's front door (`policy_rollouts.open_engine`).
 """
@@ -27,7 +31,8 @@ import torch
 
 from rlhf_core.models.lora import is_lora_model, merged_weights
 from rlhf_core.models.placement import is_partitioned, module_entries
-from rlhf_core.rollout.factory import engine_settings
+from rlhf_core.models.engine_share import MARGIN, kv_bytes_per_token
+from rlhf_core.rollout.factory import engine_settings, engine_sleeps, release_cached_memory
 from rlhf_core.rollout.ipc_wire import handles_from_wire, handles_to_wire
 
 GPU_KEY = "trainer-gpu"  # the handles' key, where vLLM keys them by the GPU's UUID
@@ -49,20 +54,34 @@ class Rollout:
 
 
 def open_stand_in(model_dir: str | Path, rollout, *, precision: str, device: torch.device, seed: int,
-                  max_model_len: int, **_) -> StandInEngine:
-    """`rollout.factory.open_engine`'s signature: the stand-in in the dtype the real engine would get."""
-    return StandInEngine(model_dir, dtype=engine_settings(rollout, precision, device.type)["dtype"], device=device,
-                         seed=seed, max_model_len=max_model_len)
+                  max_num_seqs: int, max_model_len: int, pipelined: bool, **_) -> StandInEngine:
+    """`rollout.factory.open_engine`'s signature: the stand-in in the dtype the real engine would
+    get, with a KV cache of the size the engine's share is sized for (`models.engine_share`:
+    `MARGIN` x a step's rollouts x its context), sleeping during the update as a colocated
+    engine on a GPU does (here also on the CPU, so that a dry run takes the same turns)."""
+    dtype = engine_settings(rollout, precision, device.type)["dtype"]
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = MARGIN * kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, head_dim,
+                                     torch.tensor([], dtype=getattr(torch, dtype)).element_size())
+    return StandInEngine(model_dir, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+                         kv_cache_bytes=int(kv * max_num_seqs * max_model_len),
+                         sleep_mode=engine_sleeps(rollout, pipelined, "cuda"))
 
 
 class StandInEngine:
-    def __init__(self, model_dir: str | Path, *, dtype: str, device: torch.device, seed: int, max_model_len: int):
+    def __init__(self, model_dir: str | Path, *, dtype: str, device: torch.device, seed: int, max_model_len: int,
+                 kv_cache_bytes: int = 0, sleep_mode: bool = False):
         ctx = torch.multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, str(model_dir), dtype, str(device), seed), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, str(model_dir), dtype, str(device), seed,
+                                                        kv_cache_bytes), daemon=True)
         self.process.start()
         start = time.perf_counter()
         self.dtype, self.device, self.max_model_len = getattr(torch, dtype), device, max_model_len
+        self.sleep_mode, self.asleep = sleep_mode, False
         self._call("ready")
         self.last_metrics: dict[str, float] = {"rollout/engine_start_s": time.perf_counter() - start}
 
@@ -75,6 +94,8 @@ class StandInEngine:
 
     def generate(self, prompts: Sequence[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_tokens: int = 16, seed: int | None = None) -> list[Rollout]:
+        if self.asleep:
+            raise RuntimeError("the rollout engine sleeps (its weights were released) until the next sync_weights")
         start = time.perf_counter()
         rows = self._call("generate", list(prompts), n, temperature, top_p, max_tokens, seed)
         rollouts = [Rollout(*row) for row in rows]
@@ -89,8 +110,15 @@ class StandInEngine:
 
     def sync_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> float:
         """The trainer's weights (a state dict, or its module: gathered one parameter at a time under
-        ZeRO-3, merged one weight at a time with LoRA) into the engine's model, in chunks."""
+        ZeRO-3, merged one weight at a time with LoRA) into the engine's model, in chunks. Asleep, as
+        `vllm_engine.RolloutEngine` wakes: the trainer's cached blocks handed back, the weights' memory
+        mapped again, the weights loaded, then the KV cache's."""
         start, chunk, size = time.perf_counter(), [], 0
+        if self.asleep:
+            release_cached_memory()
+            free = self._call("wake", "weights")
+            if free is not None:
+                self.last_metrics["rollout/free_at_wake_gib"] = free / 2**30
         for name, tensor in _wire_copies(weights, self.dtype, self.device):
             chunk.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
@@ -99,6 +127,10 @@ class StandInEngine:
                 chunk, size = [], 0
         if chunk:
             self._load(chunk)
+        if self.asleep:
+            self._call("wake", "kv_cache")
+            self.asleep = False
+            self.last_metrics["rollout/wake_s"] = time.perf_counter() - start
         seconds = time.perf_counter() - start
         self.last_metrics["rollout/sync_s"] = seconds
         return seconds
@@ -116,8 +148,14 @@ class StandInEngine:
             self._call("load_bytes", [[name, str(t.dtype).removeprefix("torch."), list(t.shape),
                                        t.contiguous().view(torch.uint8).numpy().tobytes()] for name, t in chunk])
 
-    def release(self) -> None:  # no sleep mode: the stand-in keeps its memory
-        pass
+    def release(self) -> None:
+        """With sleep mode, the engine's weights and KV cache handed back to the device (vLLM's
+        level-2 sleep) until the next `sync_weights`."""
+        if self.sleep_mode and not self.asleep:
+            start = time.perf_counter()
+            self._call("sleep")
+            self.asleep = True
+            self.last_metrics["rollout/sleep_s"] = time.perf_counter() - start
 
     def close(self) -> None:
         if self.process.is_alive():
@@ -155,14 +193,14 @@ def _wire_copies(weights, dtype: torch.dtype, device: torch.device) -> Iterator[
 # ----------------------------------------------------------------------------- the engine's process
 
 
-def _serve(conn, model_dir: str, dtype: str, device: str, seed: int) -> None:
+def _serve(conn, model_dir: str, dtype: str, device: str, seed: int, kv_cache_bytes: int) -> None:
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
-    engine = _Engine(model, load_tokenizer(model_dir), torch.device(device))
+    engine = _Engine(model, load_tokenizer(model_dir), torch.device(device), kv_cache_bytes)
     while True:
         verb, args = msgpack.unpackb(conn.recv_bytes())
         try:
@@ -175,9 +213,33 @@ def _serve(conn, model_dir: str, dtype: str, device: str, seed: int) -> None:
 
 
 class _Engine:
-    def __init__(self, model, tokenizer, device: torch.device):
-        self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.tensors = model.state_dict()  # by name; a tied head shares the embeddings' tensor
+    def __init__(self, model, tokenizer, device: torch.device, kv_cache_bytes: int):
+        self.model, self.tokenizer, self.device, self.kv_cache_bytes = model, tokenizer, device, kv_cache_bytes
+        # by name, every name of a tied tensor; a sleep gives the parameters' memory back (the buffers
+        # are small, and the non-persistent ones, rotary frequencies, are not in what a sync sends)
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.tensors = self.params | dict(model.named_buffers())
+        self.shapes = {name: t.shape for name, t in self.params.items()}
+        self.kv_cache = torch.empty(kv_cache_bytes, dtype=torch.uint8, device=device)  # what a step's KV holds
+
+    def sleep(self):
+        for t in self.params.values():
+            t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self, tags: str):
+        """Map the weights' memory again (their values come with the sync) or the KV cache's -> the
+        device's free bytes before (None off CUDA)."""
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        if tags == "weights":
+            for name, t in self.params.items():
+                if t.shape != self.shapes[name]:  # a tied tensor is mapped once
+                    t.data = torch.empty(self.shapes[name], dtype=t.dtype, device=self.device)
+        else:
+            self.kv_cache = torch.empty(self.kv_cache_bytes, dtype=torch.uint8, device=self.device)
+        return free
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed):
@@ -217,11 +279,11 @@ class _Engine:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor  # noqa: PLC0415
 
         for name, wire in entries:
-            self.tensors[name].copy_(rebuild_cuda_tensor(*handles_from_wire(wire)[GPU_KEY]))
+            self.tensors[name].data.copy_(rebuild_cuda_tensor(*handles_from_wire(wire)[GPU_KEY]))
         torch.cuda.synchronize(self.device)  # copied out before the trainer lets the memory go
 
     @torch.no_grad()
     def load_bytes(self, entries):
         for name, dtype, shape, data in entries:
             value = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
-            self.tensors[name].copy_(value)
+            self.tensors[name].data.copy_(value)

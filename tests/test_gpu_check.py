@@ -92,6 +92,8 @@ def test_where_deepspeed_is_installed_the_same_step_and_the_stages_worker_loops_
         # the stand-in engine in its second process took every update and the stage checked it: the engine's
         # log-probs of the step's tokens are the trainer's (fp32 on both sides here)
         assert synced and all(m["rollout/prob_diff"] < 1e-6 and m["rollout/verify_gap"] < 1e-6 for m in synced), name
+        # it slept during every update and woke for every sync, as a colocated engine on a GPU does
+        assert all("rollout/wake_s" in m and "rollout/sleep_s" in m for m in synced), name
         assert figures["policy"]["steps"] >= 1, name
     assert any("policy/value_loss" in m for m in loops["ppo"]["steps_logged"])  # the critic trained
     for name in ("dpo", "dpo-lora", "dpo-zero3"):

@@ -60,6 +60,7 @@ from rlhf_core.rollout.cpu_engine import (
     rendezvous_in,
     worker_fits_here,
 )
+from rlhf_core.rollout.factory import release_cached_memory
 from rlhf_core.rollout.weight_sync import SafetensorsFileTransport, WeightTransport
 
 EXTENSION = "rlhf_core.rollout.weight_transfer.EngineWorkerExtension"
@@ -95,14 +96,6 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
         raise ValueError(f"generate: seed must be >= 0, got {seed}")
     return [int(np.random.SeedSequence([seed, j]).generate_state(1, np.uint64)[0] >> 2) for j in range(count)]
 
-
-def release_cached_memory() -> None:
-    """Hand the blocks torch's caching allocator holds in this process, unused, back to the
-    device, so that a colocated engine waking in another process can map them: the sleep
-    discount of the preflight counts on it. Nothing to do off CUDA."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 class RolloutEngine:
     """A vLLM engine on a local HF model directory, with in-place weight updates."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.rollout import vllm_engine
+from rlhf_core.rollout import factory
 from rlhf_core.rollout.vllm_engine import RolloutEngine
 
 
@@ -60,4 +60,4 @@ def test_an_awake_engine_takes_weights_without_touching_the_cache(engine):
 def test_off_cuda_there_is_nothing_to_release(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: pytest.fail("no CUDA: nothing to empty"))
-    vllm_engine.release_cached_memory()
+    factory.release_cached_memory()
