@@ -22,14 +22,17 @@ is installed or carried).
      must resume from step 1 and redo step 2 with the same loss;
    - one step each of PPO with its critic, GRPO under ZeRO-3, GRPO with LoRA and gradient
      checkpointing, and DPO with every weight trained, with LoRA and under ZeRO-3.
-5. The gates on 16 prompts on the device, through the function the gate stage runs as a Ray task
+5. The memory hand-off between the trainer and a sleeping colocated engine (`bench/gpu_handoff.py`)
+   at the one-GPU plan's part sizes (`configs/gpu-1xh100-0.5b.yaml`, the preflight's parts): the
+   device's memory in use at each turn of a step, the free memory the engine finds when it wakes
+   (after the trainer handed its cache back), against the preflight's estimate.
+6. The gates on 16 prompts on the device, through the function the gate stage runs as a Ray task
    (`rlhf_core.eval.gate_models.evaluate_on`: every model on the GPU, in bf16): a random-weight
    candidate and reference of the plan's shape, and a reward model built from the reference,
    saved and loaded as a run saves them. It records the seconds and the peak GPU memory.
 
 Phases 3 and 4 are left out, and said, where DeepSpeed is not installed. Not in it: vLLM itself
-(its kernels, sleep mode and packed IPC buffer), and the memory hand-off between a sleeping engine
-and the trainer.
+(its kernels, sleep mode and packed IPC buffer).
 
 The JSON is written after every phase, so a run cut short still reports what it did. Each
 run prints per step the time in generate, logprobs (old and reference), update and the
@@ -207,6 +210,30 @@ def measured_run(label: str, plan: Plan, device: torch.device, failed: list[str]
     return run
 
 
+# ----------------------------------------------------------------------------- the memory hand-off
+
+
+def run_handoff_phase(device: torch.device) -> dict:
+    """`bench/gpu_handoff.py`'s turns, with a stand-in engine on a tiny model -> its figures and what failed."""
+    from bench.gpu_handoff import run_handoff  # noqa: PLC0415
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-check-handoff-") as tmp:
+            result = run_handoff(policy_dir(DRY_PLAN, Path(tmp) / "engine"), device)
+    except Exception as error:
+        traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {error}", "failed_checks": [f"{type(error).__name__}: {error}"]}
+    result["failed_checks"] = [name for name, held in result["checks"].items() if not held]
+    turns = "; ".join(f"{turn}: {v:.1f} GiB in use" for turn, v in result["in_use_gib"].items() if v is not None)
+    print(f"the engine's share {result['parts_gib']['engine']:.1f} GiB, the preflight's rank 0 "
+          f"{result['preflight_rank0_gib']:.1f} GiB" + (f"; {turns}; peak {result['peak_in_use_gib']:.1f} GiB, "
+                                                         f"{result['free_at_wake_gib']:.1f} GiB free at the wake, "
+                                                         f"would have fitted without the cache handed back: "
+                                                         f"{result['would_fit_without_release']}" if turns else
+                                                         " (at 1/1024 on the CPU: nothing measured)"), flush=True)
+    return result
+
+
 # ----------------------------------------------------------------------------- the gates
 
 
@@ -263,6 +290,22 @@ def machine(device: torch.device) -> dict:
     return info
 
 
+def say_what_runs(dry_run: bool, why: str, plan: Plan, device: torch.device) -> None:
+    if not dry_run:
+        print(f"gpu_check on {torch.cuda.get_device_name(device)}: the device tests, then GRPO on a {plan.describe()}, "
+              "then the worker loops, the memory hand-off and the gates.", flush=True)
+        return
+    print(f"gpu_check: DRY RUN on the CPU ({why}). Every figure below is a CPU dry-run figure, not a GPU one.")
+    print(f"On a GPU it would run: pytest on {' '.join(DEVICE_TESTS + TORCH_TESTS)} (CUDA cases included), then "
+          f"GRPO on a {GPU_PLAN.describe()}; with plain torch (bf16 autocast, fused AdamW), then under DeepSpeed; "
+          "then the reward, GRPO, PPO and DPO stages' worker loops on that shape in bf16; then the memory hand-off "
+          "between trainer and engine at the one-GPU plan's part sizes; then the gates on 16 prompts, every model on "
+          "the GPU in bf16.")
+    print(f"This dry run: the device tests with their CUDA cases skipped, then GRPO on a {plan.describe()}, then "
+          "the worker loops on that shape, the hand-off's turns at 1/1024 and the gates, on the CPU in fp32.",
+          flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="on the CPU with a tiny model, even where CUDA is")
@@ -275,18 +318,7 @@ def main() -> int:
     plan = plan if args.steps is None else replace(plan, steps=args.steps)
     device = torch.device("cpu" if dry_run else "cuda")
     out = args.out or RESULTS / ("gpu_check_dryrun.json" if dry_run else "gpu_check.json")
-    if dry_run:
-        why = "--dry-run" if args.dry_run else "no CUDA device"
-        print(f"gpu_check: DRY RUN on the CPU ({why}). Every figure below is a CPU dry-run figure, not a GPU one.")
-        print(f"On a GPU it would run: pytest on {' '.join(DEVICE_TESTS + TORCH_TESTS)} (CUDA cases included), then "
-              f"GRPO on a {GPU_PLAN.describe()}; with plain torch (bf16 autocast, fused AdamW), then under DeepSpeed; "
-              "then the reward, GRPO, PPO and DPO stages' worker loops on that shape in bf16; then the gates on 16 prompts, "
-              "every model on the GPU in bf16.")
-        print(f"This dry run: the device tests with their CUDA cases skipped, then GRPO on a {plan.describe()}, then "
-              "the worker loops on that shape and the gates, on the CPU in fp32.", flush=True)
-    else:
-        print(f"gpu_check on {torch.cuda.get_device_name(device)}: the device tests, then GRPO on a {plan.describe()}, "
-              "then the worker loops, then the gates.", flush=True)
+    say_what_runs(dry_run, "--dry-run" if args.dry_run else "no CUDA device", plan, device)
 
     failed: list[str] = []
     payload = {"machine": machine(device), "dry_run": dry_run, "device": device.type,
@@ -299,21 +331,21 @@ def main() -> int:
         payload["phases_done"].append(phase)
         write_json(out, payload)
 
-    print("\n[1/5] device tests", flush=True)
+    print("\n[1/6] device tests", flush=True)
     tests = run_tests(DEVICE_TESTS if dry_run else DEVICE_TESTS + TORCH_TESTS, dry_run)
     failed += [] if tests["returncode"] == 0 else [f"device tests: pytest exited {tests['returncode']} ({tests['summary']})"]
     done("device tests", tests=tests)
-    print(f"\n[2/5] GRPO on {device.type}, plain torch", flush=True)
+    print(f"\n[2/6] GRPO on {device.type}, plain torch", flush=True)
     grpo = measured_run("GRPO", plan, device, failed)
     done("GRPO", grpo=grpo)
-    print(f"\n[3/5] GRPO on {device.type} under DeepSpeed, as the policy stage runs it", flush=True)
+    print(f"\n[3/6] GRPO on {device.type} under DeepSpeed, as the policy stage runs it", flush=True)
     deepspeed = start_deepspeed(device)
     grpo_ds = measured_run("GRPO under DeepSpeed", plan, device, failed, deepspeed) if deepspeed else None
     if deepspeed:
         stop_deepspeed()
     peaks = [r["memory"]["peak_gpu_memory_gib"] for r in (grpo, grpo_ds) if r and r["memory"]["peak_gpu_memory_gib"]]
     done("GRPO under DeepSpeed", grpo_deepspeed=grpo_ds, peak_gpu_memory_gib=max(peaks, default=None))
-    print(f"\n[4/5] the training stages' worker loops on {device.type} (bench/gpu_loops.py)", flush=True)
+    print(f"\n[4/6] the training stages' worker loops on {device.type} (bench/gpu_loops.py)", flush=True)
     if deepspeed:
         loops, loop_failures = run_loops(dry_run, done)
         failed += loop_failures
@@ -321,7 +353,12 @@ def main() -> int:
         loops = None
         print("the worker loops are left out: they train under DeepSpeed, which is not installed here", flush=True)
         done("worker loops left out", loops=None)
-    print(f"\n[5/5] the gates on {device.type}, as the gate stage runs them", flush=True)
+    print(f"\n[5/6] the memory hand-off between the trainer and a sleeping engine on {device.type}, at the "
+          "preflight's part sizes", flush=True)
+    handoff = run_handoff_phase(device)
+    failed += [f"memory hand-off: {f}" for f in handoff["failed_checks"]]
+    done("memory hand-off", handoff=handoff)
+    print(f"\n[6/6] the gates on {device.type}, as the gate stage runs them", flush=True)
     try:
         gates = run_gates(plan, device)
     except Exception as error:

@@ -49,7 +49,13 @@ def test_the_dry_run_passes_on_the_cpu_without_the_engines_and_names_the_gpu_sha
     assert set(step["seconds"]) >= {"generate", "logprobs", "update", "total"}
     assert result["grpo_deepspeed"] is None
     # every phase wrote the JSON as it ended; the gates ran through the gate stage's own function, in fp32 on the CPU
-    assert result["phases_done"] == ["device tests", "GRPO", "GRPO under DeepSpeed", "worker loops left out", "gates"]
+    assert result["phases_done"] == ["device tests", "GRPO", "GRPO under DeepSpeed", "worker loops left out",
+                                     "memory hand-off", "gates"]
+    # the hand-off's turns at the one-GPU plan's part sizes (docs/gpu.md (a)), at 1/1024 and unmeasured on the CPU
+    handoff = result["handoff"]
+    assert handoff["failed_checks"] == [] and handoff["checks"] == {"the engine woke after the update": True}
+    assert round(handoff["parts_gib"]["engine"], 1) == 14.2 and round(handoff["preflight_rank0_gib"], 1) == 27.3
+    assert handoff["sleeps"] and set(handoff["in_use_gib"].values()) == {None}
     gates = result["gates"]
     assert gates["failed_checks"] == [] and gates["dtype"] == "torch.float32" and gates["peak_gpu_memory_gib"] is None
     assert gates["metrics"]["eval/num_prompts"] == 16 and gates["metrics"]["eval/reference/win_rate_vs_reference"] == 0.5
@@ -61,7 +67,7 @@ def test_where_deepspeed_is_installed_the_same_step_and_the_stages_worker_loops_
     runs = "reward, grpo, ppo, grpo-zero3, grpo-lora, dpo, dpo-lora, dpo-zero3"
     assert f"plain torch and under DeepSpeed; the worker loops of {runs}; the gates in" in run.stdout
     assert result["phases_done"] == ["device tests", "GRPO", "GRPO under DeepSpeed", "reward loop", "grpo loop",
-                                     "one-step loops", "gates"]
+                                     "one-step loops", "memory hand-off", "gates"]
     torch_run, ds_run = result["grpo"], result["grpo_deepspeed"]
     assert ds_run["trainer"].startswith("DeepSpeed ") and "ZeRO-" in ds_run["trainer"]
     [plain], [ds] = torch_run["steps"], ds_run["steps"]

@@ -54,7 +54,7 @@ def room_problem(need: GpuNeed, rank: int, free: int, total: int, gpu: str) -> s
     ])
 
 
-def _policy_parts(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int,
+def policy_parts(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int,
                   reward_parameters: int) -> tuple[int, dict[str, int], bool]:
     """(rank 0's peak, its parts, whether the engine sleeps during the update) in the RL policy
     stage: the trainer's parts (`gpu_policy_bytes`) plus the engine's share of a `gpu_bytes`
@@ -86,8 +86,8 @@ def _policy_parts(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int,
 def gpu_memory_problem(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int, reward_parameters: int,
                        where: str = "model.pretrained") -> tuple[str | None, str]:
     """(refusal or None, the estimate in words) for rank 0's GPU in the policy stage against a
-    device of `gpu_bytes` (`_policy_parts`)."""
-    need, parts, sleeps = _policy_parts(info, cfg, gpu_bytes, reward_parameters)
+    device of `gpu_bytes` (`policy_parts`)."""
+    need, parts, sleeps = policy_parts(info, cfg, gpu_bytes, reward_parameters)
     estimate = (f"rank 0's GPU in the policy stage: about {gib(need)} GiB of {gib(gpu_bytes)} ("
                 + ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
                 + (", the engine asleep during the update" if sleeps else "") + ")")
@@ -112,7 +112,7 @@ def _words(parts: dict[str, int]) -> str:
 def policy_gpu_need(info: PretrainedInfo, cfg: PipelineConfig, gpu_bytes: int, reward_parameters: int) -> GpuNeed:
     """The RL policy stage's: rank 0 as `gpu_memory_problem` counts it, the other ranks without
     the engine (on a device of `gpu_bytes`, which sets a configured engine share's size)."""
-    need, parts, _ = _policy_parts(info, cfg, gpu_bytes, reward_parameters)
+    need, parts, _ = policy_parts(info, cfg, gpu_bytes, reward_parameters)
     others = sum(parts.values()) - parts["engine"]
     return GpuNeed("policy", need, others, _words(parts) + f"; estimated for a device of {gib(gpu_bytes)} GiB",
                    tuple(_policy_ways(info, cfg, gpu_bytes)))
