@@ -17,6 +17,7 @@ their engine takes weights between its own chunks, not at the sync.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +66,9 @@ class SyncCheck:
         for attempt in (1, 2):
             trainer = trainer_logprobs(w, self.probe)
             box: list = [None]
-            if w.rank == 0:
+            if w.rank == 0 and getattr(w.engine, "asleep", False):  # its weights were released: nothing to ask
+                box = [(None, "the engine still sleeps after the sync: no weights woke it")]
+            elif w.rank == 0:
                 engines = w.engine.probe(self.probe.prompt_ids, self.probe.response_ids)
                 found = verdict(engines, trainer, self.engine_before, self.trainer_before)
                 box = [(found, found.failure(bound, self.probe.tokens))]
@@ -79,7 +82,8 @@ class SyncCheck:
             if attempt == 1:
                 first = failed
                 resync()
-        return {"rollout/verify_gap": found.gap, "rollout/verify_s": time.perf_counter() - start}, \
+        gap = found.gap if found is not None else math.nan
+        return {"rollout/verify_gap": gap, "rollout/verify_s": time.perf_counter() - start}, \
             failure_block(w, first, failed)
 
 

@@ -264,7 +264,9 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
     state.nonfinite_skipped += int(metrics["policy/nonfinite_skipped"] + metrics.get("policy/critic_nonfinite_skipped", 0))
     state.consumed.append(indices)
     state.kl_controller = w.kl_controller.state_dict()
-    if rank == 0:
+    # an engine the sync did not reach (asleep on a GPU, or holding other weights) answers nothing
+    # about this policy: the step trips the breaker below, unevaluated
+    if rank == 0 and sync_failed is None:
         if policy_sync.check_due(w, step):
             with rollouts.engine_at_newest(w):
                 w.sync_checks.append(rollouts.sync_check(w, state_dict, step))
@@ -273,7 +275,7 @@ def _end_step(w: PolicyWorker, state: PolicyState, step: int, indices: list[int]
                 evaluation = rollouts.evaluate(w, step)
             state.evaluations.append(evaluation)
             metrics |= rollouts.evaluation_metrics(evaluation)
-    if policy_rounds.due(w, step):
+    if sync_failed is None and policy_rounds.due(w, step):
         metrics |= policy_rounds.run_round(w, state, step)
     drift_bound = policy_sync.verify_bound(w)
     if drift_bound is not None and cfg.circuit_breaker.enabled:

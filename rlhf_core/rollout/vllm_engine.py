@@ -244,6 +244,9 @@ class RolloutEngine:
         the engine's generator is not touched."""
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
+        if self.asleep:  # its weights are released: vLLM would read memory it no longer maps
+            raise RuntimeError("the rollout engine sleeps (its weights were released) until the next sync_weights")
+
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         rows = [TokensPrompt(prompt_token_ids=[*p, *r]) for p, r in zip(prompt_ids, response_ids, strict=True)]
         with self._own_rng():

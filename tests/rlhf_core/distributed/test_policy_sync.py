@@ -64,3 +64,31 @@ def test_a_verdict_fails_on_a_gap_above_the_bound_or_an_engine_left_behind(found
     assert (failed is None) == (expected is None)
     if expected is not None:
         assert expected in failed, failed
+
+
+def test_an_engine_still_asleep_after_the_sync_fails_the_check_twice_and_stops_the_stage(monkeypatch):
+    """A colocated engine on a GPU sleeps through the update and wakes in the sync: a sync that
+    never reached it leaves it asleep, its weights released. The check says so without asking it
+    (vLLM would read memory it no longer maps), syncs again, and stops the stage when it still sleeps."""
+    from types import SimpleNamespace
+
+    from rlhf_core.config import PolicyConfig
+    from rlhf_core.distributed import policy_sync
+
+    monkeypatch.setattr(policy_sync, "trainer_logprobs", lambda w, probe: [torch.zeros(2)])
+
+    class Asleep:
+        asleep = True
+
+        def probe(self, prompt_ids, response_ids):
+            raise AssertionError("a sleeping engine was asked for log-probs")
+
+    resyncs = []
+    w = SimpleNamespace(rank=0, world=1, engine=Asleep(), cfg=PolicyConfig(), device=torch.device("cuda", 0))
+    check = policy_sync.SyncCheck(probe_of([Row([1, 2], [3, 4])]))
+    metrics, block = check.run(w, 0.01, lambda: resyncs.append(1))
+    assert resyncs == [1] and math.isnan(metrics["rollout/verify_gap"])
+    assert block.splitlines()[0] == "weight sync failed: the rollout engine does not serve the trainer's weights " \
+                                    "after the sync"
+    assert "check:     the engine still sleeps after the sync: no weights woke it" in block
+    assert "transport: policy.rollout.weight_sync=auto (stream, colocated engine)" in block
