@@ -21,7 +21,8 @@ is installed or carried).
      GRPO rewarded by them: each process killed after step 2 (`RLHF_FAULT`) and run again, which
      must resume from step 1 and redo step 2 with the same loss;
    - one step each of PPO with its critic, GRPO under ZeRO-3, GRPO with LoRA and gradient
-     checkpointing, and DPO with every weight trained, with LoRA and under ZeRO-3.
+     checkpointing, and DPO with every weight trained, with LoRA and under ZeRO-3;
+   - GRPO with every sync skipped, which must stop at the check after the sync.
 5. The memory hand-off between the trainer and a sleeping colocated engine (`bench/gpu_handoff.py`)
    at the one-GPU plan's part sizes (`configs/gpu-1xh100-0.5b.yaml`, the preflight's parts): the
    device's memory in use at each turn of a step, the free memory the engine finds when it wakes

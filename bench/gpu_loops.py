@@ -18,6 +18,8 @@ update, each sync checked by the stage against the trainer's log-probs.
     ppo          PPO with its critic, 1 step
     grpo-zero3   GRPO under ZeRO-3, 1 step
     grpo-lora    GRPO with LoRA adapters and gradient checkpointing, 1 step
+    grpo-unsynced  GRPO, 1 step, run with RLHF_FAULT=skip:policy:sync: the engine keeps its weights,
+                 and the stage must stop at the check after the sync, saying so
     dpo          DPO, every weight trained, 2 steps, then its held-out pass on the device
     dpo-lora     the same with LoRA adapters and gradient checkpointing
     dpo-zero3    the same under ZeRO-3
@@ -62,9 +64,10 @@ from rlhf_core.testing.sinks import JsonlSink  # noqa: E402
 from rlhf_core.tokenizer import train_tokenizer  # noqa: E402
 from rlhf_core.training.stage_types import StageSite  # noqa: E402
 
-RUNS = ("reward", "grpo", "ppo", "grpo-zero3", "grpo-lora", "dpo", "dpo-lora", "dpo-zero3")
+RUNS = ("reward", "grpo", "ppo", "grpo-zero3", "grpo-lora", "dpo", "dpo-lora", "dpo-zero3", "grpo-unsynced")
 KILLED = {"reward": "reward:step2:rank0", "grpo": "policy:step2:rank0"}  # after step 2, before its checkpoint
-ONE_STEP = RUNS[2:]  # one process, one after another
+ONE_STEP = RUNS[2:-1]  # one process, one after another
+UNSYNCED = "skip:policy:sync"  # grpo-unsynced's fault: no sync reaches the engine, which the stage must catch
 # reward: 32 proxy pairs (4 steps of 8) and 8 audit pairs (1 step); DPO: 16 pairs (2 steps)
 REWARD_PAIRS, DPO_PAIRS, EVAL_PAIRS, MICRO = 40, 16, 16, 8
 
@@ -221,6 +224,16 @@ def run_loops(dry_run: bool, done) -> tuple[dict, list[str]]:
             failed.append(f"{', '.join(ONE_STEP)}: exited {one_step['returncode']} after "
                           f"{', '.join(one_step['results']) or 'none'}:\n{one_step['output_tail']}")
         done("one-step loops", loops=results)
+        stale = run_process(["grpo-unsynced"], work, dry_run, fault=UNSYNCED)
+        caught = stale["returncode"] != 0 and "weight sync failed" in stale["output_tail"]
+        results["grpo-unsynced"] = {"returncode": stale["returncode"], "caught": caught,
+                                    "said": list(dict.fromkeys(line.split("]:")[-1].strip() for line in
+                                                               stale["output_tail"].splitlines() if "check:" in line))}
+        print(f"grpo-unsynced, no sync reaching the engine: {'stopped at the check' if caught else 'NOT CAUGHT'}"
+              + "".join(f"\n  {line}" for line in results["grpo-unsynced"]["said"]), flush=True)
+        failed += [] if caught else [f"grpo-unsynced: a sync that never reached the engine went unnoticed "
+                                     f"(exit {stale['returncode']}):\n{stale['output_tail']}"]
+        done("unsynced loop", loops=results)
     return results, failed
 
 

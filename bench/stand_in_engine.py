@@ -106,6 +106,8 @@ class StandInEngine:
         return rollouts
 
     def probe(self, prompt_ids, response_ids) -> list[list[list[float]]]:
+        if self.asleep:
+            raise RuntimeError("the rollout engine sleeps (its weights were released) until the next sync_weights")
         return [self._call("probe", [list(p) for p in prompt_ids], [list(r) for r in response_ids])]
 
     def sync_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> float:

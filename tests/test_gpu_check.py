@@ -64,10 +64,10 @@ def test_the_dry_run_passes_on_the_cpu_without_the_engines_and_names_the_gpu_sha
 @pytest.mark.slow
 def test_where_deepspeed_is_installed_the_same_step_and_the_stages_worker_loops_run_without_ray(tmp_path):
     run, result = dry_run(tmp_path, ("vllm", "ray", "prefect", "mlflow"))
-    runs = "reward, grpo, ppo, grpo-zero3, grpo-lora, dpo, dpo-lora, dpo-zero3"
+    runs = "reward, grpo, ppo, grpo-zero3, grpo-lora, dpo, dpo-lora, dpo-zero3, grpo-unsynced"
     assert f"plain torch and under DeepSpeed; the worker loops of {runs}; the gates in" in run.stdout
     assert result["phases_done"] == ["device tests", "GRPO", "GRPO under DeepSpeed", "reward loop", "grpo loop",
-                                     "one-step loops", "memory hand-off", "gates"]
+                                     "one-step loops", "unsynced loop", "memory hand-off", "gates"]
     torch_run, ds_run = result["grpo"], result["grpo_deepspeed"]
     assert ds_run["trainer"].startswith("DeepSpeed ") and "ZeRO-" in ds_run["trainer"]
     [plain], [ds] = torch_run["steps"], ds_run["steps"]
@@ -102,6 +102,10 @@ def test_where_deepspeed_is_installed_the_same_step_and_the_stages_worker_loops_
         assert all("rollout/wake_s" in m and "rollout/sleep_s" in m for m in synced), name
         assert figures["policy"]["steps"] >= 1, name
     assert any("policy/value_loss" in m for m in loops["ppo"]["steps_logged"])  # the critic trained
+    # a sync that never reached the engine (asleep through the update, as on a GPU) stops the stage at its check
+    unsynced = loops["grpo-unsynced"]
+    assert unsynced["caught"] and unsynced["returncode"] == 1
+    assert unsynced["said"] == ["check:     the engine still sleeps after the sync: no weights woke it"]
     for name in ("dpo", "dpo-lora", "dpo-zero3"):
         policy = loops[name]["policy"]
         assert policy["steps"] == 2 and policy["attempts"] == 1, name
