@@ -64,8 +64,8 @@ class OfflineWorkerInputs:
     cfg: PolicyConfig
     sft_dir: str
     out_dir: str
-    train: Any  # Rows, in the object store
-    evals: Any  # the held-out Rows, or None
+    train: Any  # Rows, shared by the driver (`train_context.share`: Ray's object store)
+    evals: Any  # the held-out Rows, or None, shared alike
     eval_prompts: tuple[str, ...]
     eval_answers: tuple[str, ...]
     answer_checker: str | None = None  # data.answer_checker: how accuracy judges an answer (None: exact text)
@@ -110,8 +110,8 @@ def train_offline(
 
     def loop_for(runtime: StageRuntime) -> OfflineWorkerInputs:
         return OfflineWorkerInputs(runtime, cfg, str(Path(sft_dir).resolve()), str(Path(site.out_dir).resolve()),
-                                   train_context.share(train), train_context.share(evals), tuple(eval_prompts), tuple(eval_answers),
-                                   answer_checker)
+                                   train_context.share(train), train_context.share(evals), tuple(eval_prompts),
+                                   tuple(eval_answers), answer_checker)
 
     run = fit_stage("policy", loop_for, _train_loop, cfg, site)
     s = run.summary

@@ -184,13 +184,13 @@ class RewardWorkerInputs:
     cfg: RewardConfig
     base_dir: str  # the SFT policy the reward model starts from
     out_dir: str
-    train: Any  # TokenizedPairs, in the object store
-    evals: Any  # TokenizedPairs, in the object store
+    train: Any  # TokenizedPairs, shared by the driver (`train_context.share`: Ray's object store)
+    evals: Any  # TokenizedPairs, shared alike
     weights: torch.Tensor | None = None  # (N, K) bootstrap weights of the ensemble's members; None: one model
 
 
 def _loop(runtime: StageRuntime, *, cfg, base_dir, out_dir, train, evals, weights) -> RewardWorkerInputs:
-    """Called once the cluster is joined: the pairs go to its object store."""
+    """Called once the cluster is joined: the pairs go to its object store (`train_context.share`)."""
     return RewardWorkerInputs(runtime, cfg, str(Path(base_dir).resolve()), str(Path(out_dir).resolve()),
                       train_context.share(train), train_context.share(evals), weights)
 

@@ -8,7 +8,9 @@ not as Ray Train's untyped config dict.
 
 Worker, `start_worker`: DeepSpeed imported on the right accelerator, Ray Train's process
 group (gloo on CPU, NCCL on GPU) reused by DeepSpeed, the global RNGs seeded; then
-`record_attempt` once the worker knows where it resumes from.
+`record_attempt` once the worker knows where it resumes from. A worker asks Ray Train for
+nothing but through `train_context`, so the same loop also runs in one process without Ray
+(`train_context.one_process`, how the GPU check drives the loops).
 
 Ray Train V2 (the default in Ray 2.60) is assumed: `ray.train.report` is a barrier every
 rank must reach, the training function's rank-0 return value comes back as
