@@ -60,7 +60,6 @@ import gc
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -85,6 +84,7 @@ try:
         DRY_PLAN, GPU_PLAN, Plan, grpo_step, llama_config, memory_summary, parameter_count, policy_config, print_step,
         random_prompts, step_checks,
     )
+    from rlhf_core.distributed import train_context
     from rlhf_core.distributed.deepspeed_engine import (
         DeepSpeedBackwardAndStep, import_deepspeed, policy_engine, saved_dtype,
     )
@@ -169,29 +169,14 @@ def run_grpo(plan: Plan, device: torch.device, deepspeed=None) -> dict:
             "parameters": sum(p.numel() for p in actor.parameters()), "steps": steps}
 
 
-def start_deepspeed(device: torch.device):
-    """DeepSpeed over a process group of one (NCCL on a GPU, gloo and DeepSpeed's CPU accelerator on
-    the CPU), imported as the training workers do; None, said, where it is not installed (a GPU
-    machine may not have it)."""
+def import_deepspeed_here(device: torch.device):
+    """DeepSpeed, imported as the training workers do (its CPU accelerator on the CPU); None, said,
+    where it is not installed (a GPU machine may not have it)."""
     try:
-        deepspeed = import_deepspeed(use_gpu=device.type == "cuda")
+        return import_deepspeed(use_gpu=device.type == "cuda")
     except ImportError as missing:
         print(f"DeepSpeed is not installed here ({missing}): the steps under DeepSpeed are left out", flush=True)
         return None
-    if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    return deepspeed
-
-
-def stop_deepspeed() -> None:
-    """Close the process group `start_deepspeed` opened, so that NCCL's communicators are released
-    before the interpreter exits rather than left to its teardown."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def measured_run(label: str, plan: Plan, device: torch.device, failed: list[str], deepspeed=None) -> dict:
@@ -340,10 +325,13 @@ def main() -> int:
     grpo = measured_run("GRPO", plan, device, failed)
     done("GRPO", grpo=grpo)
     print(f"\n[3/6] GRPO on {device.type} under DeepSpeed, as the policy stage runs it", flush=True)
-    deepspeed = start_deepspeed(device)
-    grpo_ds = measured_run("GRPO under DeepSpeed", plan, device, failed, deepspeed) if deepspeed else None
-    if deepspeed:
-        stop_deepspeed()
+    deepspeed = import_deepspeed_here(device)
+    grpo_ds = None
+    if deepspeed:  # over a process group of one (NCCL on a GPU, gloo on the CPU), closed after the steps
+        with tempfile.TemporaryDirectory(prefix="gpu-check-ds-") as tmp, \
+                train_context.one_process(Path(tmp), use_gpu=device.type == "cuda"):
+            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")  # wraps its group
+            grpo_ds = measured_run("GRPO under DeepSpeed", plan, device, failed, deepspeed)
     peaks = [r["memory"]["peak_gpu_memory_gib"] for r in (grpo, grpo_ds) if r and r["memory"]["peak_gpu_memory_gib"]]
     done("GRPO under DeepSpeed", grpo_deepspeed=grpo_ds, peak_gpu_memory_gib=max(peaks, default=None))
     print(f"\n[4/6] the training stages' worker loops on {device.type} (bench/gpu_loops.py)", flush=True)
