@@ -17,8 +17,10 @@ with like. What is measured, and how:
 - Regression suites (`rlhf_core.eval.regression`) are answered greedily too, by every
   policy, and checked row by row with each suite's checker; a failed row counts as wrong.
 
-Evaluation runs Hugging Face `generate` in this process: for a policy of the demo's size
-the three policies take seconds, and no engine must be started.
+A policy given `served` answers (`rlhf_core.eval.served`: the gate stage gives each one) is
+answered by an engine of the kind serving runs; without, by Hugging Face `generate` in this
+process. KL needs every token's distribution, which only the model gives: it is measured with
+Hugging Face models either way.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from rlhf_core.eval.gates import Decision, EvalFigures, SuiteFigures
 from rlhf_core.eval.metrics import degenerate_rate, response_length_stats, win_rate
 from rlhf_core.eval.regression import RegressionSuite, correct, run_looks
 from rlhf_core.eval.sampled_kl import exact_kl
+from rlhf_core.eval.served import Answers, ServedAnswers, isolating_failures
 from rlhf_core.eval.sequential import EvalLook, Look, eval_look, look_levels, look_sizes
 from rlhf_core.models.reward import RewardStats, load_reward_model, normalise, score
 from rlhf_core.training.verifiable import check_answers
@@ -44,11 +47,13 @@ from rlhf_core.training.verifiable import check_answers
 
 @dataclass(frozen=True)
 class Policy:
-    """A policy to evaluate: its model and its own tokenizer."""
+    """A policy to evaluate: its model and its own tokenizer, and its answers from serving's
+    kind of engine (None: Hugging Face `generate` answers)."""
 
     name: str  # "candidate", "reference", "champion"
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerFast
+    served: ServedAnswers | None = None
 
 
 @dataclass(frozen=True)
@@ -67,14 +72,6 @@ def scorers_for(reward_dir, max_length: int, audit_dir=None) -> tuple[Scorer, Sc
     model, tokenizer, stats = load_reward_model(reward_dir)
     audit = None if audit_dir is None else Scorer(*load_reward_model(audit_dir), max_length)
     return Scorer(model, tokenizer, stats, max_length), audit
-
-
-@dataclass(frozen=True)
-class Answers:
-    """One policy's greedy answers to the eval prompts, with the prompts that failed."""
-
-    texts: list[str]
-    failed_prompts: list[int]
 
 
 @dataclass
@@ -104,24 +101,19 @@ class PolicyReport:
 
 @torch.no_grad()
 def answer(policy: Policy, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 256) -> Answers:
-    """Greedy answers; a batch that raises is retried prompt by prompt, and a prompt that
-    still raises is recorded as failed with an empty answer."""
-    texts: list[str] = []
-    failed: list[int] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = list(prompts[start : start + batch_size])
-        try:
-            texts += greedy_completions(policy.model, policy.tokenizer, chunk, max_new_tokens, batch_size)
-            continue
-        except Exception:  # noqa: BLE001 - isolate the prompts that fail below
-            pass
-        for i, prompt in enumerate(chunk):
-            try:
-                texts += greedy_completions(policy.model, policy.tokenizer, [prompt], max_new_tokens, 1)
-            except Exception:  # noqa: BLE001 - a failure is a figure, not a crash
-                texts.append("")
-                failed.append(start + i)
-    return Answers(texts, failed)
+    """Greedy answers, from `policy.served` where it has them; a batch that raises is retried
+    prompt by prompt, and a prompt that still raises is recorded as failed with an empty answer."""
+    if policy.served is not None:
+        return policy.served.answer(prompts, max_new_tokens)
+    return isolating_failures(
+        lambda chunk: greedy_completions(policy.model, policy.tokenizer, chunk, max_new_tokens, batch_size),
+        prompts, batch_size)
+
+
+def look_budget(num_prompts: int, first_look: int | None, max_prompts: int | None) -> tuple[int, int]:
+    """(the first look's prompts, the most any look answers) of `evaluate`'s eval prompts."""
+    first = min(first_look or num_prompts, num_prompts)
+    return first, max(first, min(max_prompts or first, num_prompts))
 
 
 def _same_vocabulary(a: PreTrainedTokenizerFast, b: PreTrainedTokenizerFast) -> bool:
@@ -282,8 +274,7 @@ def evaluate(
         raise ValueError("no eval prompts")
     if answers is not None and len(answers) != len(prompts):
         raise ValueError(f"{len(answers)} answers for {len(prompts)} eval prompts")
-    first = min(first_look or len(prompts), len(prompts))
-    budget = max(first, min(max_prompts or first, len(prompts)))
+    first, budget = look_budget(len(prompts), first_look, max_prompts)
     sizes = look_sizes(first, budget) if confidence is not None and judge is not None else (first,)
     levels = look_levels(sizes, confidence) if confidence is not None else (None,) * len(sizes)
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rlhf_core.config import RolloutEngineConfig
+from rlhf_core.config import RolloutEngineConfig, ServingConfig
 from rlhf_core.models.engine_share import engine_share, model_share
 
 
@@ -60,6 +60,23 @@ def open_engine(model_dir: str | Path, rollout: RolloutEngineConfig, *, precisio
     return RolloutEngine(model_dir, seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len, transport=transport,
                          sleep_mode=engine_sleeps(rollout, pipelined, device.type), guest=not pipelined,
                          **settings)
+
+
+def open_serving_engine(model_dir: str | Path, serving: ServingConfig, device: torch.device, *, max_num_seqs: int,
+                        max_model_len: int) -> Engine:
+    """An engine of the kind `serving` runs for users (vLLM in `serving.dtype`, eager), in this
+    process, for greedy answers to compare policies by: the gates judge what users will get.
+    Its KV cache is serving's on a CPU (`serving.kv_cache_gib`); on a GPU its share is sized for
+    `max_num_seqs` sequences of `max_model_len` tokens, as a colocated rollout engine's is."""
+    from rlhf_core.rollout.vllm_engine import RolloutEngine  # noqa: PLC0415
+
+    on_gpu = device.type == "cuda"
+    sizing_dtype = "float32" if serving.dtype == "float32" or (serving.dtype == "auto" and not on_gpu) else "bfloat16"
+    share = engine_share(None, on_gpu=on_gpu, separate=False,
+                         sized=lambda: _sized_on(device, model_dir, sizing_dtype, max_num_seqs, max_model_len))
+    return RolloutEngine(model_dir, dtype=serving.dtype, seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         kv_cache_gib=None if on_gpu else serving.kv_cache_gib, enforce_eager=True,
+                         gpu_memory_utilization=share)
 
 
 def _sized_on(device: torch.device, model_dir, dtype: str, sequences: int, tokens: int) -> float:

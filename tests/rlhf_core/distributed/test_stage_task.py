@@ -62,6 +62,33 @@ def test_the_gates_run_as_a_ray_task_on_the_stages_device_and_judge_as_they_do_i
 
 
 @pytest.mark.slow
+def test_the_gates_judge_the_answers_of_an_engine_of_servings_kind_and_dtype_one_at_a_time(demo, candidate):
+    from rlhf_core.rollout.factory import open_serving_engine
+    from rlhf_core.training.verifiable import check_answers
+
+    cpu, cfg = torch.device("cpu"), CFG.model_copy(update={"serving": CFG.serving.model_copy(update={"dtype": "bfloat16"})})
+    opened = []
+
+    def serving_engine(model_dir, max_num_seqs, max_model_len):
+        engine = open_serving_engine(model_dir, cfg.serving, cpu, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        opened.append((model_dir, engine.llm.llm_engine.model_config.dtype, max_num_seqs, max_model_len))
+        return engine
+
+    prompts, answers = demo["eval_prompts"], demo["eval_answers"]
+    result = evaluate_on(cpu, GateModels(candidate, demo["sft"], demo["rm"]), prompts, answers, cfg,
+                         open_engine=serving_engine)
+    assert result.num_prompts == 16
+    assert [(d, dtype, seqs) for d, dtype, seqs, _ in opened] == [(candidate, torch.bfloat16, 16), (demo["sft"], torch.bfloat16, 16)]
+    engine = serving_engine(candidate, 16, opened[0][3])
+    try:
+        direct = [r.response_text for r in engine.generate(prompts[:16], n=1, temperature=0.0, max_tokens=4)]
+    finally:
+        engine.close()
+    assert result.candidate.samples == list(zip(prompts[:3], direct[:3]))
+    assert result.candidate.figures.accuracy == sum(check_answers(prompts[:16], direct, answers[:16], None)) / 16
+
+
+@pytest.mark.slow
 def test_sft_as_a_ray_task_trains_the_same_weights_as_in_this_process(ray_cluster, tmp_path):
     from safetensors.torch import load_file
 
