@@ -110,28 +110,22 @@ def defences_off(cfg, answer_key: bool = False):
 def gates_vs_reference(cfg, policy_dir: Path, sft_dir: Path, reward_dir: Path, prompts: list[str],
                        answers: list[str], seed: int, suites=()):
     """The pipeline's promotion gates on the candidate against its SFT policy (a fresh machine
-    has no champion), as the evaluate stage computes them: under the reward model and the
-    audit (the policy's, kept current by preference rounds, else the reward stage's), on
-    intervals at `cfg.gates.confidence`, with the regression `suites` (`load_suites`; none:
-    their checks are left out), looking at more of `prompts` while a call is open
-    (`gates.max_eval_prompts`). -> (the decision, the `EvalResult`)."""
-    from rlhf_core.eval.evaluate import Policy, evaluate, scorers_for  # noqa: PLC0415
-    from rlhf_core.eval.gates import gate  # noqa: PLC0415
-    from rlhf_core.models.llama import load_policy  # noqa: PLC0415
-    from rlhf_core.models.reward import current_audit_dir  # noqa: PLC0415
-    from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
+    has no champion), as the evaluate stage computes them (`gate_models.evaluate_on`, on the CPU,
+    the answers from serving's kind of engine): under the reward model and the audit (the
+    policy's, kept current by preference rounds, else the reward stage's), on intervals at
+    `cfg.gates.confidence`, with the regression `suites` (`load_suites`; none: their checks are
+    left out), looking at more of `prompts` while a call is open (`gates.max_eval_prompts`), KL
+    sampled with `seed`. -> (the decision, the `EvalResult`)."""
+    import torch  # noqa: PLC0415
 
-    scorer, audit = scorers_for(reward_dir, cfg.reward.max_length, current_audit_dir(policy_dir, reward_dir))
+    from rlhf_core.eval.gate_models import GateModels, evaluate_on  # noqa: PLC0415
+    from rlhf_core.eval.gates import gate  # noqa: PLC0415
+    from rlhf_core.models.reward import current_audit_dir  # noqa: PLC0415
+
     gates = cfg.gates if suites else cfg.gates.model_copy(update={"regression_suites": []})
-    result = evaluate(
-        Policy("candidate", load_policy(policy_dir), load_tokenizer(policy_dir)),
-        Policy("reference", load_policy(sft_dir), load_tokenizer(sft_dir)), None,
-        scorer, prompts, answers, max_new_tokens=cfg.policy.max_new_tokens,
-        temperature=cfg.policy.temperature, seed=seed, audit=audit, confidence=cfg.gates.confidence,
-        bootstrap_samples=cfg.gates.bootstrap_samples, suites=suites, checker=cfg.data.answer_checker,
-        first_look=cfg.gates.eval_prompts, max_prompts=cfg.gates.max_eval_prompts,
-        judge=lambda c, r, ch: gate(c, r, ch, gates),
-    )
+    cfg = cfg.model_copy(update={"gates": gates, "policy": cfg.policy.model_copy(update={"seed": seed})})
+    models = GateModels(policy_dir, sft_dir, reward_dir, audit=current_audit_dir(policy_dir, reward_dir))
+    result = evaluate_on(torch.device("cpu"), models, prompts, answers, cfg, suites)
     return gate(result.candidate.figures, result.reference.figures, None, gates), result
 
 
