@@ -30,7 +30,9 @@ is installed or carried).
 6. The gates on 16 prompts on the device, through the function the gate stage runs as a Ray task
    (`rlhf_core.eval.gate_models.evaluate_on`: every model on the GPU, in bf16): a random-weight
    candidate and reference of the plan's shape, and a reward model built from the reference,
-   saved and loaded as a run saves them. It records the seconds and the peak GPU memory.
+   saved and loaded as a run saves them. Each policy answers from the stand-in engine in a
+   process of its own, in serving's dtype, one engine at a time, where the gate stage opens vLLM.
+   It records the seconds, the engines' start and the peak GPU memory.
 
 Phases 3 and 4 are left out, and said, where DeepSpeed is not installed. Not in it: vLLM itself
 (its kernels, sleep mode and packed IPC buffer).
@@ -226,7 +228,9 @@ def run_handoff_phase(device: torch.device) -> dict:
 def run_gates(plan: Plan, device: torch.device, prompts: int = 16) -> dict:
     """The gate stage's comparison on `device` (`gate_models.evaluate_on`) of two random-weight
     policies of the plan's shape on a demo-task tokenizer, scored by a reward model built from the
-    reference; -> its seconds, peak GPU memory and figures, and the checks that did not hold."""
+    reference, each policy answering from a stand-in engine in a process of its own in serving's
+    dtype (bf16 on a GPU: the GPU configs' `serving.dtype`), one at a time, as vLLM's would;
+    -> its seconds, peak GPU memory and figures, and the checks that did not hold."""
     from rlhf_core.config import PipelineConfig  # noqa: PLC0415
     from rlhf_core.data.synthetic import answer_for, prompt_for  # noqa: PLC0415
     from rlhf_core.eval.gate_models import GateModels, evaluate_on  # noqa: PLC0415
@@ -234,9 +238,19 @@ def run_gates(plan: Plan, device: torch.device, prompts: int = 16) -> dict:
     from rlhf_core.models.reward import reward_model_from_base, reward_stats, save_reward_model, score  # noqa: PLC0415
     from rlhf_core.tokenizer import load_tokenizer  # noqa: PLC0415
 
+    from bench.stand_in_engine import StandInEngine  # noqa: PLC0415
+
     problems = [(a, (a * 37 + 11) % 100) for a in range(prompts)]
-    cfg = PipelineConfig.model_validate({"policy": {"max_new_tokens": 4},
+    serving_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg = PipelineConfig.model_validate({"policy": {"max_new_tokens": 4}, "serving": {"dtype": serving_dtype},
                                          "gates": {"eval_prompts": prompts, "bootstrap_samples": 200}})
+    engines: list[float] = []
+
+    def stand_in(model_dir: Path, max_num_seqs: int, max_model_len: int) -> StandInEngine:
+        engine = StandInEngine(model_dir, dtype=serving_dtype, device=device, seed=0, max_model_len=max_model_len)
+        engines.append(engine.last_metrics["rollout/engine_start_s"])
+        return engine
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-gates-") as tmp:
         reference = policy_dir(plan, Path(tmp) / "reference", seed=0)
         candidate = policy_dir(plan, Path(tmp) / "candidate", seed=1)
@@ -249,19 +263,23 @@ def run_gates(plan: Plan, device: torch.device, prompts: int = 16) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         result = evaluate_on(device, GateModels(candidate, reference, Path(tmp) / "reward"), texts,
-                             [answer_for(a + b, 2) for a, b in problems], cfg)
+                             [answer_for(a + b, 2) for a, b in problems], cfg, open_engine=stand_in)
         seconds = time.perf_counter() - start
     metrics = result.metrics()
     failed = [f"{name} is not finite ({value})" for name, value in metrics.items() if not math.isfinite(value)]
     if result.reference.figures.win_rate_vs_reference != 0.5:
         failed.append(f"the reference's win rate against itself is {result.reference.figures.win_rate_vs_reference}")
+    if len(engines) != 2:
+        failed.append(f"{len(engines)} engines opened for two policies whose first look holds every prompt")
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     memory = "" if peak is None else f", peak GPU memory {peak:.2f} GiB"
     dtype = frozen_dtype(device) or torch.float32  # the gates' models as `evaluate_on` froze them
-    print(f"gates on {prompts} prompts in {seconds:.1f} s on {device.type} ({dtype}){memory}: candidate "
+    print(f"gates on {prompts} prompts in {seconds:.1f} s on {device.type} (models {dtype}, answers from "
+          f"{len(engines)} stand-in engines in {serving_dtype}, started in {sum(engines):.1f} s){memory}: candidate "
           f"KL {result.candidate.figures.kl_to_reference:.4f}, win rate {result.candidate.figures.win_rate_vs_reference:.3f}",
           flush=True)
-    return {"prompts": prompts, "seconds": seconds, "dtype": str(dtype), "peak_gpu_memory_gib": peak,
+    return {"prompts": prompts, "seconds": seconds, "dtype": str(dtype), "serving_dtype": serving_dtype,
+            "engine_start_s": engines, "peak_gpu_memory_gib": peak,
             "metrics": metrics, "failed_checks": failed}
 
 
@@ -286,7 +304,7 @@ def say_what_runs(dry_run: bool, why: str, plan: Plan, device: torch.device) -> 
           f"GRPO on a {GPU_PLAN.describe()}; with plain torch (bf16 autocast, fused AdamW), then under DeepSpeed; "
           "then the reward, GRPO, PPO and DPO stages' worker loops on that shape in bf16; then the memory hand-off "
           "between trainer and engine at the one-GPU plan's part sizes; then the gates on 16 prompts, every model on "
-          "the GPU in bf16.")
+          "the GPU in bf16, the answers from a stand-in engine in bf16.")
     print(f"This dry run: the device tests with their CUDA cases skipped, then GRPO on a {plan.describe()}, then "
           "the worker loops on that shape, the hand-off's turns at 1/1024 and the gates, on the CPU in fp32.",
           flush=True)

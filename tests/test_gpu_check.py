@@ -62,6 +62,7 @@ def test_the_dry_run_passes_on_the_cpu_without_the_engines_and_names_the_gpu_sha
     assert handoff["sleeps"] and set(handoff["in_use_gib"].values()) == {None}
     gates = result["gates"]
     assert gates["failed_checks"] == [] and gates["dtype"] == "torch.float32" and gates["peak_gpu_memory_gib"] is None
+    assert gates["serving_dtype"] == "float32" and len(gates["engine_start_s"]) == 2  # one engine a policy
     assert gates["metrics"]["eval/num_prompts"] == 16 and gates["metrics"]["eval/reference/win_rate_vs_reference"] == 0.5
 
 
