@@ -274,6 +274,22 @@ def gpu_check(results: Path) -> list[str]:
             *estimates]
 
 
+def gate_answers(results: Path) -> list[str]:
+    if (r := load("gate_answers", results)) is None:
+        return not_run("gate_answers", "gate_answers.py")
+    rows = [{"policy": name, "answers": kind.replace("_", " "), **row} for name, by in r["policies"].items()
+            for kind, row in by.items()]
+    g = r["gates"]
+    return [measured_on(r, "gate_answers"), "",
+            f"The first look's {r['asked']} prompts ({r['eval_prompts']} of them eval prompts, the rest the "
+            "regression suites'):", "",
+            md_table(rows, [("policy", "policy", ""), ("answers", "answered by", ""), ("seconds", "seconds", ".1f"),
+                            ("accuracy", "eval accuracy", ".3f"), ("differ_from_hf", "differ from HF", "")]), "",
+            f"The gate stage's comparison (`evaluate_on`) with the run's config: {g['seconds']:.1f} s, "
+            f"{g['status']} on {g['num_prompts']} prompts (the run itself: {g['recorded_status']}); peak RSS "
+            f"{r['peak_rss_gib']:.2f} GiB."]
+
+
 SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "targets": targets, "rollout_generation": rollout_generation, "compute_bound": compute_bound,
     "weight_sync": weight_sync, "sync_check_cost": sync_check_cost, "rl_step_vs_trl": rl_step_vs_trl, "pipelined": pipelined,
@@ -282,6 +298,7 @@ SECTIONS: dict[str, Callable[[Path], list[str]]] = {
     "conversational_demo": conversational_demo, "pretrained_scale": pretrained_scale, "gateway": gateway,
     "resume": resume, "dpo_vs_grpo": dpo_vs_grpo, "policy_memory": policy_memory,
     "response_logits": response_logits, "gpu_check": gpu_check, "offline_memory": offline_memory,
+    "gate_answers": gate_answers,
 }
 
 
