@@ -30,7 +30,7 @@ import msgpack
 import torch
 
 from rlhf_core.models.lora import is_lora_model, merged_weights
-from rlhf_core.models.placement import is_partitioned, module_entries
+from rlhf_core.models.placement import gathered, module_entries
 from rlhf_core.models.engine_share import MARGIN, kv_bytes_per_token
 from rlhf_core.rollout.factory import engine_settings, engine_sleeps, release_cached_memory
 from rlhf_core.rollout.ipc_wire import handles_from_wire, handles_to_wire
@@ -182,14 +182,7 @@ def _wire_copies(weights, dtype: torch.dtype, device: torch.device) -> Iterator[
         items = merged_weights(weights, tied_once=True)
     else:
         items = module_entries(weights)
-    for name, tensor in items:
-        if is_partitioned(tensor):
-            import deepspeed  # noqa: PLC0415
-
-            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                yield name, copy(tensor)
-        else:
-            yield name, copy(tensor)
+    return gathered(items, copy)
 
 
 # ----------------------------------------------------------------------------- the engine's process

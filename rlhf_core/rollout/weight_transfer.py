@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
-from rlhf_core.models.placement import is_partitioned, module_entries
+from rlhf_core.models.placement import gathered, is_partitioned, module_entries
 from rlhf_core.models.lora import is_lora_model, merged_entries, merged_weights
 from rlhf_core.rollout.ipc_wire import IpcWireExtension
 from rlhf_core.rollout.weight_sync import (
@@ -226,14 +226,7 @@ class ModuleSource(WeightSource):
                 for name, t in self.entries]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        import deepspeed  # noqa: PLC0415 - only a ZeRO-3 module has partitioned parameters
-
-        for name, tensor in self.entries:
-            if is_partitioned(tensor):
-                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                    yield name, self._copy(tensor)  # sent before the generator resumes and releases it
-            else:
-                yield name, self._copy(tensor)
+        return gathered(self.entries, self._copy)  # each sent before its gather ends
 
     def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
         # a copy: a gathered parameter's memory goes back to DeepSpeed when the gather ends
