@@ -23,6 +23,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "gpu-1xh100-0.5b.yaml"
+# Qwen2.5-0.5B's shape (its config.json), which the one-GPU plan is sized for; the preflight tests use it too
 QWEN_05B = dict(model_type="qwen2", num_parameters=494_000_000, num_layers=24, hidden_size=896, head_dim=64,
                 num_heads=14, num_kv_heads=2, vocab_size=151_936, context_length=32_768, intermediate_size=4864,
                 tie_word_embeddings=True, has_chat_template=True, pad_is_eos=False)

@@ -143,11 +143,11 @@ def test_the_preflight_counts_the_engines_kv_cache(tmp_path, make_pretrained):
 
 
 def qwen_05b_info() -> "PretrainedInfo":
+    """Qwen2.5-0.5B's shape, as the GPU check's memory hand-off sizes the one-GPU plan from it."""
+    from bench.gpu_handoff import QWEN_05B
     from rlhf_core.models.pretrained import PretrainedInfo
 
-    return PretrainedInfo(path="qwen", model_type="qwen2", num_parameters=494_000_000, num_layers=24, hidden_size=896,
-                          head_dim=64, num_heads=14, num_kv_heads=2, vocab_size=151_936, context_length=32_768,
-                          intermediate_size=4864, tie_word_embeddings=True, has_chat_template=True, pad_is_eos=False)
+    return PretrainedInfo(path="qwen", **QWEN_05B)
 
 
 def test_the_one_gpu_config_fits_an_h100_and_a_smaller_gpu_is_refused_with_what_to_change():
