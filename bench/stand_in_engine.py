@@ -30,10 +30,11 @@ import msgpack
 import torch
 
 from rlhf_core.models.lora import is_lora_model, merged_weights
-from rlhf_core.models.placement import gathered, module_entries
+from rlhf_core.models.placement import module_entries
 from rlhf_core.models.engine_share import MARGIN, kv_bytes_per_token
 from rlhf_core.rollout.factory import engine_settings, engine_sleeps, release_cached_memory
 from rlhf_core.rollout.ipc_wire import handles_from_wire, handles_to_wire
+from rlhf_core.rollout.weight_sync import gathered
 
 GPU_KEY = "trainer-gpu"  # the handles' key, where vLLM keys them by the GPU's UUID
 CHUNK_BYTES = 256 << 20  # weights copied, handed over and released per message

@@ -6,8 +6,6 @@ Also which tensors a module holds, in the order every rank walks them, and which
 ZeRO-3 shards: what a trainer and the rollout engine's weight stream both need."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-
 import torch
 
 
@@ -36,17 +34,3 @@ def module_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def is_partitioned(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id")  # a ZeRO-3 parameter: its data is a shard until gathered
 
-
-def gathered(entries: Iterable[tuple[str, torch.Tensor]],
-             convert: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, `convert`(tensor)) of each of `entries`, a ZeRO-3 parameter gathered (a collective:
-    every rank walks the same entries) only while it is converted and its result taken; `convert`
-    must copy, since a gathered parameter's memory goes back to DeepSpeed when its gather ends."""
-    for name, tensor in entries:
-        if is_partitioned(tensor):
-            import deepspeed  # noqa: PLC0415 - only a ZeRO-3 module has partitioned parameters
-
-            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                yield name, convert(tensor)  # taken before the generator resumes and releases it
-        else:
-            yield name, convert(tensor)

@@ -37,11 +37,13 @@ import shutil
 import tempfile
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rlhf_core.models.placement import is_partitioned
 
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -173,3 +175,18 @@ class SafetensorsFileTransport(WeightTransport):
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def gathered(entries: Iterable[tuple[str, torch.Tensor]],
+             convert: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, `convert`(tensor)) of each of `entries`, a ZeRO-3 parameter gathered (a collective:
+    every rank walks the same entries) only while it is converted and its result taken; `convert`
+    must copy, since a gathered parameter's memory goes back to DeepSpeed when its gather ends."""
+    for name, tensor in entries:
+        if is_partitioned(tensor):
+            import deepspeed  # noqa: PLC0415 - only a ZeRO-3 module has partitioned parameters
+
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                yield name, convert(tensor)  # taken before the generator resumes and releases it
+        else:
+            yield name, convert(tensor)

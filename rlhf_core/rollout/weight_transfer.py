@@ -49,13 +49,14 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
-from rlhf_core.models.placement import gathered, is_partitioned, module_entries
+from rlhf_core.models.placement import is_partitioned, module_entries
 from rlhf_core.models.lora import is_lora_model, merged_entries, merged_weights
 from rlhf_core.rollout.ipc_wire import IpcWireExtension
 from rlhf_core.rollout.weight_sync import (
     WeightSyncExtension,
     WeightSyncTimeout,
     WeightTransport,
+    gathered,
     on_daemon_thread,
     repack_tied_head,
     within_timeout,
