@@ -33,4 +33,3 @@ def module_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def is_partitioned(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id")  # a ZeRO-3 parameter: its data is a shard until gathered
-
